@@ -1,0 +1,70 @@
+"""Closed sets of options, accepted as strings or enums at the public edge.
+
+Strings are matched case-insensitively with ``-`` and ``_`` interchangeable, and any ``Enum``
+member whose name matches is accepted too, so the reference implementation's enums
+(``kfac.enums.ComputeMethod.EIGEN`` and friends) work unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeVar
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+class ComputeMethod(enum.StrEnum):
+    """How second-order information is held: eigendecompositions or damped inverses."""
+
+    EIGEN = "eigen"
+    INVERSE = "inverse"
+
+
+class AssignmentStrategy(enum.StrEnum):
+    """Cost model for load-balancing decomposition work: n³ (compute) or n² (memory)."""
+
+    COMPUTE = "compute"
+    MEMORY = "memory"
+
+
+class DistributedStrategy(enum.StrEnum):
+    """KAISA's named gradient worker fractions."""
+
+    COMM_OPT = "comm-opt"
+    MEM_OPT = "mem-opt"
+    HYBRID_OPT = "hybrid-opt"
+
+
+class KFACApprox(enum.StrEnum):
+    """How Conv2d factors treat spatial positions (Eschenhagen et al., NeurIPS 2023).
+
+    ``expand`` takes every (sample, position) pair as a row (the classic KFC factors);
+    ``reduce`` averages each sample's patches and output gradients over positions first,
+    which makes a conv factor about as cheap as a linear layer's.
+    """
+
+    EXPAND = "expand"
+    REDUCE = "reduce"
+
+
+def _normalise(text: str) -> str:
+    return text.strip().lower().replace("_", "-")
+
+
+def parse_enum(enum_cls: type[_E], value: object, argument: str) -> _E:
+    """Convert ``value`` (string, this enum, or a same-named foreign enum) to ``enum_cls``.
+
+    Raises:
+        ValueError: naming ``argument`` and listing the accepted values.
+    """
+    if isinstance(value, enum_cls):
+        return value
+    if isinstance(value, enum.Enum):
+        value = value.name
+    if isinstance(value, str):
+        wanted = _normalise(value)
+        for member in enum_cls:
+            if wanted in (_normalise(member.name), _normalise(str(member.value))):
+                return member
+    choices = ", ".join(repr(str(m.value)) for m in enum_cls)
+    raise ValueError(f"{argument}={value!r} is not valid; choose one of {choices}.")

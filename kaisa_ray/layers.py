@@ -1,0 +1,304 @@
+"""Per-module factor math: how a layer's inputs and output gradients become K-FAC factors.
+
+Shapes, named once for the whole file (``k`` is the number of groups, 1 unless a Conv2d has
+``groups > 1``; each group gets its own factor pair, stacked along the leading dimension):
+
+- ``a_factor``: ``(k, a_dim, a_dim)`` with ``a_dim = in_per_group [* kh * kw] (+ 1 for bias)``;
+- ``g_factor``: ``(k, g_dim, g_dim)`` with ``g_dim = out_per_group``;
+- ``grad_out_by_in``: ``(k, g_dim, a_dim)``: the weight gradient flattened row-major with the
+  bias gradient as the last column, which is the layout ``(G ⊗ A + γI)⁻¹ vec(∇W)`` refers to.
+
+Scaling follows the reference implementation (kfac-pytorch) so that a damping value means the
+same thing to users who switch: A and G are means over rows; for Conv2d the rows are
+(sample, output position) pairs and both the patches (with their bias column of ones) and the
+output gradients are divided by the number of output positions.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kaisa_ray.enums import KFACApprox
+
+
+def _covariance(rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """``rowsᵀ rows / scale`` for ``rows`` of shape ``(k, n, d)``, exactly symmetric."""
+    cov = torch.matmul(rows.transpose(-1, -2), rows) / scale
+    return (cov + cov.transpose(-1, -2)) / 2
+
+
+def _covariance_with_bias(rows: torch.Tensor, bias_value: float, count: int) -> torch.Tensor:
+    """Covariance of ``[rows, bias_value]`` over ``count`` rows, without concatenating.
+
+    ``rows`` is ``(k, d, n)`` (features first, the layout ``unfold`` produces cheaply). The
+    ones column of the bias is folded in with a row sum instead of a copy of ``rows``.
+    """
+    k, d, _ = rows.shape
+    out = rows.new_empty((k, d + 1, d + 1))
+    gram = torch.matmul(rows, rows.transpose(-1, -2))
+    out[:, :d, :d] = (gram + gram.transpose(-1, -2)) / 2
+    sums = rows.sum(dim=-1) * bias_value
+    out[:, :d, d] = sums
+    out[:, d, :d] = sums
+    out[:, d, d] = bias_value * bias_value * count
+    return out / count
+
+
+class LayerHelper(ABC):
+    """What the preconditioner needs to know about one module type."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @property
+    def has_bias(self) -> bool:
+        return getattr(self.module, "bias", None) is not None
+
+    @property
+    def groups(self) -> int:
+        return 1
+
+    @property
+    @abstractmethod
+    def a_dim(self) -> int:
+        """Width of one group's A factor (including the bias column)."""
+
+    @property
+    @abstractmethod
+    def g_dim(self) -> int:
+        """Width of one group's G factor."""
+
+    @abstractmethod
+    def a_factor(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Batch A factor ``(k, a_dim, a_dim)`` from the module's input."""
+
+    @abstractmethod
+    def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
+        """Batch G factor ``(k, g_dim, g_dim)`` from the gradient w.r.t. the module's output."""
+
+    def weight(self) -> torch.Tensor:
+        weight = self.module.weight
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"{self.describe()} has no weight tensor.")
+        return weight
+
+    def bias(self) -> torch.Tensor | None:
+        bias = getattr(self.module, "bias", None)
+        return bias if isinstance(bias, torch.Tensor) else None
+
+    def has_grad(self) -> bool:
+        bias = self.bias()
+        return self.weight().grad is not None and (bias is None or bias.grad is not None)
+
+    def grad(self) -> torch.Tensor:
+        """The gradient as ``grad_out_by_in`` ``(k, g_dim, a_dim)``."""
+        weight_grad = self.weight().grad
+        if weight_grad is None:
+            raise RuntimeError(f"{self.describe()} has no gradient; call backward() first.")
+        k = self.groups
+        grad = weight_grad.reshape(k, self.g_dim, -1)
+        bias = self.bias()
+        if bias is not None:
+            if bias.grad is None:
+                raise RuntimeError(f"{self.describe()} has no bias gradient.")
+            grad = torch.cat([grad, bias.grad.reshape(k, self.g_dim, 1)], dim=-1)
+        return grad
+
+    def set_grad(self, grad_out_by_in: torch.Tensor) -> None:
+        """Write ``(k, g_dim, a_dim)`` back into ``weight.grad`` (and ``bias.grad``)."""
+        weight, bias = self.weight(), self.bias()
+        if weight.grad is None or (bias is not None and bias.grad is None):
+            raise RuntimeError(f"{self.describe()} has no gradient to replace.")
+        if bias is not None and bias.grad is not None:
+            bias.grad.copy_(grad_out_by_in[..., -1].reshape(bias.grad.shape))
+            grad_out_by_in = grad_out_by_in[..., :-1]
+        weight.grad.copy_(grad_out_by_in.reshape(weight.grad.shape))
+
+    def describe(self) -> str:
+        return type(self.module).__name__
+
+
+class LinearHelper(LayerHelper):
+    """``nn.Linear``: rows are every leading index of the input (batch, sequence, ...)."""
+
+    module: nn.Linear
+
+    @property
+    def a_dim(self) -> int:
+        return self.module.in_features + int(self.has_bias)
+
+    @property
+    def g_dim(self) -> int:
+        return self.module.out_features
+
+    def a_factor(self, inputs: torch.Tensor) -> torch.Tensor:
+        rows = inputs.reshape(-1, inputs.shape[-1])
+        if self.has_bias:
+            return _covariance_with_bias(rows.t().unsqueeze(0), 1.0, rows.shape[0])
+        return _covariance(rows.unsqueeze(0), rows.shape[0])
+
+    def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
+        rows = grad_output.reshape(-1, grad_output.shape[-1])
+        return _covariance(rows.unsqueeze(0), rows.shape[0])
+
+
+class Conv2dHelper(LayerHelper):
+    """``nn.Conv2d`` with any stride, padding (int, tuple, 'same', 'valid'), dilation,
+    ``padding_mode`` and ``groups`` (one factor pair per group)."""
+
+    module: nn.Conv2d
+
+    def __init__(self, module: nn.Conv2d, approx: KFACApprox = KFACApprox.EXPAND) -> None:
+        super().__init__(module)
+        self.approx = approx
+        kh, kw = module.kernel_size
+        dh, dw = module.dilation
+        if isinstance(module.padding, str):
+            if module.padding == "valid":
+                pads = (0, 0, 0, 0)
+            else:  # 'same': PyTorch puts the odd extra pixel on the right/bottom
+                th, tw = dh * (kh - 1), dw * (kw - 1)
+                pads = (tw // 2, tw - tw // 2, th // 2, th - th // 2)
+        else:
+            ph, pw = module.padding
+            pads = (pw, pw, ph, ph)
+        # F.pad order: (left, right, top, bottom)
+        self._pads = pads
+        mode = module.padding_mode
+        self._pad_mode = "constant" if mode == "zeros" else mode
+
+    @property
+    def groups(self) -> int:
+        return self.module.groups
+
+    @property
+    def kernel_numel(self) -> int:
+        kh, kw = self.module.kernel_size
+        return kh * kw
+
+    @property
+    def a_dim(self) -> int:
+        in_per_group = self.module.in_channels // self.module.groups
+        return in_per_group * self.kernel_numel + int(self.has_bias)
+
+    @property
+    def g_dim(self) -> int:
+        return self.module.out_channels // self.module.groups
+
+    def padded(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The input exactly as the convolution sees it, with padding applied explicitly."""
+        if any(self._pads):
+            return F.pad(inputs, self._pads, mode=self._pad_mode)
+        return inputs
+
+    def patches(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Patches ``(batch, in_channels * kh * kw, positions)`` in the weight's layout."""
+        return F.unfold(
+            self.padded(inputs),
+            kernel_size=self.module.kernel_size,
+            dilation=self.module.dilation,
+            stride=self.module.stride,
+        )
+
+    def output_size(self, height: int, width: int) -> tuple[int, int]:
+        left, right, top, bottom = self._pads
+        (kh, kw), (dh, dw), (sh, sw) = (
+            self.module.kernel_size,
+            self.module.dilation,
+            self.module.stride,
+        )
+        oh = (height + top + bottom - dh * (kh - 1) - 1) // sh + 1
+        ow = (width + left + right - dw * (kw - 1) - 1) // sw + 1
+        return oh, ow
+
+    def mean_patch(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Each sample's patch averaged over output positions, ``(batch, in * kh * kw)``.
+
+        Computed with one strided slice per kernel offset instead of a full ``unfold``, so it
+        costs a few passes over the input rather than a tensor ``kh·kw`` times its size.
+        """
+        x = self.padded(inputs)
+        oh, ow = self.output_size(inputs.shape[-2], inputs.shape[-1])
+        (kh, kw), (dh, dw), (sh, sw) = (
+            self.module.kernel_size,
+            self.module.dilation,
+            self.module.stride,
+        )
+        columns = []
+        for i in range(kh):
+            rows = x[:, :, i * dh : i * dh + sh * (oh - 1) + 1 : sh, :]
+            for j in range(kw):
+                window = rows[:, :, :, j * dw : j * dw + sw * (ow - 1) + 1 : sw]
+                columns.append(window.mean(dim=(-2, -1)))
+        return torch.stack(columns, dim=-1).reshape(inputs.shape[0], -1)
+
+    def a_factor(self, inputs: torch.Tensor) -> torch.Tensor:
+        k, batch = self.groups, inputs.shape[0]
+        if self.approx is KFACApprox.REDUCE:
+            oh, ow = self.output_size(inputs.shape[-2], inputs.shape[-1])
+            positions = oh * ow
+            # (batch, k, d) -> (k, d, batch), divided by positions like the expand rows
+            rows = self.mean_patch(inputs).reshape(batch, k, -1).permute(1, 2, 0) / positions
+            count = batch
+        else:
+            patches = self.patches(inputs)
+            positions = patches.shape[-1]
+            # (batch, k, d, positions) -> (k, d, batch * positions)
+            rows = patches.reshape(batch, k, -1, positions).permute(1, 2, 0, 3)
+            rows = rows.reshape(k, rows.shape[1], batch * positions) / positions
+            count = batch * positions
+        if self.has_bias:
+            return _covariance_with_bias(rows, 1.0 / positions, count)
+        gram = torch.matmul(rows, rows.transpose(-1, -2)) / count
+        return (gram + gram.transpose(-1, -2)) / 2
+
+    def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
+        batch, channels, oh, ow = grad_output.shape
+        k, positions = self.groups, oh * ow
+        if self.approx is KFACApprox.REDUCE:
+            rows = grad_output.mean(dim=(-2, -1)).reshape(batch, k, -1).transpose(0, 1)
+            return _covariance(rows / positions, batch)
+        # (batch, k, g, positions) -> (k, batch * positions, g)
+        rows = grad_output.reshape(batch, k, channels // k, positions).permute(1, 0, 3, 2)
+        rows = rows.reshape(k, batch * positions, channels // k) / positions
+        return _covariance(rows, batch * positions)
+
+    def describe(self) -> str:
+        m = self.module
+        extra = f", groups={m.groups}" if m.groups > 1 else ""
+        return f"Conv2d({m.in_channels}->{m.out_channels}, {m.kernel_size}{extra})"
+
+
+def make_helper(module: nn.Module, approx: KFACApprox) -> LayerHelper | None:
+    """The helper for a supported module, or ``None`` if K-FAC leaves it to the optimizer."""
+    if isinstance(module, nn.Conv2d):
+        return Conv2dHelper(module, approx)
+    if isinstance(module, nn.Linear):
+        return LinearHelper(module)
+    return None
+
+
+def factor_numel(helper: LayerHelper) -> tuple[int, int]:
+    """Elements of the A and G factors of one layer (all groups)."""
+    k = helper.groups
+    return k * helper.a_dim**2, k * helper.g_dim**2
+
+
+def describe_shapes(helper: LayerHelper) -> str:
+    k = helper.groups
+    prefix = f"{k}x" if k > 1 else ""
+    return f"A {prefix}{helper.a_dim}, G {prefix}{helper.g_dim}"
+
+
+__all__ = [
+    "Conv2dHelper",
+    "LayerHelper",
+    "LinearHelper",
+    "describe_shapes",
+    "factor_numel",
+    "make_helper",
+]

@@ -1,0 +1,66 @@
+"""Small image classifiers for the Fashion-MNIST example: a LeNet-style CNN and an MLP."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["MLP", "LeNetCNN"]
+
+
+class LeNetCNN(nn.Module):
+    """A LeNet-style CNN for 1×28×28 inputs.
+
+    conv 1→8 (5×5, padding 2) → ReLU → max-pool 2 → conv 8→16 (5×5, padding 2) → ReLU →
+    max-pool 2 → flatten → linear 784→128 → ReLU → linear 128→10.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, kernel_size=5, padding=2)
+        self.conv2 = nn.Conv2d(8, 16, kernel_size=5, padding=2)
+        self.pool = nn.MaxPool2d(2)
+        self.relu = nn.ReLU()
+        self.flatten = nn.Flatten()
+        self.fc1 = nn.Linear(16 * 7 * 7, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Maps images ``(N, 1, 28, 28)`` to logits ``(N, 10)``."""
+        x = self.pool(self.relu(self.conv1(x)))
+        x = self.pool(self.relu(self.conv2(x)))
+        x = self.relu(self.fc1(self.flatten(x)))
+        out: torch.Tensor = self.fc2(x)
+        return out
+
+
+class MLP(nn.Module):
+    """A fully connected classifier that flattens its input first.
+
+    Args:
+        in_features: Number of input features after flattening (784 for 28×28 images).
+        hidden: Widths of the hidden layers, each followed by a ReLU.
+        num_classes: Number of output logits.
+    """
+
+    def __init__(
+        self,
+        in_features: int = 784,
+        hidden: Sequence[int] = (128,),
+        num_classes: int = 10,
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = in_features
+        for size in hidden:
+            layers += [nn.Linear(width, size), nn.ReLU()]
+            width = size
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Maps inputs ``(N, ...)`` with ``in_features`` elements each to logits."""
+        out: torch.Tensor = self.net(x)
+        return out

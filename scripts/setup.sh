@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine of the project's kind (Debian, Python 3.11, CPU only):
+# the Fashion-MNIST Debian package, a virtual environment in .venv, torch pinned to the local
+# CPU build through constraints.txt, and the project with its dev extras. Never downloads CUDA.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${KAISA_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+if ! dpkg -s dataset-fashion-mnist >/dev/null 2>&1; then
+    echo "setup: installing Debian's dataset-fashion-mnist"
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null
+fi
+
+stamp="$VENV/.kaisa-setup-stamp"
+want="$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+# torch first, from the local CPU build, so nothing later can pull a CUDA build.
+"$VENV/bin/python" -m pip install -q -c constraints.txt torch==2.13.0
+"$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev]"
+if "$VENV/bin/python" -m pip list 2>/dev/null | grep -qi nvidia; then
+    echo "setup: CUDA packages were installed; check constraints.txt" >&2
+    exit 1
+fi
+echo "$want" > "$stamp"
+echo "setup: environment ready in $VENV"

@@ -1,0 +1,84 @@
+"""Tests for the kaisa-ray command line (kaisa_ray.cli)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kaisa_ray.cli import main
+from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def test_help(runner: CliRunner) -> None:
+    result = runner.invoke(main, ["--help"])
+    assert result.exit_code == 0, result.output
+    assert "example" in result.output
+
+
+def test_example_help_lists_options(runner: CliRunner) -> None:
+    result = runner.invoke(main, ["example", "--help"])
+    assert result.exit_code == 0, result.output
+    for option in (
+        "--steps",
+        "--no-kfac",
+        "--factor-update-steps",
+        "--inv-update-steps",
+        "--damping",
+        "--kl-clip",
+        "--lr",
+        "--data-dir",
+        "--seed",
+        "--threads",
+    ):
+        assert option in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "0"], "Invalid value for '--steps'"),
+        (["--steps", "many"], "'many' is not a valid integer"),
+        (["--damping", "0"], "Invalid value for '--damping'"),
+        (["--lr", "-1"], "Invalid value for '--lr'"),
+        (["--threads", "0"], "Invalid value for '--threads'"),
+        (["--eval-every", "0"], "Invalid value for '--eval-every'"),
+        (["--no-such-option"], "No such option"),
+    ],
+)
+def test_bad_values_are_rejected(runner: CliRunner, args: list[str], message: str) -> None:
+    result = runner.invoke(main, ["example", *args])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_missing_data_dir_is_a_usage_error(runner: CliRunner, tmp_path: Path) -> None:
+    result = runner.invoke(main, ["example", "--data-dir", str(tmp_path / "none")])
+    assert result.exit_code == 2
+    assert "does not exist" in result.output
+
+
+def test_empty_data_dir_names_the_fix(runner: CliRunner, tmp_path: Path) -> None:
+    result = runner.invoke(main, ["example", "--no-kfac", "--data-dir", str(tmp_path)])
+    assert result.exit_code == 1
+    assert str(tmp_path) in result.output
+    assert "apt-get install dataset-fashion-mnist" in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="apt-get install dataset-fashion-mnist"
+)
+def test_example_without_kfac_on_real_data(runner: CliRunner) -> None:
+    result = runner.invoke(
+        main, ["example", "--no-kfac", "--steps", "3", "--eval-every", "3", "--threads", "2"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "final test accuracy" in result.output
+    assert "after 3 steps" in result.output
