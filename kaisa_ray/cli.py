@@ -7,6 +7,9 @@ from pathlib import Path
 
 import click
 
+from kaisa_ray.train.datasets import DatasetNotFoundError, IDXFormatError
+from kaisa_ray.train.example import run_example
+
 __all__ = ["main"]
 
 
@@ -127,10 +130,6 @@ def example(
     progress: bool,
 ) -> None:
     """Train LeNetCNN on Fashion-MNIST with SGD, K-FAC preconditioned unless --no-kfac."""
-    # Imported here so that `kaisa-ray --help` does not pay for importing torch.
-    from kaisa_ray.train.datasets import DatasetNotFoundError, IDXFormatError
-    from kaisa_ray.train.example import run_example
-
     try:
         history = run_example(
             steps=steps,

@@ -119,8 +119,9 @@ class EigenDecomposition(Decomposition):
     """Eigendecompositions of A and G; optionally the damped eigenvalue outer product.
 
     With ``outer_product=True`` (the reference's ``compute_eigenvalue_outer_product``), the
-    ``1 / (λ_G λ_Aᵀ + γ)`` table is built on inverse-update steps with that step's damping
-    and the eigenvalues themselves are dropped, so each step costs one multiply.
+    ``1 / (λ_G λ_Aᵀ + γ)`` table is built on inverse-update steps with that step's damping,
+    so each step costs one multiply. The eigenvalue vectors are kept either way (they are
+    tiny), so a failed decomposition of one factor can keep its previous value.
     """
 
     def __init__(self, *, name: str, inv_dtype: torch.dtype, outer_product: bool) -> None:
@@ -162,14 +163,13 @@ class EigenDecomposition(Decomposition):
         if self.da is None or self.dg is None:
             raise RuntimeError(f"layer {self.name!r}: finish() before both factors decomposed")
         self.dgda = 1.0 / (self.dg.unsqueeze(-1) * self.da.unsqueeze(-2) + damping)
-        self.da = self.dg = None
 
     def precondition(self, grad_out_by_in: torch.Tensor, damping: float) -> torch.Tensor:
         if self.qa is None or self.qg is None:
             raise RuntimeError(f"layer {self.name!r} has no decomposition yet")
         grad = grad_out_by_in.to(self.inv_dtype)
         rotated = self.qg.transpose(-1, -2) @ grad @ self.qa
-        if self.dgda is not None:
+        if self.outer_product and self.dgda is not None:
             rotated = rotated * self.dgda
         else:
             if self.da is None or self.dg is None:

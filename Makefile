@@ -1,0 +1,27 @@
+# The two commands (see README): `make run` and `make test`. Both set up what they need.
+VENV ?= .venv
+BIN := $(VENV)/bin
+PACKAGES := kaisa_ray tuner service
+
+.PHONY: setup run test lint typecheck pytest bench
+
+setup:
+	@bash scripts/setup.sh
+
+run: setup
+	$(BIN)/kaisa-ray example --steps 500
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy --strict $(PACKAGES)
+
+pytest: setup
+	$(BIN)/python -m pytest
+
+test: lint typecheck pytest
+
+bench: setup
+	$(BIN)/python benchmarks/optimizers_fashion_mnist.py
