@@ -25,27 +25,36 @@ from torch import nn
 from kaisa_ray.enums import KFACApprox
 
 
-def _covariance(rows: torch.Tensor, scale: float) -> torch.Tensor:
-    """``rowsᵀ rows / scale`` for ``rows`` of shape ``(k, n, d)``, exactly symmetric."""
-    cov = torch.matmul(rows.transpose(-1, -2), rows) / scale
-    return (cov + cov.transpose(-1, -2)) / 2
+def _covariance(rows: torch.Tensor, scale: float, count: int) -> torch.Tensor:
+    """Mean outer product of the scaled rows, ``(scale·rows)ᵀ(scale·rows) / count``.
+
+    ``rows`` is ``(k, n, d)``. The scale is applied to the small result, not to the rows.
+    """
+    cov = torch.matmul(rows.transpose(-1, -2), rows)
+    return (cov + cov.transpose(-1, -2)) * (scale * scale / (2 * count))
 
 
-def _covariance_with_bias(rows: torch.Tensor, bias_value: float, count: int) -> torch.Tensor:
-    """Covariance of ``[rows, bias_value]`` over ``count`` rows, without concatenating.
+def _covariance_features_first(
+    rows: torch.Tensor, scale: float, count: int, bias: bool
+) -> torch.Tensor:
+    """Mean outer product of ``scale·[rows, 1]`` over ``count`` rows; ``rows`` is ``(k, d, n)``.
 
-    ``rows`` is ``(k, d, n)`` (features first, the layout ``unfold`` produces cheaply). The
-    ones column of the bias is folded in with a row sum instead of a copy of ``rows``.
+    Features-first is the layout the patch view reshapes into without a transpose. The ones
+    column of the bias is folded in with a row sum instead of a copy of ``rows``.
     """
     k, d, _ = rows.shape
-    out = rows.new_empty((k, d + 1, d + 1))
+    factor = scale * scale / count
     gram = torch.matmul(rows, rows.transpose(-1, -2))
-    out[:, :d, :d] = (gram + gram.transpose(-1, -2)) / 2
-    sums = rows.sum(dim=-1) * bias_value
+    gram = (gram + gram.transpose(-1, -2)) * (factor / 2)
+    if not bias:
+        return gram
+    out = rows.new_empty((k, d + 1, d + 1))
+    out[:, :d, :d] = gram
+    sums = rows.sum(dim=-1) * factor
     out[:, :d, d] = sums
     out[:, d, :d] = sums
-    out[:, d, d] = bias_value * bias_value * count
-    return out / count
+    out[:, d, d] = factor * count
+    return out
 
 
 class LayerHelper(ABC):
@@ -137,13 +146,11 @@ class LinearHelper(LayerHelper):
 
     def a_factor(self, inputs: torch.Tensor) -> torch.Tensor:
         rows = inputs.reshape(-1, inputs.shape[-1])
-        if self.has_bias:
-            return _covariance_with_bias(rows.t().unsqueeze(0), 1.0, rows.shape[0])
-        return _covariance(rows.unsqueeze(0), rows.shape[0])
+        return _covariance_features_first(rows.t().unsqueeze(0), 1.0, rows.shape[0], self.has_bias)
 
     def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
         rows = grad_output.reshape(-1, grad_output.shape[-1])
-        return _covariance(rows.unsqueeze(0), rows.shape[0])
+        return _covariance(rows.unsqueeze(0), 1.0, rows.shape[0])
 
 
 class Conv2dHelper(LayerHelper):
@@ -195,15 +202,6 @@ class Conv2dHelper(LayerHelper):
             return F.pad(inputs, self._pads, mode=self._pad_mode)
         return inputs
 
-    def patches(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Patches ``(batch, in_channels * kh * kw, positions)`` in the weight's layout."""
-        return F.unfold(
-            self.padded(inputs),
-            kernel_size=self.module.kernel_size,
-            dilation=self.module.dilation,
-            stride=self.module.stride,
-        )
-
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         left, right, top, bottom = self._pads
         (kh, kw), (dh, dw), (sh, sw) = (
@@ -215,57 +213,50 @@ class Conv2dHelper(LayerHelper):
         ow = (width + left + right - dw * (kw - 1) - 1) // sw + 1
         return oh, ow
 
-    def mean_patch(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Each sample's patch averaged over output positions, ``(batch, in * kh * kw)``.
+    def patch_view(self, inputs: torch.Tensor) -> torch.Tensor:
+        """All patches as a strided view ``(in_channels, kh, kw, batch, out_h, out_w)``.
 
-        Computed with one strided slice per kernel offset instead of a full ``unfold``, so it
-        costs a few passes over the input rather than a tensor ``kh·kw`` times its size.
+        The leading three dimensions are in the weight's layout, so reshaping gives the
+        ``(in_channels * kh * kw, batch * positions)`` patch matrix with a single copy
+        (``F.unfold`` plus a permute costs several times more on CPU).
         """
-        x = self.padded(inputs)
         oh, ow = self.output_size(inputs.shape[-2], inputs.shape[-1])
+        x = self.padded(inputs).contiguous()
+        batch, channels = x.shape[0], x.shape[1]
         (kh, kw), (dh, dw), (sh, sw) = (
             self.module.kernel_size,
             self.module.dilation,
             self.module.stride,
         )
-        columns = []
-        for i in range(kh):
-            rows = x[:, :, i * dh : i * dh + sh * (oh - 1) + 1 : sh, :]
-            for j in range(kw):
-                window = rows[:, :, :, j * dw : j * dw + sw * (ow - 1) + 1 : sw]
-                columns.append(window.mean(dim=(-2, -1)))
-        return torch.stack(columns, dim=-1).reshape(inputs.shape[0], -1)
+        s_b, s_c, s_h, s_w = x.stride()
+        return x.as_strided(
+            (channels, kh, kw, batch, oh, ow),
+            (s_c, dh * s_h, dw * s_w, s_b, sh * s_h, sw * s_w),
+        )
 
     def a_factor(self, inputs: torch.Tensor) -> torch.Tensor:
         k, batch = self.groups, inputs.shape[0]
+        view = self.patch_view(inputs)  # (C, kh, kw, batch, oh, ow)
+        positions = view.shape[-1] * view.shape[-2]
         if self.approx is KFACApprox.REDUCE:
-            oh, ow = self.output_size(inputs.shape[-2], inputs.shape[-1])
-            positions = oh * ow
-            # (batch, k, d) -> (k, d, batch), divided by positions like the expand rows
-            rows = self.mean_patch(inputs).reshape(batch, k, -1).permute(1, 2, 0) / positions
+            # each sample's patch averaged over positions, reduced on the view without a copy
+            rows = view.mean(dim=(-2, -1)).reshape(k, -1, batch)
             count = batch
         else:
-            patches = self.patches(inputs)
-            positions = patches.shape[-1]
-            # (batch, k, d, positions) -> (k, d, batch * positions)
-            rows = patches.reshape(batch, k, -1, positions).permute(1, 2, 0, 3)
-            rows = rows.reshape(k, rows.shape[1], batch * positions) / positions
+            rows = view.reshape(k, -1, batch * positions)
             count = batch * positions
-        if self.has_bias:
-            return _covariance_with_bias(rows, 1.0 / positions, count)
-        gram = torch.matmul(rows, rows.transpose(-1, -2)) / count
-        return (gram + gram.transpose(-1, -2)) / 2
+        return _covariance_features_first(rows, 1.0 / positions, count, self.has_bias)
 
     def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
         batch, channels, oh, ow = grad_output.shape
         k, positions = self.groups, oh * ow
         if self.approx is KFACApprox.REDUCE:
             rows = grad_output.mean(dim=(-2, -1)).reshape(batch, k, -1).transpose(0, 1)
-            return _covariance(rows / positions, batch)
-        # (batch, k, g, positions) -> (k, batch * positions, g)
-        rows = grad_output.reshape(batch, k, channels // k, positions).permute(1, 0, 3, 2)
-        rows = rows.reshape(k, batch * positions, channels // k) / positions
-        return _covariance(rows, batch * positions)
+            return _covariance(rows, 1.0 / positions, batch)
+        # (batch, k, g, positions) -> (k, g, batch * positions): features first, one copy
+        rows = grad_output.reshape(batch, k, channels // k, positions).permute(1, 2, 0, 3)
+        rows = rows.reshape(k, channels // k, batch * positions)
+        return _covariance_features_first(rows, 1.0 / positions, batch * positions, bias=False)
 
     def describe(self) -> str:
         m = self.module
