@@ -107,6 +107,24 @@ class Decomposition(ABC):
     @abstractmethod
     def load(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None: ...
 
+    def set_part(self, part: str, value: torch.Tensor) -> None:
+        """Install one received tensor (``qa``, ``da``, ``a_inv``, ...) of this method."""
+        if part not in self.saved_parts():
+            raise KeyError(f"{type(self).__name__} has no part {part!r}")
+        setattr(self, part, value.to(self.inv_dtype))
+
+    @abstractmethod
+    def parts(self) -> tuple[str, ...]:
+        """Names of the tensors that travel in a decomposition broadcast."""
+
+    def saved_parts(self) -> tuple[str, ...]:
+        """Names of every tensor a complete checkpoint holds for this method."""
+        return self.parts()
+
+    def clear(self) -> None:
+        for part in self.saved_parts():
+            setattr(self, part, None)
+
     @property
     def ready(self) -> bool:
         return bool(self.tensors())
@@ -149,7 +167,12 @@ class EigenDecomposition(Decomposition):
                 return old[0], old[1]
             return self._identity(factor, self.inv_dtype)
         eigenvalues, eigenvectors = result
-        return eigenvalues.to(self.inv_dtype), eigenvectors.to(self.inv_dtype)
+        # Contiguous, so the computing rank and ranks that receive a copy use the same BLAS
+        # path (eigh returns column-major eigenvectors) and agree bit for bit.
+        return (
+            eigenvalues.to(self.inv_dtype).contiguous(),
+            eigenvectors.to(self.inv_dtype).contiguous(),
+        )
 
     def compute_a(self, a_factor: torch.Tensor, damping: float) -> None:
         self.da, self.qa = self._decompose(a_factor, (self.da, self.qa), "A")
@@ -177,6 +200,12 @@ class EigenDecomposition(Decomposition):
             rotated = rotated / (self.dg.unsqueeze(-1) * self.da.unsqueeze(-2) + damping)
         return (self.qg @ rotated @ self.qa.transpose(-1, -2)).to(grad_out_by_in.dtype)
 
+    def parts(self) -> tuple[str, ...]:
+        return ("qa", "da", "qg", "dg")
+
+    def saved_parts(self) -> tuple[str, ...]:
+        return (*self.parts(), "dgda") if self.outer_product else self.parts()
+
     def tensors(self) -> dict[str, torch.Tensor]:
         named = {"qa": self.qa, "da": self.da, "qg": self.qg, "dg": self.dg, "dgda": self.dgda}
         return {key: value for key, value in named.items() if value is not None}
@@ -184,7 +213,11 @@ class EigenDecomposition(Decomposition):
     def load(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
         for key in ("qa", "da", "qg", "dg", "dgda"):
             value = tensors.get(key)
-            setattr(self, key, None if value is None else value.to(device, self.inv_dtype))
+            setattr(
+                self,
+                key,
+                None if value is None else value.to(device, self.inv_dtype).contiguous(),
+            )
 
 
 class InverseDecomposition(Decomposition):
@@ -206,7 +239,7 @@ class InverseDecomposition(Decomposition):
             k, n, _ = factor.shape
             eye = torch.eye(n, dtype=self.inv_dtype, device=factor.device)
             return (eye / (1.0 + damping)).expand(k, n, n).clone()
-        return inverse.to(self.inv_dtype)
+        return inverse.to(self.inv_dtype).contiguous()
 
     def compute_a(self, a_factor: torch.Tensor, damping: float) -> None:
         self.a_inv = self._invert(a_factor, damping, self.a_inv, "A")
@@ -220,6 +253,9 @@ class InverseDecomposition(Decomposition):
         grad = grad_out_by_in.to(self.inv_dtype)
         return (self.g_inv @ grad @ self.a_inv).to(grad_out_by_in.dtype)
 
+    def parts(self) -> tuple[str, ...]:
+        return ("a_inv", "g_inv")
+
     def tensors(self) -> dict[str, torch.Tensor]:
         named = {"a_inv": self.a_inv, "g_inv": self.g_inv}
         return {key: value for key, value in named.items() if value is not None}
@@ -227,4 +263,8 @@ class InverseDecomposition(Decomposition):
     def load(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
         for key in ("a_inv", "g_inv"):
             value = tensors.get(key)
-            setattr(self, key, None if value is None else value.to(device, self.inv_dtype))
+            setattr(
+                self,
+                key,
+                None if value is None else value.to(device, self.inv_dtype).contiguous(),
+            )

@@ -156,6 +156,21 @@ class KFACLayer:
         grad = self.helper.grad()
         return grad, self.decomposition.precondition(grad, damping)
 
+    def part_shape(self, part: str) -> tuple[int, ...]:
+        """Shape of a named tensor of this layer (decomposition parts and ``grad``)."""
+        k, a, g = self.helper.groups, self.helper.a_dim, self.helper.g_dim
+        shapes = {
+            "qa": (k, a, a),
+            "a_inv": (k, a, a),
+            "da": (k, a),
+            "qg": (k, g, g),
+            "g_inv": (k, g, g),
+            "dg": (k, g),
+            "dgda": (k, g, a),
+            "grad": (k, g, a),
+        }
+        return shapes[part]
+
     # -- accounting and checkpoints --------------------------------------------------------
 
     def memory_usage(self) -> dict[str, int]:

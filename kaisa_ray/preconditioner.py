@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from kaisa_ray.comm import Communicator, unpack_into
 from kaisa_ray.enums import (
     AssignmentStrategy,
     ComputeMethod,
@@ -48,7 +48,9 @@ from kaisa_ray.hyperparams import (
     resolve_int,
 )
 from kaisa_ray.kfac_layer import KFACLayer
-from kaisa_ray.layers import describe_shapes, make_helper
+from kaisa_ray.layers import describe_shapes
+from kaisa_ray.plan import Options, Plan, build_plan
+from kaisa_ray.registration import discover
 from kaisa_ray.strategy import resolve_grad_worker_fraction
 
 logger = logging.getLogger(__name__)
@@ -75,33 +77,6 @@ class _Scaler(Protocol):
 
 
 GradScalerLike = _Scaler | Callable[[], float]
-
-
-def _skip_reason(name: str, module: nn.Module, patterns: Sequence[re.Pattern[str]]) -> str | None:
-    cls = type(module).__name__
-    if any(p.match(name) or p.match(cls) for p in patterns):
-        return "skip_layers"
-    if cls == "NonDynamicallyQuantizableLinear":
-        return "used by MultiheadAttention through its weight, not its forward"
-    weight = getattr(module, "weight", None)
-    if isinstance(weight, nn.parameter.UninitializedParameter):
-        raise ConfigurationError(
-            f"layer {name!r} is a lazy module that has not been initialised; run one forward "
-            "pass before creating the KFACPreconditioner."
-        )
-    if not isinstance(weight, torch.Tensor) or not weight.requires_grad:
-        return "frozen"
-    return None
-
-
-def _default_dtype(requested: torch.dtype | None, module: nn.Module) -> torch.dtype:
-    if requested is not None:
-        if not requested.is_floating_point:
-            raise ConfigurationError(f"dtype {requested} is not a floating-point dtype.")
-        return requested
-    weight = getattr(module, "weight", None)
-    dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
-    return torch.promote_types(dtype, torch.float32)
 
 
 class KFACPreconditioner:
@@ -220,18 +195,12 @@ class KFACPreconditioner:
             AssignmentStrategy, assignment_strategy, "assignment_strategy"
         )
         self.kfac_approx = parse_enum(KFACApprox, kfac_approx, "kfac_approx")
-        self.world_size = (
-            dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        )
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.rank = dist.get_rank() if distributed else 0
         self.grad_worker_fraction = resolve_grad_worker_fraction(
             grad_worker_fraction, self.world_size
         )
-        if self.world_size > 1:
-            raise ConfigurationError(
-                f"torch.distributed is initialised with world size {self.world_size}, but this "
-                "build of kaisa_ray preconditions in one process only; running it per rank "
-                "would let the ranks' factors drift apart. Use a single process for now."
-            )
 
         self._factor_update_steps = factor_update_steps
         self._inv_update_steps = inv_update_steps
@@ -250,48 +219,58 @@ class KFACPreconditioner:
         self._grad_scale_cache: tuple[int, float] | None = None
         self.last_grad_scale = 1.0
 
-        if isinstance(skip_layers, str):
-            skip_layers = [skip_layers]
-        self.skip_layers = list(skip_layers or [])
-        try:
-            patterns = [re.compile(p) for p in self.skip_layers]
-        except re.error as exc:
-            raise ConfigurationError(
-                f"skip_layers contains an invalid regular expression: {exc}."
-            ) from exc
-
-        self._layers: list[KFACLayer] = []
-        self._by_module: dict[nn.Module, KFACLayer] = {}
-        skipped: list[str] = []
-        for name, module in model.named_modules():
-            helper = make_helper(module, self.kfac_approx)
-            if helper is None:
-                if any(True for _ in module.parameters(recurse=False)):
-                    skipped.append(f"{name or '<root>'} ({type(module).__name__})")
-                continue
-            reason = _skip_reason(name, module, patterns)
-            if reason is not None:
-                skipped.append(f"{name} ({type(module).__name__}: {reason})")
-                continue
-            if module in self._by_module:  # the same module registered under two names
-                continue
-            layer = KFACLayer(
-                name,
-                helper,
-                compute_method=self.compute_method,
-                outer_product=compute_eigenvalue_outer_product,
-                factor_dtype=_default_dtype(factor_dtype, module),
-                inv_dtype=_default_dtype(inv_dtype or factor_dtype, module),
-            )
-            self._layers.append(layer)
-            self._by_module[module] = layer
-        if not self._layers:
+        self.skip_layers = (
+            [skip_layers] if isinstance(skip_layers, str) else list(skip_layers or [])
+        )
+        found, skipped = discover(
+            model,
+            skip_layers=self.skip_layers,
+            kfac_approx=self.kfac_approx,
+            factor_dtype=factor_dtype,
+            inv_dtype=inv_dtype,
+        )
+        if not found:
             raise ConfigurationError(
                 "model has nothing to precondition: K-FAC registers nn.Linear and nn.Conv2d "
                 f"layers with trainable weights and found none (left alone: "
                 f"{', '.join(skipped) or 'no parametrised modules'}). Loosen skip_layers, "
                 "unfreeze a layer, or train this model with the base optimizer alone."
             )
+        self._layers: list[KFACLayer] = []
+        self._by_module: dict[nn.Module, KFACLayer] = {}
+        for reg in found:
+            layer = KFACLayer(
+                reg.name,
+                reg.helper,
+                compute_method=self.compute_method,
+                outer_product=compute_eigenvalue_outer_product,
+                factor_dtype=reg.factor_dtype,
+                inv_dtype=reg.inv_dtype,
+            )
+            self._layers.append(layer)
+            self._by_module[reg.module] = layer
+        self._by_name = {layer.name: layer for layer in self._layers}
+
+        self.plan: Plan = build_plan(
+            [reg.planned() for reg in found],
+            self.world_size,
+            self.grad_worker_fraction,
+            Options(
+                compute_method=self.compute_method,
+                compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
+                symmetry_aware=symmetry_aware,
+                assignment_strategy=self.assignment_strategy,
+                colocate_factors=colocate_factors,
+                allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
+            ),
+        )
+        self.assignment = self.plan.assignment
+        self._comm = Communicator(
+            self.plan.schedule,
+            self.rank,
+            symmetric=symmetry_aware,
+            device=self._layers[0].helper.weight().device,
+        )
 
         self._handles = []
         for module in self._by_module:
@@ -382,12 +361,37 @@ class KFACPreconditioner:
 
         def on_grad(grad: torch.Tensor) -> None:
             with torch.no_grad():
-                if self.update_factors_in_hook:
-                    layer.add_grad_output(grad, self._grad_scale())
-                else:
+                if not self.update_factors_in_hook:
                     layer.saved_grad_outputs.append(grad.detach().clone())
+                    return
+                layer.add_grad_output(grad, self._g_scale())
+                if layer.g_batch.count >= self.accumulation_steps:
+                    # Final for this step: start its share of the factor all-reduce now, so
+                    # communication overlaps the rest of backpropagation.
+                    self._comm.factor_ready(layer.name, self._batch_of)
 
         output.register_hook(on_grad)  # type: ignore[no-untyped-call]
+
+    def _g_scale(self) -> float:
+        """Divisor of output gradients: the loss scale, and the world size, because each rank's
+        loss is a mean over its own shard: dividing by W gives the gradients of the mean over
+        the global batch, so factors (and the meaning of damping) do not depend on W."""
+        return self._grad_scale() * self.world_size
+
+    def _batch_of(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._by_name[name].batch_factors()
+
+    def _store_reduced(self, name: str, part: str, flat: torch.Tensor) -> None:
+        layer = self._by_name[name]
+        batch = layer.a_batch if part == "a" else layer.g_batch
+        dim = layer.helper.a_dim if part == "a" else layer.helper.g_dim
+        if batch.total is None or batch.count == 0:
+            batch.add(
+                torch.zeros(layer.helper.groups, dim, dim, dtype=flat.dtype, device=flat.device)
+            )
+        assert batch.total is not None
+        unpack_into(batch.total, flat, self.symmetry_aware)
+        batch.count = 1
 
     # -- the step --------------------------------------------------------------------------
 
@@ -395,19 +399,22 @@ class KFACPreconditioner:
     def step(self) -> None:
         """Precondition the gradients of the registered layers in place.
 
-        On factor-update steps the batch factors seen since the last step enter the running
-        averages, unless a gradient or a factor is not finite (the step is then skipped for
-        the factors and counted in ``skipped_factor_updates``). On inverse-update steps the
-        decompositions are recomputed. If a gradient is not finite (a GradScaler overflow),
-        the gradients are left as they are for the scaler to skip, and ``skipped_steps``
-        counts it.
+        On factor-update steps the batch factors seen since the last step (averaged over ranks)
+        enter the running averages, unless a gradient or a factor is not finite (the step is
+        then skipped for the factors and counted in ``skipped_factor_updates``). On
+        inverse-update steps the decompositions are recomputed. If a gradient is not finite
+        (a GradScaler overflow), the gradients are left as they are for the scaler to skip,
+        and ``skipped_steps`` counts it. With several ranks every rank must call ``step()``;
+        gradients must already be averaged over ranks (DDP does this).
         """
         step = self._steps
         damping = self.damping
         active = [layer for layer in self._layers if layer.helper.has_grad()]
-        for layer in self._layers:
-            if not self.update_factors_in_hook and self._factor_step:
-                layer.factor_saved(self._grad_scale())
+        if self._factor_step:
+            if not self.update_factors_in_hook:
+                for layer in self._layers:
+                    layer.factor_saved(self._g_scale())
+            self._comm.reduce_factors(self._batch_of, self._store_reduced)
         grads = [layer.helper.grad() for layer in active]
         batches = [(layer, layer.batch_factors()) for layer in self._layers]
         ready = [(layer, b) for layer, b in batches if b is not None]
@@ -435,10 +442,10 @@ class KFACPreconditioner:
                 )
         for layer in self._layers:
             layer.reset_batch()
+        self._comm.reset()
 
         if step % self.inv_update_steps == 0:
-            for layer in self._layers:
-                layer.update_decomposition(damping)
+            self._update_decompositions(damping)
 
         if grads_finite and active:
             self._precondition(active, damping)
@@ -448,8 +455,52 @@ class KFACPreconditioner:
         self._steps += 1
         self._factor_step = self._is_factor_step(self._steps)
 
+    def _update_decompositions(self, damping: float) -> None:
+        """Each layer's A and G on their assigned ranks, then broadcast in the worker groups."""
+        rank = self.rank
+        for layer in self._layers:
+            place = self.assignment.placements[layer.name]
+            a, g = layer.factors_or_identity()
+            if rank == place.a_rank:
+                layer.decomposition.compute_a(a, damping)
+            if rank == place.g_rank:
+                layer.decomposition.compute_g(g, damping)
+
+        def get(name: str, part: str) -> torch.Tensor:
+            return self._by_name[name].decomposition.tensors()[part]
+
+        def put(name: str, part: str, flat: torch.Tensor) -> None:
+            layer = self._by_name[name]
+            layer.decomposition.set_part(part, flat.view(layer.part_shape(part)).clone())
+
+        self._comm.broadcast(self.plan.schedule.decomposition_buckets, get, put)
+        for layer in self._layers:
+            if self.assignment.is_grad_worker(layer.name, rank):
+                layer.decomposition.finish(damping)
+
     def _precondition(self, active: list[KFACLayer], damping: float) -> None:
-        pairs = [layer.preconditioned_grad(damping) for layer in active]
+        preconditioned: dict[str, torch.Tensor] = {}
+        raw: dict[str, torch.Tensor] = {}
+        for layer in active:
+            raw[layer.name] = layer.helper.grad()
+            if self.assignment.is_grad_worker(layer.name, self.rank):
+                _, preconditioned[layer.name] = layer.preconditioned_grad(damping)
+
+        def get(name: str, part: str) -> torch.Tensor:
+            if name in preconditioned:
+                return preconditioned[name]
+            layer = self._by_name[name]  # no gradient here this step: send zeros
+            return torch.zeros(
+                layer.part_shape("grad"),
+                dtype=layer.helper.weight().dtype,
+                device=layer.helper.weight().device,
+            )
+
+        def put(name: str, part: str, flat: torch.Tensor) -> None:
+            preconditioned[name] = flat.view(self._by_name[name].part_shape("grad"))
+
+        self._comm.broadcast(self.plan.schedule.gradient_buckets, get, put)
+        pairs = [(raw[layer.name], preconditioned[layer.name]) for layer in active]
         kl_clip = self.kl_clip
         dots = torch.stack([(p * g).sum().to(torch.float64) for g, p in pairs])
         finite = torch.stack([torch.isfinite(p).all() for _, p in pairs]).all()
@@ -469,8 +520,8 @@ class KFACPreconditioner:
             if vg_sum != 0.0:
                 scale = min(1.0, math.sqrt(kl_clip / abs(vg_sum)))
         self.last_grad_scale = scale
-        for layer, (_, preconditioned) in zip(active, pairs, strict=True):
-            layer.helper.set_grad(preconditioned * scale if scale != 1.0 else preconditioned)
+        for layer, (_, p) in zip(active, pairs, strict=True):
+            layer.helper.set_grad(p * scale if scale != 1.0 else p)
 
     # -- accounting, checkpoints -----------------------------------------------------------
 
@@ -500,14 +551,39 @@ class KFACPreconditioner:
         return {k: v for k, v in named.items() if not callable(v)}
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly: step, counters, factors and decompositions."""
+        """Everything needed to resume exactly: step, counters, factors and decompositions.
+
+        The result is complete and portable: it loads under any world size and strategy.
+        When ``grad_worker_fraction < 1`` each rank holds only some layers' decompositions, so
+        this call gathers the rest and is collective: call it on every rank (any rank's
+        result is the whole checkpoint).
+        """
+        layers = {layer.name: layer.state_dict() for layer in self._layers}
+        gather = self._steps > 0 and self.assignment.grad_workers < self.world_size
+        if gather:
+            world = self._comm.group(tuple(range(self.world_size)))
+            for layer in self._layers:
+                src = self.assignment.placements[layer.name].workers[0]
+                held: dict[str, torch.Tensor] = layers[layer.name]["decomposition"]  # type: ignore[assignment]
+                for part in layer.decomposition.saved_parts():
+                    if self.rank == src:
+                        tensor = held[part]
+                    else:
+                        weight = layer.helper.weight()
+                        tensor = torch.empty(
+                            layer.part_shape(part), dtype=layer.inv_dtype, device=weight.device
+                        )
+                    dist.broadcast(tensor, src=src, group=world)
+                    held[part] = tensor
         return {
             "steps": self._steps,
             "skipped_factor_updates": self.skipped_factor_updates,
             "skipped_steps": self.skipped_steps,
             "compute_method": str(self.compute_method),
+            "world_size": self.world_size,
+            "grad_worker_fraction": self.grad_worker_fraction,
             "hyperparameters": self._hyperparameters(),
-            "layers": {layer.name: layer.state_dict() for layer in self._layers},
+            "layers": layers,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -560,7 +636,9 @@ class KFACPreconditioner:
                     else tensor.to(device=device, dtype=layer.factor_dtype).clone(),
                 )
             decomposition = entry.get("decomposition") or {}
-            if same_method and decomposition:
+            if not self.assignment.is_grad_worker(layer.name, self.rank):
+                layer.decomposition.clear()  # another rank preconditions this layer now
+            elif same_method and decomposition:
                 layer.decomposition.load(decomposition, device)
             else:
                 rebuild.append(layer)
@@ -569,7 +647,7 @@ class KFACPreconditioner:
         self.skipped_factor_updates = int(state_dict.get("skipped_factor_updates", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self._factor_step = self._is_factor_step(self._steps)
-        for layer in rebuild:
+        for layer in rebuild:  # every worker of the layer computes the same thing locally
             layer.update_decomposition(self.damping)
 
     def remove_hooks(self) -> None:

@@ -1,0 +1,156 @@
+"""KAISA's work assignment: which ranks hold and compute each layer's second-order state.
+
+A pure function of layer shapes and the strategy; no process group needed. With world size
+``W`` and gradient worker fraction ``f``, ``n = f·W`` ranks (a divisor of W) precondition each
+layer. Ranks form a grid of ``n`` rows by ``W/n`` columns, numbered row by row:
+
+- a **gradient-worker group** is a column: ``{j, j + W/n, j + 2W/n, ...}`` (n ranks). All ranks
+  of the column that a layer is placed on hold its decomposition (computed by one of them and
+  broadcast to the rest on inverse-update steps) and precondition its gradient;
+- a **receiver group** is a row: ``{i·W/n, ..., (i+1)·W/n − 1}`` (W/n ranks). Each row holds
+  exactly one worker of every layer, which broadcasts the preconditioned gradient to the row
+  every step.
+
+COMM-OPT (f = 1) is one column of all ranks and rows of one rank (no gradient broadcast);
+MEM-OPT (f = 1/W) is W columns of one rank and one row of all ranks. Layers go to columns
+and their factors to ranks by greedy load balancing, biggest first, with cost ``n³`` per
+factor for ``'compute'`` and ``n²`` for ``'memory'`` (times the number of groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kaisa_ray.enums import AssignmentStrategy
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerShape:
+    """What the assignment and the plan need to know about a layer."""
+
+    name: str
+    a_dim: int
+    g_dim: int
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.a_dim, self.g_dim, self.groups) < 1:
+            raise ValueError(f"layer {self.name!r}: dimensions must be positive, got {self}")
+
+    def cost(self, dim: int, strategy: AssignmentStrategy) -> int:
+        return self.groups * dim ** (3 if strategy is AssignmentStrategy.COMPUTE else 2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerPlacement:
+    """Where one layer's work happens."""
+
+    a_rank: int  # computes the A decomposition
+    g_rank: int  # computes the G decomposition
+    workers: tuple[int, ...]  # the gradient-worker group (a column of the grid)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assignment:
+    """The grid and every layer's placement; the same on every rank."""
+
+    world_size: int
+    grad_workers: int
+    placements: dict[str, LayerPlacement] = field(default_factory=dict)
+
+    @property
+    def columns(self) -> int:
+        return self.world_size // self.grad_workers
+
+    def worker_groups(self) -> list[tuple[int, ...]]:
+        """The gradient-worker groups (columns), in creation order."""
+        c = self.columns
+        return [tuple(range(j, self.world_size, c)) for j in range(c)]
+
+    def receiver_groups(self) -> list[tuple[int, ...]]:
+        """The receiver groups (rows), in creation order."""
+        c = self.columns
+        return [tuple(range(i * c, (i + 1) * c)) for i in range(self.grad_workers)]
+
+    def receiver_group_of(self, rank: int) -> tuple[int, ...]:
+        c = self.columns
+        row = rank // c
+        return tuple(range(row * c, (row + 1) * c))
+
+    def is_grad_worker(self, name: str, rank: int) -> bool:
+        return rank in self.placements[name].workers
+
+    def grad_source(self, name: str, rank: int) -> int:
+        """The worker of ``name`` in ``rank``'s receiver group (row)."""
+        (source,) = set(self.placements[name].workers) & set(self.receiver_group_of(rank))
+        return source
+
+    @property
+    def broadcasts_decompositions(self) -> bool:
+        return self.grad_workers > 1
+
+    @property
+    def broadcasts_gradients(self) -> bool:
+        return self.columns > 1
+
+
+def assign(
+    layers: list[LayerShape],
+    *,
+    world_size: int,
+    grad_workers: int,
+    strategy: AssignmentStrategy = AssignmentStrategy.COMPUTE,
+    colocate_factors: bool = True,
+) -> Assignment:
+    """Greedy load balancing of decomposition work over the grid.
+
+    Layers are taken biggest first (ties in the given order). Each goes to the column with
+    the least load so far; within it, its factors go to the least-loaded ranks (both to one
+    rank with ``colocate_factors``), ties broken by the lowest rank.
+
+    Raises:
+        ValueError: if ``grad_workers`` does not divide ``world_size`` or a name repeats.
+    """
+    if world_size < 1 or grad_workers < 1 or world_size % grad_workers != 0:
+        raise ValueError(
+            f"grad_workers={grad_workers} must be a positive divisor of world_size={world_size}"
+        )
+    names = [layer.name for layer in layers]
+    if len(set(names)) != len(names):
+        raise ValueError(f"layer names must be unique, got {names}")
+    grid = Assignment(world_size=world_size, grad_workers=grad_workers)
+    columns = grid.worker_groups()
+    column_load = [0] * len(columns)
+    rank_load = [0] * world_size
+    order = sorted(
+        range(len(layers)),
+        key=lambda i: (
+            -(layers[i].cost(layers[i].a_dim, strategy) + layers[i].cost(layers[i].g_dim, strategy))
+        ),
+    )
+    placements: dict[str, LayerPlacement] = {}
+    for index in order:
+        layer = layers[index]
+        a_cost = layer.cost(layer.a_dim, strategy)
+        g_cost = layer.cost(layer.g_dim, strategy)
+        column = min(range(len(columns)), key=lambda j: (column_load[j], j))
+        column_load[column] += a_cost + g_cost
+        members = columns[column]
+
+        def least_loaded(members: tuple[int, ...] = members) -> int:
+            return min(members, key=lambda r: (rank_load[r], r))
+
+        if colocate_factors:
+            a_rank = g_rank = least_loaded()
+            rank_load[a_rank] += a_cost + g_cost
+        else:
+            a_rank = least_loaded()
+            rank_load[a_rank] += a_cost
+            g_rank = least_loaded()
+            rank_load[g_rank] += g_cost
+        placements[layer.name] = LayerPlacement(a_rank=a_rank, g_rank=g_rank, workers=members)
+    return Assignment(
+        world_size=world_size,
+        grad_workers=grad_workers,
+        placements={name: placements[name] for name in names},
+    )

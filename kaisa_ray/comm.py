@@ -1,0 +1,164 @@
+"""Collectives of the KAISA strategies, executing ``plan.Schedule`` on torch.distributed.
+
+Works on whatever process group is current (gloo on CPU, NCCL on GPU). Every rank creates
+every subgroup, in the same order, at construction (a torch.distributed requirement). The
+factor all-reduce uses its own group over all ranks so that its asynchronous calls, launched
+from backward hooks, never interleave with DDP's gradient all-reduces on the default group.
+
+Buckets launch strictly in schedule order, each as soon as all its layers' batch factors are
+final, so every rank issues the same calls in the same order even if hooks fire differently.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from kaisa_ray.plan import Bucket, Schedule
+
+
+@functools.cache
+def _triu(dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = torch.triu_indices(dim, dim, device=device)
+    return rows, cols
+
+
+def pack(tensor: torch.Tensor, symmetric: bool) -> torch.Tensor:
+    """Flatten a ``(k, n, n)`` factor; with ``symmetric`` only its upper triangle."""
+    if not symmetric:
+        return tensor.reshape(-1)
+    rows, cols = _triu(tensor.shape[-1], tensor.device)
+    return tensor[..., rows, cols].reshape(-1)
+
+
+def unpack_into(out: torch.Tensor, flat: torch.Tensor, symmetric: bool) -> None:
+    """Inverse of ``pack``: write ``flat`` into ``out`` (``(k, n, n)``), mirroring if needed."""
+    if not symmetric:
+        out.copy_(flat.view_as(out))
+        return
+    rows, cols = _triu(out.shape[-1], out.device)
+    values = flat.view(out.shape[0], -1)
+    out[..., rows, cols] = values
+    out[..., cols, rows] = values
+
+
+class Communicator:
+    """Runs one rank's part of a schedule."""
+
+    def __init__(
+        self, sched: Schedule, rank: int, *, symmetric: bool, device: torch.device
+    ) -> None:
+        self.schedule = sched
+        self.device = device
+        self.rank = rank
+        self.world_size = sched.assignment.world_size
+        self.symmetric = symmetric
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        if self.world_size > 1:
+            wanted: list[tuple[int, ...]] = [tuple(range(self.world_size))]
+            if sched.assignment.broadcasts_decompositions:
+                wanted += sched.assignment.worker_groups()
+            if sched.assignment.broadcasts_gradients:
+                wanted += sched.assignment.receiver_groups()
+            for group in wanted:  # same order on every rank
+                if len(group) > 1 and group not in self._groups:
+                    self._groups[group] = dist.new_group(list(group))
+        self._factor_buckets = sched.for_rank(sched.factor_buckets, rank)
+        self._pending: dict[str, int] = {}
+        for index, bucket in enumerate(self._factor_buckets):
+            for piece in bucket.pieces:
+                self._pending[piece.layer] = index
+        self._ready: set[str] = set()
+        self._launched: list[tuple[Bucket, torch.Tensor, dist.Work | None]] = []
+        self._next = 0
+
+    def group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+        return self._groups[ranks]
+
+    # -- factor all-reduce -----------------------------------------------------------------
+
+    def reset(self) -> None:
+        self._ready.clear()
+        self._launched.clear()
+        self._next = 0
+
+    def factor_ready(
+        self, layer: str, batch: Callable[[str], tuple[torch.Tensor, torch.Tensor] | None]
+    ) -> None:
+        """Note that ``layer``'s batch factors are final; launch every complete bucket."""
+        if self.world_size == 1:
+            return
+        self._ready.add(layer)
+        self._launch(batch, force=False)
+
+    def _launch(
+        self, batch: Callable[[str], tuple[torch.Tensor, torch.Tensor] | None], *, force: bool
+    ) -> None:
+        while self._next < len(self._factor_buckets):
+            bucket = self._factor_buckets[self._next]
+            if not force and any(p.layer not in self._ready for p in bucket.pieces):
+                return
+            parts = []
+            for piece in bucket.pieces:
+                factors = batch(piece.layer)
+                if factors is None:  # the layer did not run: contribute zeros
+                    parts.append(torch.zeros(piece.numel, dtype=bucket.dtype, device=self.device))
+                else:
+                    parts.append(pack(factors[0 if piece.part == "a" else 1], self.symmetric))
+            flat = torch.cat([p.to(bucket.dtype) for p in parts])
+            work = dist.all_reduce(flat, group=self.group(bucket.group), async_op=True)
+            self._launched.append((bucket, flat, work))
+            self._next += 1
+
+    def reduce_factors(
+        self,
+        batch: Callable[[str], tuple[torch.Tensor, torch.Tensor] | None],
+        store: Callable[[str, str, torch.Tensor], None],
+    ) -> None:
+        """Finish the all-reduce: launch what is left, wait, and store the rank averages."""
+        if self.world_size == 1:
+            return
+        self._launch(batch, force=True)
+        for bucket, flat, work in self._launched:
+            if work is not None:
+                work.wait()
+            flat.div_(self.world_size)
+            offset = 0
+            for piece in bucket.pieces:
+                store(piece.layer, piece.part, flat[offset : offset + piece.numel])
+                offset += piece.numel
+        self.reset()
+
+    # -- broadcasts ------------------------------------------------------------------------
+
+    def broadcast(
+        self,
+        buckets: Sequence[Bucket],
+        get: Callable[[str, str], torch.Tensor],
+        put: Callable[[str, str, torch.Tensor], None],
+    ) -> None:
+        """Broadcast each bucket from its source within its group; receivers ``put`` pieces."""
+        in_flight = []
+        for bucket in self.schedule.for_rank(buckets, self.rank):
+            if bucket.src == self.rank:
+                flat = torch.cat(
+                    [get(p.layer, p.part).reshape(-1).to(bucket.dtype) for p in bucket.pieces]
+                )
+            else:
+                flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.device)
+            work = dist.broadcast(
+                flat, src=int(bucket.src or 0), group=self.group(bucket.group), async_op=True
+            )
+            in_flight.append((bucket, flat, work))
+        for bucket, flat, work in in_flight:
+            if work is not None:
+                work.wait()
+            if bucket.src == self.rank:
+                continue
+            offset = 0
+            for piece in bucket.pieces:
+                put(piece.layer, piece.part, flat[offset : offset + piece.numel])
+                offset += piece.numel

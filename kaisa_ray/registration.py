@@ -1,0 +1,133 @@
+"""Which modules of a model K-FAC preconditions, and why the others are left alone.
+
+Shared by the preconditioner and by ``plan()``, so a plan priced from a model describes the
+layers the preconditioner will actually register.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from kaisa_ray.enums import KFACApprox, parse_enum
+from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.layers import LayerHelper, make_helper
+from kaisa_ray.plan import PlannedLayer
+
+
+@dataclass(frozen=True, kw_only=True)
+class Registered:
+    """A module K-FAC will precondition."""
+
+    name: str
+    module: nn.Module
+    helper: LayerHelper
+    factor_dtype: torch.dtype
+    inv_dtype: torch.dtype
+
+    def planned(self) -> PlannedLayer:
+        return PlannedLayer(
+            name=self.name,
+            a_dim=self.helper.a_dim,
+            g_dim=self.helper.g_dim,
+            groups=self.helper.groups,
+            factor_dtype=self.factor_dtype,
+            inv_dtype=self.inv_dtype,
+            grad_dtype=self.helper.weight().dtype,
+        )
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside DDP, so layer names do not depend on the wrapper."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def compile_patterns(skip_layers: Iterable[str] | str | None) -> list[re.Pattern[str]]:
+    if isinstance(skip_layers, str):
+        skip_layers = [skip_layers]
+    try:
+        return [re.compile(p) for p in skip_layers or []]
+    except re.error as exc:
+        raise ConfigurationError(
+            f"skip_layers contains an invalid regular expression: {exc}."
+        ) from exc
+
+
+def _skip_reason(name: str, module: nn.Module, patterns: list[re.Pattern[str]]) -> str | None:
+    cls = type(module).__name__
+    if any(p.match(name) or p.match(cls) for p in patterns):
+        return "skip_layers"
+    if cls == "NonDynamicallyQuantizableLinear":
+        return "used by MultiheadAttention through its weight, not its forward"
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, nn.parameter.UninitializedParameter):
+        raise ConfigurationError(
+            f"layer {name!r} is a lazy module that has not been initialised; run one forward "
+            "pass before creating the KFACPreconditioner."
+        )
+    if not isinstance(weight, torch.Tensor) or not weight.requires_grad:
+        return "frozen"
+    return None
+
+
+def _dtype(requested: torch.dtype | None, module: nn.Module, argument: str) -> torch.dtype:
+    if requested is not None:
+        if not requested.is_floating_point:
+            raise ConfigurationError(
+                f"{argument}={requested} is not a floating-point dtype; use torch.float32 "
+                "or torch.float64."
+            )
+        return requested
+    weight = getattr(module, "weight", None)
+    dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
+    return torch.promote_types(dtype, torch.float32)
+
+
+def discover(
+    model: nn.Module,
+    *,
+    skip_layers: Iterable[str] | str | None = None,
+    kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
+    factor_dtype: torch.dtype | None = None,
+    inv_dtype: torch.dtype | None = None,
+) -> tuple[list[Registered], list[str]]:
+    """The modules to precondition, in registration order, and descriptions of the rest."""
+    approx = parse_enum(KFACApprox, kfac_approx, "kfac_approx")
+    patterns = compile_patterns(skip_layers)
+    found: list[Registered] = []
+    seen: set[nn.Module] = set()
+    skipped: list[str] = []
+    for name, module in unwrap(model).named_modules():
+        helper = make_helper(module, approx)
+        if helper is None:
+            if any(True for _ in module.parameters(recurse=False)):
+                skipped.append(f"{name or '<root>'} ({type(module).__name__})")
+            continue
+        reason = _skip_reason(name, module, patterns)
+        if reason is not None:
+            skipped.append(f"{name} ({type(module).__name__}: {reason})")
+            continue
+        if module in seen:  # one module reachable under two names
+            continue
+        seen.add(module)
+        found.append(
+            Registered(
+                name=name,
+                module=module,
+                helper=helper,
+                factor_dtype=_dtype(factor_dtype, module, "factor_dtype"),
+                inv_dtype=_dtype(inv_dtype or factor_dtype, module, "inv_dtype"),
+            )
+        )
+    return found, skipped
+
+
+def registered_layers(model: nn.Module, **options: object) -> list[PlannedLayer]:
+    """Shapes and dtypes of the layers ``discover`` finds (for ``plan()``)."""
+    found, _ = discover(model, **options)  # type: ignore[arg-type]
+    return [r.planned() for r in found]

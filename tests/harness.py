@@ -1,0 +1,84 @@
+"""Run a function on W spawned processes joined by a gloo process group (CPU).
+
+Every child's exit code is checked, a child's traceback is surfaced in the failure, and a
+hang fails within ``timeout`` seconds (all children are killed) instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _child(
+    fn: Callable[..., Any], rank: int, world_size: int, store: str, out: str, kwargs: dict[str, Any]
+) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size
+        )
+        result = fn(rank, world_size, **kwargs)
+        dist.barrier()
+        dist.destroy_process_group()
+        with open(out, "wb") as handle:
+            pickle.dump(("ok", result), handle)
+    except BaseException:
+        with open(out, "wb") as handle:
+            pickle.dump(("error", traceback.format_exc()), handle)
+        raise SystemExit(1) from None
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *, timeout: float = 240.0, **kwargs: Any
+) -> list[Any]:
+    """``fn(rank, world_size, **kwargs)`` on every rank; returns the results by rank."""
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = str(Path(tmp) / "store")
+        outs = [str(Path(tmp) / f"rank{r}.pkl") for r in range(world_size)]
+        procs = [
+            context.Process(target=_child, args=(fn, r, world_size, store, outs[r], kwargs))
+            for r in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, proc in enumerate(procs) if proc.is_alive()]
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        errors = []
+        results = []
+        for rank, (proc, out) in enumerate(zip(procs, outs, strict=True)):
+            status, payload = ("missing", None)
+            if Path(out).exists():
+                with open(out, "rb") as handle:
+                    status, payload = pickle.load(handle)
+            if status == "error":
+                errors.append(f"rank {rank} raised:\n{payload}")
+            elif proc.exitcode != 0 and rank not in hung:
+                errors.append(f"rank {rank} exited with code {proc.exitcode}")
+            results.append(payload)
+        if hung:
+            raise AssertionError(
+                f"ranks {hung} of {world_size} still running after {timeout:.0f} s (a hang)"
+                + ("\n" + "\n".join(errors) if errors else "")
+            )
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return results

@@ -1,0 +1,262 @@
+"""Training functions run on every rank by the distributed tests (and once without ranks).
+
+Everything is float64 and deterministic: batch ``k`` of the global data stream is the same
+for every world size, and rank ``r`` of ``W`` takes the ``r``-th contiguous shard of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from kaisa_ray import KFACPreconditioner
+from kaisa_ray.plan import StepType
+
+GLOBAL_BATCH = 16
+STEPS = 26
+FACTOR_EVERY, INVERSE_EVERY = 2, 6
+
+
+def build_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        model: nn.Module = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(64, 24),
+            nn.Tanh(),
+            nn.Linear(24, 16),
+            nn.Tanh(),
+            nn.Linear(16, 4),
+        )
+    else:
+        model = nn.Sequential(
+            nn.Conv2d(1, 4, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(4, 6, 3, padding="same", bias=False),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(6 * 16, 12),
+            nn.ReLU(),
+            nn.Linear(12, 4),
+        )
+    return model.double()
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, 1, 8, 8, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 4, (GLOBAL_BATCH,), generator=generator)
+    return x, y
+
+
+def kfac_options(combo: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "factor_update_steps": FACTOR_EVERY,
+        "inv_update_steps": INVERSE_EVERY,
+        "damping": 0.01,
+        "kl_clip": 0.05,
+        "lr": 0.1,
+        "compute_method": combo["method"],
+        "grad_worker_fraction": combo["strategy"],
+        "symmetry_aware": combo.get("symmetry_aware", False),
+        "colocate_factors": combo.get("colocate", True),
+        "allreduce_bucket_cap_mb": combo.get("bucket_mb", 25.0),
+    }
+
+
+class Counter:
+    """Wraps torch.distributed's all_reduce and broadcast to record what this rank sends."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.calls: list[tuple[str, tuple[int, ...], int]] = []
+        self.paused = False
+
+    def _record(self, op: str, tensor: torch.Tensor, group: Any) -> None:
+        if self.paused:
+            return
+        ranks = (
+            tuple(range(self.world_size))
+            if group is None
+            else tuple(dist.get_process_group_ranks(group))
+        )
+        self.calls.append((op, ranks, tensor.numel() * tensor.element_size()))
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        real_all_reduce, real_broadcast = dist.all_reduce, dist.broadcast
+
+        def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self._record("all_reduce", tensor, kwargs.get("group"))
+            return real_all_reduce(tensor, *args, **kwargs)
+
+        def broadcast(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self._record("broadcast", tensor, kwargs.get("group"))
+            return real_broadcast(tensor, *args, **kwargs)
+
+        dist.all_reduce, dist.broadcast = all_reduce, broadcast  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            dist.all_reduce, dist.broadcast = real_all_reduce, real_broadcast
+
+
+def step_type(step: int) -> StepType:
+    if step % INVERSE_EVERY == 0:
+        return StepType.INVERSE_UPDATE
+    if step % FACTOR_EVERY == 0:
+        return StepType.FACTOR_UPDATE
+    return StepType.PLAIN
+
+
+def make(
+    combo: dict[str, Any], distributed: bool
+) -> tuple[nn.Module, nn.Module, KFACPreconditioner, torch.optim.Optimizer]:
+    model = build_model(combo["model"])
+    wrapped = DistributedDataParallel(model) if distributed and combo.get("ddp", True) else model
+    preconditioner = KFACPreconditioner(wrapped, **kfac_options(combo))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, wrapped, preconditioner, optimizer
+
+
+def train_steps(
+    wrapped: nn.Module,
+    model: nn.Module,
+    preconditioner: KFACPreconditioner,
+    optimizer: torch.optim.Optimizer,
+    steps: range,
+    rank: int,
+    world_size: int,
+    *,
+    average_by_hand: bool,
+    on_step: Callable[[int], None] | None = None,
+    counter: Counter | None = None,
+) -> None:
+    shard = GLOBAL_BATCH // world_size
+    for step in steps:
+        x, y = global_batch(step)
+        x, y = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
+        optimizer.zero_grad()
+        F.cross_entropy(wrapped(x), y).backward()
+        if average_by_hand:
+            if counter is not None:
+                counter.paused = True
+            for p in model.parameters():
+                assert p.grad is not None
+                dist.all_reduce(p.grad)
+                p.grad.div_(world_size)
+            if counter is not None:
+                counter.paused = False
+        preconditioner.step()
+        optimizer.step()
+        if on_step is not None:
+            on_step(step)
+
+
+def reference_params(combo: dict[str, Any], steps: int = STEPS) -> list[torch.Tensor]:
+    """Single-process K-FAC on the whole global batch (no process group)."""
+    model, wrapped, preconditioner, optimizer = make(combo, distributed=False)
+    train_steps(
+        wrapped, model, preconditioner, optimizer, range(steps), 0, 1, average_by_hand=False
+    )
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def equivalence_worker(
+    rank: int, world_size: int, combos: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Train every combo; return parameters, memory, and counted vs planned collectives."""
+    results = []
+    for combo in combos:
+        model, wrapped, preconditioner, optimizer = make(combo, distributed=True)
+        counter = Counter(world_size)
+        mismatches: list[str] = []
+        planned_bytes: dict[str, int] = {}
+        sent_bytes: dict[str, int] = {}
+
+        def check(step: int, counter: Counter = counter) -> None:
+            kind = step_type(step)
+            planned = [
+                (c.op, c.group, c.nbytes) for c in preconditioner.plan.ranks[rank].calls[kind]
+            ]
+            if counter.calls != planned:
+                mismatches.append(f"step {step} ({kind}): sent {counter.calls}, planned {planned}")
+            planned_bytes[kind] = sum(c[2] for c in planned)
+            sent_bytes[kind] = sum(c[2] for c in counter.calls)
+            counter.calls = []
+
+        by_hand = not combo.get("ddp", True)
+        with counter.installed():
+            train_steps(
+                wrapped,
+                model,
+                preconditioner,
+                optimizer,
+                range(STEPS),
+                rank,
+                world_size,
+                average_by_hand=by_hand,
+                on_step=check,
+                counter=counter,
+            )
+        results.append(
+            {
+                "params": [p.detach().clone() for p in model.parameters()],
+                "memory": preconditioner.memory_usage(),
+                "planned_memory": preconditioner.plan.ranks[rank].memory,
+                "mismatches": mismatches,
+                "planned_bytes": planned_bytes,
+                "sent_bytes": sent_bytes,
+            }
+        )
+    return results
+
+
+def checkpoint_worker(
+    rank: int, world_size: int, combo: dict[str, Any], path: str, phase: str, split: int
+) -> list[torch.Tensor]:
+    """``save``: train to ``split``, checkpoint (collectively), go on to the end.
+    ``resume``: load the checkpoint and train from ``split`` to the end."""
+    model, wrapped, preconditioner, optimizer = make(combo, distributed=True)
+    if phase == "save":
+        train_steps(
+            wrapped,
+            model,
+            preconditioner,
+            optimizer,
+            range(split),
+            rank,
+            world_size,
+            average_by_hand=False,
+        )
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "kfac": preconditioner.state_dict(),
+        }
+        if rank == 0:
+            torch.save(state, path)
+    else:
+        state = torch.load(path, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        preconditioner.load_state_dict(state["kfac"])
+    train_steps(
+        wrapped,
+        model,
+        preconditioner,
+        optimizer,
+        range(split, STEPS),
+        rank,
+        world_size,
+        average_by_hand=False,
+    )
+    return [p.detach().clone() for p in model.parameters()]
