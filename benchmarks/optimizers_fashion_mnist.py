@@ -87,7 +87,8 @@ def make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     model.eval()
     correct = sum(
-        int((model(xb).argmax(1) == yb).sum()) for xb, yb in zip(x.split(2000), y.split(2000))
+        int((model(xb).argmax(1) == yb).sum())
+        for xb, yb in zip(x.split(2000), y.split(2000), strict=True)
     )
     model.train()
     return correct / len(y)
@@ -174,7 +175,7 @@ def markdown(rows: list[dict[str, Any]], target: float, header: str) -> str:
         lines.append(
             f"| {r['optimizer']} | {r['reached']} | {fmt(r['steps'], '.0f')} | "
             f"{fmt(r['seconds'], '.1f')} | {fmt(r['ms_per_step'], '.1f')} | "
-            f"{fmt(r['step_vs_sgd'], '.2f')}× | {fmt(r['wall_vs_sgd'], '.2f')}× |"
+            f"{fmt(r['step_vs_sgd'], '.2f')}x | {fmt(r['wall_vs_sgd'], '.2f')}x |"
         )
     return "\n".join(lines)
 

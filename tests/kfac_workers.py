@@ -182,7 +182,14 @@ def equivalence_worker(
         planned_bytes: dict[str, int] = {}
         sent_bytes: dict[str, int] = {}
 
-        def check(step: int, counter: Counter = counter) -> None:
+        def check(
+            step: int,
+            counter: Counter = counter,
+            preconditioner: KFACPreconditioner = preconditioner,
+            mismatches: list[str] = mismatches,
+            planned_bytes: dict[str, int] = planned_bytes,
+            sent_bytes: dict[str, int] = sent_bytes,
+        ) -> None:
             kind = step_type(step)
             planned = [
                 (c.op, c.group, c.nbytes) for c in preconditioner.plan.ranks[rank].calls[kind]

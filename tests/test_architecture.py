@@ -1,0 +1,58 @@
+"""The layers of ARCHITECTURE.md, enforced: dependencies point inward only."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = sorted(p for p in (ROOT / "kaisa_ray").glob("*.py"))
+# What each layer may import from outside the standard library.
+ALLOWED = {
+    "core": {"torch", "kaisa_ray"},
+    "tuner": {"torch", "kaisa_ray", "tuner", "ray", "numpy"},
+}
+FORBIDDEN_IN_CORE_PACKAGES = ("kaisa_ray.train", "tuner", "service")
+
+
+def imported_roots(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def third_party(name: str) -> bool:
+    import sys
+
+    return name.split(".")[0] not in sys.stdlib_module_names
+
+
+@pytest.mark.parametrize("path", CORE, ids=lambda p: p.name)
+def test_core_imports_torch_only(path: Path) -> None:
+    for name in imported_roots(path):
+        if not third_party(name):
+            continue
+        assert name.split(".")[0] in ALLOWED["core"], f"{path.name} imports {name}"
+        assert not name.startswith(FORBIDDEN_IN_CORE_PACKAGES), f"{path.name} imports {name}"
+
+
+def test_nothing_imports_service() -> None:
+    for path in ROOT.glob("kaisa_ray/**/*.py"):
+        assert not any(n.startswith("service") for n in imported_roots(path)), path
+    for path in ROOT.glob("tuner/**/*.py"):
+        assert not any(
+            n.startswith(("service", "kaisa_ray.train")) for n in imported_roots(path)
+        ), path
+
+
+def test_the_check_sees_a_violation(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import ray\nfrom fastapi import FastAPI\nimport os\n")
+    assert {n for n in imported_roots(bad) if third_party(n)} == {"ray", "fastapi"}
