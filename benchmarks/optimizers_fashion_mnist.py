@@ -17,8 +17,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -27,13 +25,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from report import machine, write_block
 from torch import nn
 
 from kaisa_ray import KFACPreconditioner
 from kaisa_ray.train.datasets import load_idx_dataset
 from kaisa_ray.train.models import LeNetCNN
-
-HERE = Path(__file__).resolve().parent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,21 +177,6 @@ def markdown(rows: list[dict[str, Any]], target: float, header: str) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
-    return (
-        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} thread(s), load average before the run {load}"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -259,15 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))
     if args.write:
-        readme = HERE / "README.md"
-        text = readme.read_text() if readme.exists() else ""
-        begin, end = "<!-- optimizers:begin -->", "<!-- optimizers:end -->"
-        block = f"{begin}\n{table}\n{end}"
-        if begin in text:
-            text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
-        else:
-            text += "\n" + block + "\n"
-        readme.write_text(text)
+        write_block("optimizers", table)
     return 0
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from report import write_block
 from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray import KFACPreconditioner
@@ -36,7 +37,6 @@ from kaisa_ray.plan import StepType
 from kaisa_ray.train.datasets import load_idx_dataset
 from kaisa_ray.train.models import LeNetCNN
 
-HERE = Path(__file__).resolve().parent
 STRATEGIES = ("comm-opt", "hybrid-opt", "mem-opt")
 INTERVALS = ((1, 10), (5, 50))
 KFAC: dict[str, Any] = {"damping": 0.01, "kl_clip": None, "lr": 0.005}
@@ -223,15 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(rows, header)
     print(table)
     if args.write:
-        readme = HERE / "README.md"
-        text = readme.read_text() if readme.exists() else ""
-        begin, end = "<!-- strategies:begin -->", "<!-- strategies:end -->"
-        block = f"{begin}\n{table}\n{end}"
-        if begin in text:
-            text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
-        else:
-            text += "\n" + block + "\n"
-        readme.write_text(text)
+        write_block("strategies", table)
     return 0
 
 

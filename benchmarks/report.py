@@ -1,0 +1,38 @@
+"""What every benchmark script shares: the machine line and the README block it rewrites."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+README = Path(__file__).resolve().parent / "README.md"
+
+
+def machine() -> str:
+    """CPU model, cores, torch version, threads and the load average now."""
+    cpu = "unknown CPU"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s) in the driver, load average {load}"
+    )
+
+
+def write_block(name: str, table: str, readme: Path = README) -> None:
+    """Replace the ``<!-- name:begin -->`` ... ``<!-- name:end -->`` block with ``table``."""
+    text = readme.read_text() if readme.exists() else ""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = f"{begin}\n{table}\n{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
+    else:
+        text += "\n" + block + "\n"
+    readme.write_text(text)
