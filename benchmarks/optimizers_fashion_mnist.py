@@ -42,8 +42,8 @@ class Config:
 
 
 SGD_LR, ADAM_LR = 0.05, 3e-3
-KFAC_COMMON: dict[str, Any] = {"damping": 0.1, "kl_clip": 0.01, "factor_decay": 0.95}
-KFAC_LR = 0.05
+KFAC_COMMON: dict[str, Any] = {"damping": 0.01, "kl_clip": 0.01, "factor_decay": 0.95}
+KFAC_LR = 0.002
 
 
 def configs(kfac_common: dict[str, Any], kfac_lr: float) -> list[Config]:

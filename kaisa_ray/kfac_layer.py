@@ -11,6 +11,8 @@ update, so ``accumulation_steps`` micro-batches give the factors of one combined
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kaisa_ray.decomposition import Decomposition, EigenDecomposition, InverseDecomposition
@@ -181,7 +183,7 @@ class KFACLayer:
             "buffers": self.a_batch.nbytes() + self.g_batch.nbytes() + saved,
         }
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> dict[str, Any]:
         def copy(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.detach().clone()
 

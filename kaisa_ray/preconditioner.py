@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kaisa_ray import checkpoint
 from kaisa_ray.comm import Communicator, unpack_into
 from kaisa_ray.enums import (
     AssignmentStrategy,
@@ -38,7 +39,7 @@ from kaisa_ray.enums import (
     KFACApprox,
     parse_enum,
 )
-from kaisa_ray.errors import ConfigurationError, StateDictError
+from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.hyperparams import (
     Bounds,
     FloatParam,
@@ -558,23 +559,13 @@ class KFACPreconditioner:
         this call gathers the rest and is collective: call it on every rank (any rank's
         result is the whole checkpoint).
         """
-        layers = {layer.name: layer.state_dict() for layer in self._layers}
-        gather = self._steps > 0 and self.assignment.grad_workers < self.world_size
-        if gather:
-            world = self._comm.group(tuple(range(self.world_size)))
-            for layer in self._layers:
-                src = self.assignment.placements[layer.name].workers[0]
-                held: dict[str, torch.Tensor] = layers[layer.name]["decomposition"]  # type: ignore[assignment]
-                for part in layer.decomposition.saved_parts():
-                    if self.rank == src:
-                        tensor = held[part]
-                    else:
-                        weight = layer.helper.weight()
-                        tensor = torch.empty(
-                            layer.part_shape(part), dtype=layer.inv_dtype, device=weight.device
-                        )
-                    dist.broadcast(tensor, src=src, group=world)
-                    held[part] = tensor
+        layers = checkpoint.layer_states(
+            self._layers,
+            self.assignment,
+            self.rank,
+            self._comm.group(tuple(range(self.world_size))) if self.world_size > 1 else None,
+            gather=self._steps > 0 and self.assignment.grad_workers < self.world_size,
+        )
         return {
             "steps": self._steps,
             "skipped_factor_updates": self.skipped_factor_updates,
@@ -592,20 +583,7 @@ class KFACPreconditioner:
         Raises:
             StateDictError: if the layers or their shapes differ from this model's.
         """
-        if "steps" not in state_dict or "layers" not in state_dict:
-            raise StateDictError(
-                "not a KFACPreconditioner state dict (keys 'steps' and 'layers' are missing); "
-                "pass the object returned by KFACPreconditioner.state_dict()."
-            )
-        saved = state_dict["layers"]
-        ours = {layer.name for layer in self._layers}
-        if set(saved) != ours:
-            missing, extra = sorted(ours - set(saved)), sorted(set(saved) - ours)
-            raise StateDictError(
-                f"checkpoint layers do not match this model: missing {missing}, unexpected "
-                f"{extra}. Load it into the same model with the same skip_layers."
-            )
-        same_method = state_dict.get("compute_method") == str(self.compute_method)
+        checkpoint.validate(self._layers, state_dict)
         for name, value in state_dict.get("hyperparameters", {}).items():
             current = self._hyperparameters().get(name)
             if name in self._hyperparameters() and current != value:
@@ -616,33 +594,13 @@ class KFACPreconditioner:
                     value,
                     current,
                 )
-        rebuild: list[KFACLayer] = []
-        for layer in self._layers:
-            entry = saved[layer.name]
-            device = layer.helper.weight().device
-            for key, dim in (("a_factor", layer.helper.a_dim), ("g_factor", layer.helper.g_dim)):
-                tensor = entry.get(key)
-                expected = (layer.helper.groups, dim, dim)
-                if tensor is not None and tuple(tensor.shape) != expected:
-                    raise StateDictError(
-                        f"layer {layer.name!r}: checkpoint {key} has shape {tuple(tensor.shape)}, "
-                        f"this model needs {expected}. Was the checkpoint saved from another model?"
-                    )
-                setattr(
-                    layer,
-                    key,
-                    None
-                    if tensor is None
-                    else tensor.to(device=device, dtype=layer.factor_dtype).clone(),
-                )
-            decomposition = entry.get("decomposition") or {}
-            if not self.assignment.is_grad_worker(layer.name, self.rank):
-                layer.decomposition.clear()  # another rank preconditions this layer now
-            elif same_method and decomposition:
-                layer.decomposition.load(decomposition, device)
-            else:
-                rebuild.append(layer)
-            layer.reset_batch()
+        rebuild = checkpoint.restore(
+            self._layers,
+            state_dict["layers"],
+            self.assignment,
+            self.rank,
+            same_method=state_dict.get("compute_method") == str(self.compute_method),
+        )
         self._steps = int(state_dict["steps"])
         self.skipped_factor_updates = int(state_dict.get("skipped_factor_updates", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))

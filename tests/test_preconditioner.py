@@ -298,8 +298,16 @@ def test_state_dict_from_another_model_is_refused() -> None:
     ((x, y),) = batches(1)
     F.cross_entropy(wider(x), y).backward()
     other.step()
+    model = small_cnn()
+    preconditioner = KFACPreconditioner(model)
+    F.cross_entropy(model(x), y).backward()
+    preconditioner.step()
+    before = snapshot(preconditioner)
     with pytest.raises(ValueError, match=r"layer '8': checkpoint g_factor has shape \(1, 5, 5\)"):
         preconditioner.load_state_dict(other.state_dict())
+    # nothing was changed by the refused load, not even the layers before the bad one
+    for a, b in zip(before, snapshot(preconditioner), strict=True):
+        assert torch.equal(a, b)
     with pytest.raises(ValueError, match="not a KFACPreconditioner state dict"):
         preconditioner.load_state_dict({"model": 1})
 

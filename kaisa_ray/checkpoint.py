@@ -1,0 +1,99 @@
+"""Per-layer checkpoint logic: complete, portable state dicts and safe restores.
+
+A state dict holds every layer's factors and decompositions, so it loads under any world
+size and strategy. Under a strategy with f < 1 a rank holds only some decompositions, so
+building the state dict gathers the rest (a collective). Restoring validates everything
+before changing anything: a checkpoint that does not fit leaves the preconditioner as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kaisa_ray.assignment import Assignment
+from kaisa_ray.errors import StateDictError
+from kaisa_ray.kfac_layer import KFACLayer
+
+
+def layer_states(
+    layers: Sequence[KFACLayer],
+    assignment: Assignment,
+    rank: int,
+    world_group: dist.ProcessGroup | None,
+    *,
+    gather: bool,
+) -> dict[str, dict[str, Any]]:
+    """Every layer's state; with ``gather``, decompositions come from a worker of each layer."""
+    states = {layer.name: layer.state_dict() for layer in layers}
+    if not gather:
+        return states
+    for layer in layers:
+        src = assignment.placements[layer.name].workers[0]
+        held: dict[str, torch.Tensor] = states[layer.name]["decomposition"]
+        for part in layer.decomposition.saved_parts():
+            if rank == src:
+                tensor = held[part]
+            else:
+                device = layer.helper.weight().device
+                tensor = torch.empty(layer.part_shape(part), dtype=layer.inv_dtype, device=device)
+            dist.broadcast(tensor, src=src, group=world_group)
+            held[part] = tensor
+    return states
+
+
+def validate(layers: Sequence[KFACLayer], state_dict: dict[str, Any]) -> None:
+    """Raise ``StateDictError`` naming the problem unless ``state_dict`` fits ``layers``."""
+    if "steps" not in state_dict or "layers" not in state_dict:
+        raise StateDictError(
+            "not a KFACPreconditioner state dict (keys 'steps' and 'layers' are missing); "
+            "pass the object returned by KFACPreconditioner.state_dict()."
+        )
+    saved = state_dict["layers"]
+    ours = {layer.name for layer in layers}
+    if set(saved) != ours:
+        missing, extra = sorted(ours - set(saved)), sorted(set(saved) - ours)
+        raise StateDictError(
+            f"checkpoint layers do not match this model: missing {missing}, unexpected "
+            f"{extra}. Load it into the same model with the same skip_layers."
+        )
+    for layer in layers:
+        for key, dim in (("a_factor", layer.helper.a_dim), ("g_factor", layer.helper.g_dim)):
+            tensor = saved[layer.name].get(key)
+            expected = (layer.helper.groups, dim, dim)
+            if tensor is not None and tuple(tensor.shape) != expected:
+                raise StateDictError(
+                    f"layer {layer.name!r}: checkpoint {key} has shape {tuple(tensor.shape)}, "
+                    f"this model needs {expected}. Was the checkpoint saved from another model?"
+                )
+
+
+def restore(
+    layers: Sequence[KFACLayer],
+    saved: dict[str, dict[str, Any]],
+    assignment: Assignment,
+    rank: int,
+    *,
+    same_method: bool,
+) -> list[KFACLayer]:
+    """Install factors and this rank's decompositions; return the layers to recompute."""
+    rebuild = []
+    for layer in layers:
+        entry = saved[layer.name]
+        device = layer.helper.weight().device
+        for key in ("a_factor", "g_factor"):
+            tensor = entry.get(key)
+            value = None if tensor is None else tensor.to(device, layer.factor_dtype).clone()
+            setattr(layer, key, value)
+        decomposition = entry.get("decomposition") or {}
+        if not assignment.is_grad_worker(layer.name, rank):
+            layer.decomposition.clear()  # another rank preconditions this layer now
+        elif same_method and decomposition:
+            layer.decomposition.load(decomposition, device)
+        else:
+            rebuild.append(layer)
+        layer.reset_batch()
+    return rebuild
