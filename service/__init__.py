@@ -1,0 +1,1 @@
+"""The job service (FastAPI); built by a later issue."""

@@ -1,0 +1,1 @@
+"""The strategy tuner (profiling, cost model, choice policy); built by a later issue."""

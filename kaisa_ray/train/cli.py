@@ -60,23 +60,29 @@ def main(verbose: int) -> None:
 @click.option(
     "--damping",
     type=click.FloatRange(min=0, min_open=True),
-    default=0.1,
+    default=0.01,
     show_default=True,
     help="K-FAC: Tikhonov damping.",
 )
 @click.option(
+    "--kfac-approx",
+    type=click.Choice(["expand", "reduce"]),
+    default="expand",
+    show_default=True,
+    help="K-FAC: Conv2d factors over every position (expand) or position means (reduce).",
+)
+@click.option(
     "--kl-clip",
     type=click.FloatRange(min=0),
-    default=0.001,
+    default=0.01,
     show_default=True,
     help="K-FAC: KL-clipping bound; 0 disables clipping.",
 )
 @click.option(
     "--lr",
     type=click.FloatRange(min=0, min_open=True),
-    default=0.05,
-    show_default=True,
-    help="SGD learning rate.",
+    default=None,
+    help="SGD learning rate [default: 0.002 with K-FAC, 0.05 without].",
 )
 @click.option(
     "--momentum",
@@ -120,8 +126,9 @@ def example(
     factor_update_steps: int,
     inv_update_steps: int,
     damping: float,
+    kfac_approx: str,
     kl_clip: float,
-    lr: float,
+    lr: float | None,
     momentum: float,
     eval_every: int,
     data_dir: Path | None,
@@ -140,6 +147,7 @@ def example(
             damping=damping,
             kl_clip=kl_clip if kl_clip > 0 else None,
             lr=lr,
+            kfac_approx=kfac_approx,
             momentum=momentum,
             eval_every=eval_every,
             seed=seed,

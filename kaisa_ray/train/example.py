@@ -59,9 +59,10 @@ def run_example(
     kfac: bool = True,
     factor_update_steps: int = 5,
     inv_update_steps: int = 50,
-    damping: float = 0.1,
-    kl_clip: float | None = 0.001,
-    lr: float = 0.05,
+    damping: float = 0.01,
+    kl_clip: float | None = 0.01,
+    lr: float | None = None,
+    kfac_approx: str = "expand",
     momentum: float = 0.9,
     eval_every: int = 25,
     seed: int = 0,
@@ -82,7 +83,10 @@ def run_example(
         inv_update_steps: K-FAC: steps between recomputations of the factor inverses.
         damping: K-FAC: Tikhonov damping added to the factors.
         kl_clip: K-FAC: KL-clipping bound on the update size; None disables clipping.
-        lr: SGD learning rate (also passed to K-FAC for KL clipping).
+        lr: SGD learning rate (also passed to K-FAC for KL clipping); default 0.002 with
+            K-FAC (whose preconditioned gradients are about 1/damping times larger) and 0.05
+            without, the settings of ``benchmarks/optimizers_fashion_mnist.py``.
+        kfac_approx: K-FAC's Conv2d factors, 'expand' or 'reduce'.
         momentum: SGD momentum; Nesterov momentum is used when it is positive.
         eval_every: Steps between test-set evaluations.
         seed: Seed for model initialisation and mini-batch shuffling.
@@ -101,6 +105,8 @@ def run_example(
         kaisa_ray.train.datasets.DatasetNotFoundError: If the data files are missing.
         kaisa_ray.train.datasets.IDXFormatError: If a data file is corrupt.
     """
+    if lr is None:
+        lr = 0.002 if kfac else 0.05
     _check_positive(
         steps=steps,
         batch_size=batch_size,
@@ -144,6 +150,7 @@ def run_example(
             damping=damping,
             kl_clip=kl_clip,
             lr=lr,
+            kfac_approx=kfac_approx,
         )
     criterion = nn.CrossEntropyLoss()
 
