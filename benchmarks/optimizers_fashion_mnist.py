@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from report import machine, write_block
+from report import machine, table, write_block
 from torch import nn
 
 from kaisa_ray import KFACPreconditioner
@@ -158,30 +158,38 @@ def summarise(runs: list[Run], names: list[str], target: float) -> list[dict[str
 
 
 def markdown(rows: list[dict[str, Any]], target: float, header: str) -> str:
-    def fmt(value: Any, spec: str) -> str:
-        return "—" if value is None else format(value, spec)
+    def fmt(value: Any, spec: str, suffix: str = "") -> str:
+        return "—" if value is None else format(value, spec) + suffix
 
-    lines = [
-        header,
-        "",
-        f"| optimizer | reached {target:.0%} | steps (median) | training s (median) | "
-        "ms per step | step time vs SGD | wall vs SGD |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+    columns = [
+        "optimizer",
+        f"reached {target:.0%}",
+        "steps (median)",
+        "training s (median)",
+        "ms per step",
+        "step time vs SGD",
+        "wall vs SGD",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['optimizer']} | {r['reached']} | {fmt(r['steps'], '.0f')} | "
-            f"{fmt(r['seconds'], '.1f')} | {fmt(r['ms_per_step'], '.1f')} | "
-            f"{fmt(r['step_vs_sgd'], '.2f')}x | {fmt(r['wall_vs_sgd'], '.2f')}x |"
-        )
-    return "\n".join(lines)
+    cells = [
+        [
+            r["optimizer"],
+            r["reached"],
+            fmt(r["steps"], ".0f"),
+            fmt(r["seconds"], ".1f"),
+            fmt(r["ms_per_step"], ".1f"),
+            fmt(r["step_vs_sgd"], ".2f", "x"),
+            fmt(r["wall_vs_sgd"], ".2f", "x"),
+        ]
+        for r in rows
+    ]
+    return table(header, columns, cells)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--target", type=float, default=0.88)
-    parser.add_argument("--max-steps", type=int, default=2000)
+    parser.add_argument("--max-steps", type=int, default=1500)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--data-dir", type=Path, default=None)
@@ -232,16 +240,17 @@ def main(argv: list[str] | None = None) -> int:
     today = datetime.date.today().isoformat()
     kfac_desc = ", ".join(f"{k}={v}" for k, v in sorted(common.items()))
     header = (
-        f"Measured {today} on {header_machine}; {args.seeds} seed(s); K-FAC on SGD "
-        f"(Nesterov 0.9, lr {args.kfac_lr}) with {kfac_desc}."
+        f"Measured {today} on {header_machine}; {args.seeds} seed(s), at most "
+        f"{args.max_steps} steps; K-FAC rows on SGD (Nesterov 0.9, lr {args.kfac_lr}) with "
+        f"{kfac_desc} unless the row says otherwise."
     )
-    table = markdown(rows, args.target, header)
+    text = markdown(rows, args.target, header)
     print()
-    print(table)
+    print(text)
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))
     if args.write:
-        write_block("optimizers", table)
+        write_block("optimizers", text)
     return 0
 
 

@@ -36,3 +36,15 @@ def write_block(name: str, table: str, readme: Path = README) -> None:
     else:
         text += "\n" + block + "\n"
     readme.write_text(text)
+
+
+def table(header: str, columns: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table under a header line."""
+    lines = [
+        header,
+        "",
+        "| " + " | ".join(columns) + " |",
+        "| " + " | ".join("---" for _ in columns) + " |",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)

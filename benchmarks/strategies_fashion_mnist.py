@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from report import write_block
+from report import machine, table, write_block
 from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray import KFACPreconditioner
@@ -178,21 +178,30 @@ def run(world_size: int, rounds: int, steps: int) -> list[dict[str, Any]]:
 
 
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
-    lines = [
-        header,
-        "",
-        "| W | configuration | ms/step median | ms/step mean | mean vs DDP + SGD | "
-        "bytes/step rank 0 (measured) | bytes/step rank 0 (plan) | "
-        "bytes/step busiest rank |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    columns = [
+        "W",
+        "configuration",
+        "ms/step median",
+        "ms/step mean",
+        "mean vs DDP + SGD",
+        "bytes/step rank 0 (measured)",
+        "bytes/step rank 0 (plan)",
+        "bytes/step busiest rank",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['world_size']} | {r['config']} | {r['median_ms']:.1f} | {r['mean_ms']:.1f} | "
-            f"{r['overhead']:.2f}x | {r['bytes']:,.0f} | {r['planned']:,.0f} | "
-            f"{r['max_rank_bytes']:,.0f} |"
-        )
-    return "\n".join(lines)
+    cells = [
+        [
+            str(r["world_size"]),
+            r["config"],
+            f"{r['median_ms']:.1f}",
+            f"{r['mean_ms']:.1f}",
+            f"{r['overhead']:.2f}x",
+            f"{r['bytes']:,.0f}",
+            f"{r['planned']:,.0f}",
+            f"{r['max_rank_bytes']:,.0f}",
+        ]
+        for r in rows
+    ]
+    return table(header, columns, cells)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,21 +218,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for world_size in (int(w) for w in args.world_sizes.split(",")):
         rows += run(world_size, args.rounds, args.steps)
-    cpu = "unknown CPU"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
     header = (
-        f"Measured {datetime.date.today().isoformat()} on {cpu}, {os.cpu_count()} cores "
-        f"(W processes share them), torch {torch.__version__}, gloo, one thread per "
-        f"process, load average before the run {load}; {args.rounds} rounds x "
-        f"{args.steps} steps per configuration, interleaved; K-FAC {KFAC}."
+        f"Measured {datetime.date.today().isoformat()} on {machine()} (the W processes share "
+        f"the cores; load average before the run {load}), gloo, one thread per process; "
+        f"{args.rounds} rounds x {args.steps} steps per configuration, interleaved; "
+        f"K-FAC {KFAC}."
     )
-    table = markdown(rows, header)
-    print(table)
+    text = markdown(rows, header)
+    print(text)
     if args.write:
-        write_block("strategies", table)
+        write_block("strategies", text)
     return 0
 
 

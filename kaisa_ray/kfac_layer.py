@@ -151,12 +151,11 @@ class KFACLayer:
         self.decomposition.compute_g(g, damping)
         self.decomposition.finish(damping)
 
-    def preconditioned_grad(self, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(raw, preconditioned)`` gradients as ``grad_out_by_in``."""
+    def precondition(self, grad_out_by_in: torch.Tensor, damping: float) -> torch.Tensor:
+        """The preconditioned gradient of this layer (decomposing first if never done)."""
         if not self.decomposition.ready:
             self.update_decomposition(damping)
-        grad = self.helper.grad()
-        return grad, self.decomposition.precondition(grad, damping)
+        return self.decomposition.precondition(grad_out_by_in, damping)
 
     def part_shape(self, part: str) -> tuple[int, ...]:
         """Shape of a named tensor of this layer (decomposition parts and ``grad``)."""

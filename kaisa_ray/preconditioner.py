@@ -416,11 +416,11 @@ class KFACPreconditioner:
                 for layer in self._layers:
                     layer.factor_saved(self._g_scale())
             self._comm.reduce_factors(self._batch_of, self._store_reduced)
-        grads = [layer.helper.grad() for layer in active]
+        grads = {layer.name: layer.helper.grad() for layer in active}
         batches = [(layer, layer.batch_factors()) for layer in self._layers]
         ready = [(layer, b) for layer, b in batches if b is not None]
 
-        checks = [torch.isfinite(g).all() for g in grads]
+        checks = [torch.isfinite(g).all() for g in grads.values()]
         n_grads = len(checks)
         for _, (a, g) in ready:
             checks += [torch.isfinite(a).all(), torch.isfinite(g).all()]
@@ -449,7 +449,7 @@ class KFACPreconditioner:
             self._update_decompositions(damping)
 
         if grads_finite and active:
-            self._precondition(active, damping)
+            self._precondition(active, grads, damping)
         elif active:
             self.skipped_steps += 1
 
@@ -479,13 +479,13 @@ class KFACPreconditioner:
             if self.assignment.is_grad_worker(layer.name, rank):
                 layer.decomposition.finish(damping)
 
-    def _precondition(self, active: list[KFACLayer], damping: float) -> None:
+    def _precondition(
+        self, active: list[KFACLayer], raw: dict[str, torch.Tensor], damping: float
+    ) -> None:
         preconditioned: dict[str, torch.Tensor] = {}
-        raw: dict[str, torch.Tensor] = {}
         for layer in active:
-            raw[layer.name] = layer.helper.grad()
             if self.assignment.is_grad_worker(layer.name, self.rank):
-                _, preconditioned[layer.name] = layer.preconditioned_grad(damping)
+                preconditioned[layer.name] = layer.precondition(raw[layer.name], damping)
 
         def get(name: str, part: str) -> torch.Tensor:
             if name in preconditioned:
