@@ -25,20 +25,27 @@ FACTOR_EVERY, INVERSE_EVERY, STEPS = 2, 4, 20
 def model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-        nn.Linear(3 * 4 * 4, 8), nn.Tanh(), nn.Linear(8, 3),
+        nn.Conv2d(1, 3, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(3 * 4 * 4, 8),
+        nn.Tanh(),
+        nn.Linear(8, 3),
     ).double()
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    return (torch.randn(12, 1, 8, 8, generator=g, dtype=torch.float64),
-            torch.randint(0, 3, (12,), generator=g))
+    return (
+        torch.randn(12, 1, 8, 8, generator=g, dtype=torch.float64),
+        torch.randint(0, 3, (12,), generator=g),
+    )
 
 
-def naive_rows(layer: nn.Module, x: torch.Tensor, gout: torch.Tensor) -> tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor
-]:
+def naive_rows(
+    layer: nn.Module, x: torch.Tensor, gout: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(A rows, G rows, gradient matrix) by the reference's conventions."""
     if isinstance(layer, nn.Conv2d):
         patches = F.unfold(F.pad(x, (1, 1, 1, 1)), 3)  # (B, D, L)
@@ -80,8 +87,10 @@ def naive_trajectory() -> list[torch.Tensor]:
             if step % FACTOR_EVERY == 0:
                 a_new, g_new = a.T @ a / a.shape[0], g.T @ g / g.shape[0]
                 if i not in factors:
-                    factors[i] = [torch.eye(a_new.shape[0], dtype=a.dtype),
-                                  torch.eye(g_new.shape[0], dtype=a.dtype)]
+                    factors[i] = [
+                        torch.eye(a_new.shape[0], dtype=a.dtype),
+                        torch.eye(g_new.shape[0], dtype=a.dtype),
+                    ]
                 factors[i][0] = DECAY * factors[i][0] + (1 - DECAY) * a_new
                 factors[i][1] = DECAY * factors[i][1] + (1 - DECAY) * g_new
             if step % INVERSE_EVERY == 0:
@@ -105,8 +114,13 @@ def naive_trajectory() -> list[torch.Tensor]:
 def test_trajectory_matches_naive_reference_algorithm(update_factors_in_hook: bool) -> None:
     net = model()
     preconditioner = KFACPreconditioner(
-        net, factor_update_steps=FACTOR_EVERY, inv_update_steps=INVERSE_EVERY,
-        damping=DAMPING, factor_decay=DECAY, kl_clip=KL_CLIP, lr=LR,
+        net,
+        factor_update_steps=FACTOR_EVERY,
+        inv_update_steps=INVERSE_EVERY,
+        damping=DAMPING,
+        factor_decay=DECAY,
+        kl_clip=KL_CLIP,
+        lr=LR,
         update_factors_in_hook=update_factors_in_hook,
     )
     optimizer = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
