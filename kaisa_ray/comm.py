@@ -67,10 +67,6 @@ class Communicator:
                 if len(group) > 1 and group not in self._groups:
                     self._groups[group] = dist.new_group(list(group))
         self._factor_buckets = sched.for_rank(sched.factor_buckets, rank)
-        self._pending: dict[str, int] = {}
-        for index, bucket in enumerate(self._factor_buckets):
-            for piece in bucket.pieces:
-                self._pending[piece.layer] = index
         self._ready: set[str] = set()
         self._launched: list[tuple[Bucket, torch.Tensor, dist.Work | None]] = []
         self._next = 0
@@ -149,8 +145,10 @@ class Communicator:
                 )
             else:
                 flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.device)
+            if bucket.src is None:
+                raise RuntimeError(f"broadcast bucket without a source rank: {bucket}")
             work = dist.broadcast(
-                flat, src=int(bucket.src or 0), group=self.group(bucket.group), async_op=True
+                flat, src=bucket.src, group=self.group(bucket.group), async_op=True
             )
             in_flight.append((bucket, flat, work))
         for bucket, flat, work in in_flight:
