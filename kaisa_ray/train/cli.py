@@ -60,29 +60,30 @@ def main(verbose: int) -> None:
 @click.option(
     "--damping",
     type=click.FloatRange(min=0, min_open=True),
-    default=0.01,
+    default=0.1,
     show_default=True,
     help="K-FAC: Tikhonov damping.",
 )
 @click.option(
     "--kfac-approx",
     type=click.Choice(["expand", "reduce"]),
-    default="expand",
+    default="reduce",
     show_default=True,
     help="K-FAC: Conv2d factors over every position (expand) or position means (reduce).",
 )
 @click.option(
     "--kl-clip",
     type=click.FloatRange(min=0),
-    default=0.01,
+    default=0.001,
     show_default=True,
     help="K-FAC: KL-clipping bound; 0 disables clipping.",
 )
 @click.option(
     "--lr",
     type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="SGD learning rate [default: 0.002 with K-FAC, 0.05 without].",
+    default=0.05,
+    show_default=True,
+    help="SGD learning rate (K-FAC's KL clip uses it too).",
 )
 @click.option(
     "--momentum",
@@ -128,7 +129,7 @@ def example(
     damping: float,
     kfac_approx: str,
     kl_clip: float,
-    lr: float | None,
+    lr: float,
     momentum: float,
     eval_every: int,
     data_dir: Path | None,
