@@ -18,6 +18,7 @@ import argparse
 import datetime
 import os
 import pickle
+import signal
 import statistics
 import sys
 import tempfile
@@ -146,10 +147,16 @@ def run(world_size: int, rounds: int, steps: int) -> list[dict[str, Any]]:
             context.Process(target=worker, args=(r, world_size, store, outs[r], rounds, steps))
             for r in range(world_size)
         ]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(1800)
+        try:
+            for proc in procs:
+                proc.start()
+            for proc in procs:
+                proc.join(1800)
+        finally:  # never leave workers behind: they would skew whatever runs next
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
         codes = [proc.exitcode for proc in procs]
         if any(code != 0 for code in codes):
             raise SystemExit(f"a worker failed: exit codes {codes}")
@@ -215,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 1, 10
+    # SIGTERM (e.g. from pkill) raises SystemExit, so the workers are killed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     rows = []
     for world_size in (int(w) for w in args.world_sizes.split(",")):

@@ -52,16 +52,18 @@ def run_distributed(
             context.Process(target=_child, args=(fn, r, world_size, store, outs[r], kwargs))
             for r in range(world_size)
         ]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, proc in enumerate(procs) if proc.is_alive()]
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        try:
+            for proc in procs:
+                proc.start()
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+            hung = [r for r, proc in enumerate(procs) if proc.is_alive()]
+        finally:  # also on an interrupted test: no child outlives it
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
         errors = []
         results = []
         for rank, (proc, out) in enumerate(zip(procs, outs, strict=True)):
