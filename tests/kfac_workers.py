@@ -69,6 +69,7 @@ def kfac_options(combo: dict[str, Any]) -> dict[str, Any]:
         "symmetry_aware": combo.get("symmetry_aware", False),
         "colocate_factors": combo.get("colocate", True),
         "allreduce_bucket_cap_mb": combo.get("bucket_mb", 25.0),
+        "update_factors_in_hook": combo.get("in_hook", True),
     }
 
 

@@ -27,7 +27,11 @@ STRATEGIES = {
 }
 EXTRAS: dict[int, list[dict[str, Any]]] = {
     # Gradients averaged by the user instead of DDP.
-    2: [{"model": "cnn", "method": "eigen", "strategy": "mem-opt", "ddp": False}],
+    2: [
+        {"model": "cnn", "method": "eigen", "strategy": "mem-opt", "ddp": False},
+        # Factors computed and all-reduced in step() instead of the backward hooks.
+        {"model": "cnn", "method": "inverse", "strategy": "comm-opt", "in_hook": False},
+    ],
     4: [
         # Upper triangles only, factors of a layer on different ranks, tiny buckets so that
         # the two different worker groups of the same size ({0, 2}, {1, 3}) both have many.
