@@ -24,6 +24,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kaisa_ray.errors import user_stacklevel
+
 logger = logging.getLogger(__name__)
 
 
@@ -85,7 +87,7 @@ class Decomposition(ABC):
             "float64; keeping its previous decomposition (the identity if there was none). "
             "Raise damping or factor_decay if this repeats.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
     @abstractmethod

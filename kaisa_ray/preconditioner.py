@@ -39,7 +39,7 @@ from kaisa_ray.enums import (
     KFACApprox,
     parse_enum,
 )
-from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.errors import ConfigurationError, user_stacklevel
 from kaisa_ray.hyperparams import (
     Bounds,
     FloatParam,
@@ -188,7 +188,7 @@ class KFACPreconditioner:
                 "recomputed from unchanged factors. Use a multiple, e.g. "
                 f"inv_update_steps={suggested}.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
 
         self.compute_method = parse_enum(ComputeMethod, compute_method, "compute_method")
@@ -512,7 +512,7 @@ class KFACPreconditioner:
                 f"K-FAC step {self._steps}: a preconditioned gradient was not finite; the raw "
                 "gradients are kept for this step. Raise damping if this repeats.",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
             return
         scale = 1.0

@@ -494,6 +494,24 @@ def test_inverse_interval_not_a_multiple_warns() -> None:
         KFACPreconditioner(small_cnn(), factor_update_steps=3, inv_update_steps=7)
 
 
+def test_warnings_point_at_the_callers_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.warns(UserWarning, match="not a multiple") as caught:
+        KFACPreconditioner(small_cnn(), factor_update_steps=3, inv_update_steps=7)
+    assert caught[0].filename == __file__
+    model = small_cnn()
+    preconditioner = KFACPreconditioner(model, inv_update_steps=1)
+    ((x, y),) = batches(1)
+    F.cross_entropy(model(x), y).backward()
+
+    def fails(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise torch.linalg.LinAlgError("simulated")
+
+    monkeypatch.setattr(torch.linalg, "eigh", fails)
+    with pytest.warns(RuntimeWarning, match="could not decompose") as caught:
+        preconditioner.step()  # under torch.no_grad: the warning must still name this line
+    assert {w.filename for w in caught} == {__file__}
+
+
 def test_kl_clip_none_and_reference_enums_are_accepted() -> None:
     import enum
 
