@@ -1,0 +1,229 @@
+"""``JobSpec``: the one description of a training job shared by every front door.
+
+Loaded from YAML or JSON (the job file of ``ray job submit``, the body of a REST request), and
+validated before anything starts: every bad field is reported at once, each with what is
+wrong and how to fix it. Pydantic stays at this boundary; the train loop gets plain values.
+
+Example (YAML)::
+
+    name: fashion-kfac
+    model: {name: lenet}
+    dataset: {name: fashion-mnist, batch_size: 128}
+    optimizer: {name: sgd, lr: 0.05, momentum: 0.9, nesterov: true}
+    kfac: {strategy: comm-opt, factor_update_steps: 5, inv_update_steps: 50, damping: 0.1}
+    memory_budget: 2GiB
+    scaling: {workers: 2}
+    stop: {max_steps: 1000, target: {metric: test_accuracy, value: 0.88}}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.strategy import resolve_grad_worker_fraction
+from kaisa_ray.train.registry import dataset_entry, dataset_names, model_factory, model_names
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        try:
+            model_factory(name)
+        except KeyError:
+            raise ValueError(
+                f"unknown model {name!r}; choose one of {', '.join(model_names())}, or register "
+                "your own under the 'kaisa_ray.models' entry point"
+            ) from None
+        return name
+
+
+class DatasetSpec(_Strict):
+    name: str
+    data_dir: Path | None = None
+    batch_size: PositiveInt = 128
+    limit: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _available(self) -> DatasetSpec:
+        try:
+            entry = dataset_entry(self.name)
+        except KeyError:
+            raise ValueError(
+                f"unknown dataset {self.name!r}; choose one of {', '.join(dataset_names())}, "
+                "or register your own under the 'kaisa_ray.datasets' entry point"
+            ) from None
+        if entry.needs_files:
+            directory = self.data_dir or entry.default_dir
+            if directory is None:
+                raise ValueError(f"dataset {self.name!r} needs data_dir: {entry.install_hint}")
+            if not directory.is_dir():
+                raise ValueError(
+                    f"data directory {directory} of dataset {self.name!r} does not exist: "
+                    f"{entry.install_hint}"
+                )
+        return self
+
+
+class ScheduleSpec(_Strict):
+    kind: Literal["constant", "cosine", "step"] = "constant"
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    step_every: PositiveInt | None = None
+    gamma: Annotated[float, Field(gt=0, le=1)] = 0.1
+
+
+class OptimizerSpec(_Strict):
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: PositiveFloat = 0.05
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    nesterov: bool = True
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    schedule: ScheduleSpec = ScheduleSpec()
+
+
+class KFACSpec(_Strict):
+    strategy: Literal["comm-opt", "hybrid-opt", "mem-opt"] | Annotated[float, Field(gt=0, le=1)] = (
+        "comm-opt"
+    )
+    factor_update_steps: PositiveInt = 5
+    inv_update_steps: PositiveInt = 50
+    damping: PositiveFloat = 0.1
+    kl_clip: PositiveFloat | None = 0.001
+    compute_method: Literal["eigen", "inverse"] = "eigen"
+    kfac_approx: Literal["expand", "reduce"] = "reduce"
+
+
+class ScalingSpec(_Strict):
+    workers: PositiveInt = 1
+    gpus_per_worker: Annotated[float, Field(ge=0)] = 0
+    cpus_per_worker: PositiveFloat = 1
+
+
+class TargetSpec(_Strict):
+    metric: Literal["test_accuracy", "test_loss"] = "test_accuracy"
+    value: float
+
+
+class StopSpec(_Strict):
+    max_steps: PositiveInt | None = None
+    max_epochs: PositiveInt | None = None
+    target: TargetSpec | None = None
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> StopSpec:
+        if (self.max_steps is None) == (self.max_epochs is None):
+            raise ValueError("give exactly one of max_steps and max_epochs")
+        return self
+
+
+class CheckpointSpec(_Strict):
+    every_steps: PositiveInt = 200
+    keep: PositiveInt = 2
+
+
+class JobSpec(_Strict):
+    """A training job, validated as a whole before anything starts."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+    model: ModelSpec
+    dataset: DatasetSpec
+    optimizer: OptimizerSpec = OptimizerSpec()
+    kfac: KFACSpec | Literal["off", "auto"] = KFACSpec()
+    memory_budget: ByteSize | None = None
+    scaling: ScalingSpec = ScalingSpec()
+    stop: StopSpec
+    eval_every: PositiveInt = 25
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    max_failures: Annotated[int, Field(ge=0)] = 0
+    seed: int = 0
+
+    @field_validator("kfac")
+    @classmethod
+    def _auto_not_yet(cls, value: KFACSpec | str) -> KFACSpec | str:
+        if value == "auto":
+            raise ValueError(
+                "kfac: auto needs the strategy tuner, which this version does not have yet; "
+                "give an explicit strategy, e.g. {strategy: comm-opt, factor_update_steps: 5, "
+                "inv_update_steps: 50}, or kfac: off"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _strategy_fits_workers(self) -> JobSpec:
+        if isinstance(self.kfac, KFACSpec):
+            try:
+                resolve_grad_worker_fraction(self.kfac.strategy, self.scaling.workers)
+            except ConfigurationError as exc:
+                raise ValueError(f"kfac.strategy does not fit scaling.workers: {exc}") from None
+        return self
+
+
+class JobSpecError(ConfigurationError):
+    """A job file or request that does not describe a valid job; lists every bad field."""
+
+    def __init__(self, problems: list[str], source: str = "job spec") -> None:
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{source} is invalid ({len(problems)} problem(s)):\n{lines}")
+
+
+def _describe(error: ValidationError) -> list[str]:
+    problems = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown field; check its spelling against the JobSpec reference"
+        elif item["type"] == "byte_size":
+            message = f"{message}; write a size such as '2GiB' or '512MB'"
+        problems.append(f"{where}: {message}")
+    return problems
+
+
+def parse_job_spec(data: dict[str, Any], source: str = "job spec") -> JobSpec:
+    """Validate a parsed job description; raise ``JobSpecError`` naming every bad field."""
+    if not isinstance(data, dict):
+        raise JobSpecError([f"expected a mapping of fields, got {type(data).__name__}"], source)
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise JobSpecError(_describe(exc), source) from None
+
+
+def load_job_spec(path: str | Path) -> JobSpec:
+    """Load a JobSpec from a ``.yaml``/``.yml`` or ``.json`` file."""
+    file = Path(path)
+    if not file.is_file():
+        raise JobSpecError([f"file {file} does not exist"], str(file))
+    text = file.read_text()
+    try:
+        data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise JobSpecError(
+            [f"not valid {'JSON' if file.suffix == '.json' else 'YAML'}: {exc}"], str(file)
+        ) from None
+    return parse_job_spec(data, str(file))

@@ -1,0 +1,117 @@
+"""JobSpec: valid jobs load from YAML and JSON; bad ones name every bad field and the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kaisa_ray.train.registry import dataset_entry, model_factory
+from kaisa_ray.train.spec import JobSpec, JobSpecError, KFACSpec, load_job_spec, parse_job_spec
+
+GOOD: dict[str, Any] = {
+    "name": "fashion-kfac",
+    "model": {"name": "lenet"},
+    "dataset": {"name": "synthetic", "batch_size": 64},
+    "optimizer": {"name": "sgd", "lr": 0.05},
+    "kfac": {"strategy": "hybrid-opt", "factor_update_steps": 5, "inv_update_steps": 50},
+    "memory_budget": "2GiB",
+    "scaling": {"workers": 2},
+    "stop": {"max_steps": 100, "target": {"metric": "test_accuracy", "value": 0.88}},
+}
+
+
+def with_(**changes: Any) -> dict[str, Any]:
+    spec = json.loads(json.dumps(GOOD))
+    spec.update(changes)
+    return spec
+
+
+def test_a_good_spec_loads_from_yaml_and_json(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "job.yaml"
+    yaml_file.write_text(
+        "name: fashion-kfac\nmodel: {name: lenet}\ndataset: {name: synthetic, batch_size: 64}\n"
+        "optimizer: {name: sgd, lr: 0.05}\n"
+        "kfac: {strategy: hybrid-opt, factor_update_steps: 5, inv_update_steps: 50}\n"
+        "memory_budget: 2GiB\nscaling: {workers: 2}\n"
+        "stop: {max_steps: 100, target: {metric: test_accuracy, value: 0.88}}\n"
+    )
+    json_file = tmp_path / "job.json"
+    json_file.write_text(json.dumps(GOOD))
+    from_yaml, from_json = load_job_spec(yaml_file), load_job_spec(json_file)
+    assert from_yaml == from_json
+    assert from_yaml.memory_budget == 2 * 2**30
+    assert isinstance(from_yaml.kfac, KFACSpec)
+    assert from_yaml.kfac.strategy == "hybrid-opt"
+
+
+def test_every_bad_field_is_named_at_once() -> None:
+    bad = with_(
+        model={"name": "resnet-9000"},
+        memory_budget="lots",
+        scaling={"workers": 0},
+        optimizer={"name": "sgd", "lr": -1, "momentum": 0.9},
+        colour="blue",
+    )
+    with pytest.raises(JobSpecError) as caught:
+        parse_job_spec(bad)
+    problems = "\n".join(caught.value.problems)
+    assert len(caught.value.problems) == 5
+    assert "model.name: unknown model 'resnet-9000'; choose one of lenet, mlp" in problems
+    assert "memory_budget:" in problems
+    assert "write a size such as '2GiB'" in problems
+    assert "scaling.workers: Input should be greater than 0" in problems
+    assert "optimizer.lr: Input should be greater than 0" in problems
+    assert "colour: unknown field" in problems
+
+
+def test_missing_data_directory_says_how_to_install(tmp_path: Path) -> None:
+    bad = with_(dataset={"name": "fashion-mnist", "data_dir": str(tmp_path / "nowhere")})
+    with pytest.raises(
+        JobSpecError,
+        match=r"dataset: .*does not exist: apt-get install "
+        r"dataset-fashion-mnist",
+    ):
+        parse_job_spec(bad)
+    with pytest.raises(JobSpecError, match=r"dataset 'mnist' needs data_dir"):
+        parse_job_spec(with_(dataset={"name": "mnist"}))
+
+
+def test_strategy_must_fit_the_workers_and_auto_is_not_yet_available() -> None:
+    with pytest.raises(
+        JobSpecError,
+        match=r"kfac.strategy does not fit scaling.workers: .*"
+        r"valid values for world size 3",
+    ):
+        parse_job_spec(with_(scaling={"workers": 3}))
+    with pytest.raises(JobSpecError, match=r"kfac: auto needs the strategy tuner"):
+        parse_job_spec(with_(kfac="auto"))
+    assert parse_job_spec(with_(kfac="off")).kfac == "off"
+
+
+def test_stop_needs_exactly_one_limit() -> None:
+    with pytest.raises(JobSpecError, match=r"stop: give exactly one of max_steps and max_epochs"):
+        parse_job_spec(with_(stop={"max_steps": 10, "max_epochs": 1}))
+
+
+def test_files_that_are_not_specs_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(JobSpecError, match=r"does not exist"):
+        load_job_spec(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: [unclosed\n")
+    with pytest.raises(JobSpecError, match=r"not valid YAML"):
+        load_job_spec(broken)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- a\n- b\n")
+    with pytest.raises(JobSpecError, match=r"expected a mapping of fields, got list"):
+        load_job_spec(listing)
+
+
+def test_registries_build_what_a_spec_names() -> None:
+    spec = JobSpec.model_validate(GOOD)
+    model = model_factory(spec.model.name)(**spec.model.params)
+    entry = dataset_entry(spec.dataset.name)
+    assert sum(p.numel() for p in model.parameters()) > 0
+    assert not entry.needs_files
