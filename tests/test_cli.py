@@ -82,3 +82,20 @@ def test_example_without_kfac_on_real_data(runner: CliRunner) -> None:
     assert result.exit_code == 0, result.output
     assert "final test accuracy" in result.output
     assert "after 3 steps" in result.output
+
+
+def test_validate_accepts_the_example_job_and_names_bad_fields(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "fashion_mnist.yaml"
+    result = CliRunner().invoke(main, ["validate", "--config", str(example)])
+    assert result.exit_code == 0, result.output
+    assert '"name": "fashion-mnist-kfac"' in result.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        example.read_text()
+        .replace("workers: 2", "workers: 0")
+        .replace("memory_budget: 2GiB", "memory_budget: lots")
+    )
+    result = CliRunner().invoke(main, ["validate", "--config", str(bad)])
+    assert result.exit_code == 1
+    assert "scaling.workers" in result.output
+    assert "memory_budget" in result.output

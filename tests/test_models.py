@@ -63,3 +63,16 @@ def test_mlp_shapes_and_counts(hidden: tuple[int, ...], expected: int | None) ->
 def test_mlp_custom_sizes() -> None:
     model = MLP(in_features=12, hidden=(8,), num_classes=3)
     assert model(torch.randn(2, 3, 4)).shape == (2, 3)
+
+
+def test_resnet20_shapes_parameters_and_kfac_registration() -> None:
+    from kaisa_ray import KFACPreconditioner
+    from kaisa_ray.train.models import ResNet20
+
+    model = ResNet20(in_channels=1)
+    assert model(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    assert ResNet20()(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    # 19 convolutions + 1 linear layer: the 20 of ResNet-20; about 0.27M parameters
+    preconditioner = KFACPreconditioner(ResNet20())
+    assert len(preconditioner.layers) == 20
+    assert 260_000 < sum(p.numel() for p in ResNet20().parameters()) < 280_000

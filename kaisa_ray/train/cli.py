@@ -163,3 +163,22 @@ def example(
         f"{'K-FAC' if kfac else 'SGD'}: final test accuracy {final['test_accuracy']:.4f} "
         f"after {final['step']} steps in {final['elapsed_s']:.1f} s"
     )
+
+
+@main.command()
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Job file (YAML or JSON) to check.",
+)
+def validate(config: Path) -> None:
+    """Check a job file and print it with every default filled in; exit 1 naming each bad field."""
+    from kaisa_ray.train.spec import JobSpecError, load_job_spec
+
+    try:
+        spec = load_job_spec(config)
+    except JobSpecError as err:
+        raise click.ClickException(str(err)) from err
+    click.echo(spec.model_dump_json(indent=2))

@@ -64,3 +64,48 @@ class MLP(nn.Module):
         """Maps inputs ``(N, ...)`` with ``in_features`` elements each to logits."""
         out: torch.Tensor = self.net(x)
         return out
+
+
+class _BasicBlock(nn.Module):
+    """Two 3×3 convolutions with BatchNorm; the shortcut subsamples and zero-pads channels
+    (He et al. 2016, CIFAR option A: no parameters in the shortcut)."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.stride = stride
+        self.extra_channels = out_channels - in_channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        shortcut = x[:, :, :: self.stride, :: self.stride] if self.stride > 1 else x
+        if self.extra_channels:
+            shortcut = nn.functional.pad(shortcut, (0, 0, 0, 0, 0, self.extra_channels))
+        return torch.relu(out + shortcut)
+
+
+class ResNet20(nn.Module):
+    """ResNet-20 for small images (CIFAR-style: 3 stages of 3 blocks, 16/32/64 channels)."""
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(in_channels, 16, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        blocks: list[nn.Module] = []
+        channels = 16
+        for stage, width in enumerate((16, 32, 64)):
+            for index in range(3):
+                stride = 2 if stage > 0 and index == 0 else 1
+                blocks.append(_BasicBlock(channels, width, stride))
+                channels = width
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(64, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.blocks(torch.relu(self.bn(self.stem(x))))
+        logits: torch.Tensor = self.head(out.mean(dim=(-2, -1)))
+        return logits

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset, synthetic_dataset
-from kaisa_ray.train.models import MLP, LeNetCNN
+from kaisa_ray.train.models import MLP, LeNetCNN, ResNet20
 
 ModelFactory = Callable[..., nn.Module]
 
@@ -56,7 +56,7 @@ def _synthetic(request: DatasetRequest) -> tuple[torch.Tensor, torch.Tensor]:
     return synthetic_dataset(size, seed=request.seed + (0 if request.split == "train" else 1))
 
 
-BUILTIN_MODELS: dict[str, ModelFactory] = {"lenet": LeNetCNN, "mlp": MLP}
+BUILTIN_MODELS: dict[str, ModelFactory] = {"lenet": LeNetCNN, "mlp": MLP, "resnet20": ResNet20}
 BUILTIN_DATASETS: dict[str, DatasetEntry] = {
     "fashion-mnist": DatasetEntry(
         loader=_idx,
