@@ -66,7 +66,10 @@ class Communicator:
             for group in wanted:  # same order on every rank
                 if len(group) > 1 and group not in self._groups:
                     self._groups[group] = dist.new_group(list(group))
+        # This rank's part of the schedule, filtered once rather than every step.
         self._factor_buckets = sched.for_rank(sched.factor_buckets, rank)
+        self.decomposition_buckets = sched.for_rank(sched.decomposition_buckets, rank)
+        self.gradient_buckets = sched.for_rank(sched.gradient_buckets, rank)
         self._ready: set[str] = set()
         self._launched: list[tuple[Bucket, torch.Tensor, dist.Work | None]] = []
         self._next = 0
@@ -136,9 +139,10 @@ class Communicator:
         get: Callable[[str, str], torch.Tensor],
         put: Callable[[str, str, torch.Tensor], None],
     ) -> None:
-        """Broadcast each bucket from its source within its group; receivers ``put`` pieces."""
+        """Broadcast each of this rank's ``buckets`` from its source within its group;
+        receivers ``put`` the pieces."""
         in_flight = []
-        for bucket in self.schedule.for_rank(buckets, self.rank):
+        for bucket in buckets:
             if bucket.src == self.rank:
                 flat = torch.cat(
                     [get(p.layer, p.part).reshape(-1).to(bucket.dtype) for p in bucket.pieces]

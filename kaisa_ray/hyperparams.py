@@ -47,10 +47,6 @@ class Bounds:
         return f"{left}{lo}, {hi}{right}"
 
 
-POSITIVE = Bounds(low=0.0, low_inclusive=False)
-NON_NEGATIVE = Bounds(low=0.0)
-
-
 def check_value(name: str, value: float, bounds: Bounds, *, step: int | None = None) -> float:
     """Validate one resolved value; raise ``ConfigurationError`` naming it and the fix."""
     if isinstance(value, bool) or not isinstance(value, int | float):

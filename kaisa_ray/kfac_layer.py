@@ -115,16 +115,16 @@ class KFACLayer:
             return None
         return a, g
 
-    def _identity(self, dim: int, like: torch.Tensor) -> torch.Tensor:
-        eye = torch.eye(dim, dtype=self.factor_dtype, device=like.device)
+    def _identity(self, dim: int, device: torch.device) -> torch.Tensor:
+        eye = torch.eye(dim, dtype=self.factor_dtype, device=device)
         return eye.expand(self.helper.groups, dim, dim).clone()
 
     def fold(self, a_new: torch.Tensor, g_new: torch.Tensor, decay: float) -> None:
         """Update the running averages (identity start) with this step's batch factors."""
         if self.a_factor is None:
-            self.a_factor = self._identity(a_new.shape[-1], a_new)
+            self.a_factor = self._identity(a_new.shape[-1], a_new.device)
         if self.g_factor is None:
-            self.g_factor = self._identity(g_new.shape[-1], g_new)
+            self.g_factor = self._identity(g_new.shape[-1], g_new.device)
         self.a_factor.mul_(decay).add_(a_new, alpha=1.0 - decay)
         self.g_factor.mul_(decay).add_(g_new, alpha=1.0 - decay)
 
@@ -138,11 +138,10 @@ class KFACLayer:
 
     def factors_or_identity(self) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.helper.weight().device
-        like = torch.empty(0, device=device)
         if self.a_factor is None:
-            self.a_factor = self._identity(self.helper.a_dim, like)
+            self.a_factor = self._identity(self.helper.a_dim, device)
         if self.g_factor is None:
-            self.g_factor = self._identity(self.helper.g_dim, like)
+            self.g_factor = self._identity(self.helper.g_dim, device)
         return self.a_factor, self.g_factor
 
     def update_decomposition(self, damping: float) -> None:

@@ -26,12 +26,8 @@ from kaisa_ray.enums import KFACApprox
 
 
 def _covariance(rows: torch.Tensor, scale: float, count: int) -> torch.Tensor:
-    """Mean outer product of the scaled rows, ``(scale·rows)ᵀ(scale·rows) / count``.
-
-    ``rows`` is ``(k, n, d)``. The scale is applied to the small result, not to the rows.
-    """
-    cov = torch.matmul(rows.transpose(-1, -2), rows)
-    return (cov + cov.transpose(-1, -2)) * (scale * scale / (2 * count))
+    """Mean outer product of the scaled rows of ``rows`` ``(k, n, d)`` (rows first)."""
+    return _covariance_features_first(rows.transpose(-1, -2), scale, count, bias=False)
 
 
 def _covariance_features_first(
@@ -273,12 +269,6 @@ def make_helper(module: nn.Module, approx: KFACApprox) -> LayerHelper | None:
     return None
 
 
-def factor_numel(helper: LayerHelper) -> tuple[int, int]:
-    """Elements of the A and G factors of one layer (all groups)."""
-    k = helper.groups
-    return k * helper.a_dim**2, k * helper.g_dim**2
-
-
 def describe_shapes(helper: LayerHelper) -> str:
     k = helper.groups
     prefix = f"{k}x" if k > 1 else ""
@@ -290,6 +280,5 @@ __all__ = [
     "LayerHelper",
     "LinearHelper",
     "describe_shapes",
-    "factor_numel",
     "make_helper",
 ]

@@ -263,9 +263,6 @@ class Plan:
     def assignment(self) -> Assignment:
         return self.schedule.assignment
 
-    def max_memory(self) -> int:
-        return max(r.memory["total"] for r in self.ranks)
-
     def mean_bytes_per_step(
         self, rank: int, factor_update_steps: int, inv_update_steps: int
     ) -> float:

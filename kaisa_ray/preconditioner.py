@@ -474,7 +474,7 @@ class KFACPreconditioner:
             layer = self._by_name[name]
             layer.decomposition.set_part(part, flat.view(layer.part_shape(part)).clone())
 
-        self._comm.broadcast(self.plan.schedule.decomposition_buckets, get, put)
+        self._comm.broadcast(self._comm.decomposition_buckets, get, put)
         for layer in self._layers:
             if self.assignment.is_grad_worker(layer.name, rank):
                 layer.decomposition.finish(damping)
@@ -500,7 +500,7 @@ class KFACPreconditioner:
         def put(name: str, part: str, flat: torch.Tensor) -> None:
             preconditioned[name] = flat.view(self._by_name[name].part_shape("grad"))
 
-        self._comm.broadcast(self.plan.schedule.gradient_buckets, get, put)
+        self._comm.broadcast(self._comm.gradient_buckets, get, put)
         pairs = [(raw[layer.name], preconditioned[layer.name]) for layer in active]
         kl_clip = self.kl_clip
         dots = torch.stack([(p * g).sum().to(torch.float64) for g, p in pairs])
@@ -584,9 +584,10 @@ class KFACPreconditioner:
             StateDictError: if the layers or their shapes differ from this model's.
         """
         checkpoint.validate(self._layers, state_dict)
+        ours = self._hyperparameters()
         for name, value in state_dict.get("hyperparameters", {}).items():
-            current = self._hyperparameters().get(name)
-            if name in self._hyperparameters() and current != value:
+            current = ours.get(name)
+            if name in ours and current != value:
                 logger.log(
                     self.loglevel,
                     "checkpoint has %s=%r; keeping this preconditioner's %r",
