@@ -182,3 +182,72 @@ def validate(config: Path) -> None:
     except JobSpecError as err:
         raise click.ClickException(str(err)) from err
     click.echo(spec.model_dump_json(indent=2))
+
+
+@main.command()
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Job file (YAML or JSON); see examples/fashion_mnist.yaml.",
+)
+@click.option(
+    "--storage-path",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where runs keep checkpoints [default: $KAISA_RAY_STORAGE or ~/kaisa-ray/runs]; "
+    "on a multi-node cluster, storage every node can reach.",
+)
+@click.option(
+    "--resume-from",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Start from this checkpoint directory (a run's checkpoint_*) instead of from scratch.",
+)
+@click.option(
+    "--run-name",
+    default=None,
+    help="Name of the run [default: unique, from the job name]; an existing run's name resumes it.",
+)
+@click.option(
+    "--progress/--no-progress",
+    default=True,
+    show_default=True,
+    help="Show a progress bar (on a terminal) and log each evaluation.",
+)
+def train(
+    config: Path,
+    storage_path: Path | None,
+    resume_from: Path | None,
+    run_name: str | None,
+    progress: bool,
+) -> None:
+    """Train a job on Ray Train: locally, or on the cluster when run by `ray job submit`."""
+    from kaisa_ray.errors import ConfigurationError
+    from kaisa_ray.train.job import run_job
+    from kaisa_ray.train.spec import JobSpecError, load_job_spec
+
+    try:
+        spec = load_job_spec(config)
+    except JobSpecError as err:
+        raise click.ClickException(str(err)) from err
+    try:
+        result = run_job(
+            spec,
+            storage_path=storage_path,
+            run_name=run_name,
+            resume_from=resume_from,
+            progress=progress,
+        )
+    except ConfigurationError as err:
+        raise click.ClickException(str(err)) from err
+    if not result.succeeded:
+        raise click.ClickException(f"run {result.run_name} failed: {result.error}")
+    metrics = result.metrics
+    accuracy = metrics.get("test_accuracy")
+    click.echo(
+        f"run {result.run_name} finished at step {metrics.get('step')}"
+        + (f", test accuracy {accuracy:.4f}" if accuracy is not None else "")
+        + (f"; checkpoint {result.checkpoint}" if result.checkpoint else "")
+    )

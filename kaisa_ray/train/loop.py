@@ -1,0 +1,492 @@
+"""The per-worker train loop that Ray Train runs: DDP, K-FAC, evaluation and checkpoints.
+
+``train_worker`` is the ``train_loop_per_worker`` of the job's ``TorchTrainer``. Each worker
+builds the model and its shard of the data, wraps the model in DDP (gloo on CPU, NCCL on GPU:
+Ray Train sets up ``torch.distributed``), adds the K-FAC preconditioner between ``backward()``
+and ``optimizer.step()``, and trains until the job's stop condition. Step ``s`` (1-based) always
+reads the same mini-batch: epoch ``(s-1) // steps_per_epoch`` of a ``DistributedSampler``
+seeded with the job's seed, batch ``(s-1) % steps_per_epoch`` of it. That is the sampler
+position a checkpoint records, so a resumed run reads exactly what an uninterrupted one would.
+
+A checkpoint (``state.pt`` in a Ray Train checkpoint directory) holds the model, optimizer,
+lr schedule and preconditioner state, the step and sampler position, and every rank's RNG
+state. It is written by rank 0 every ``checkpoint.every_steps`` steps and when the job stops.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler, TensorDataset
+
+from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.preconditioner import KFACPreconditioner
+from kaisa_ray.train.progress import progress_sink
+from kaisa_ray.train.registry import DatasetRequest, dataset_entry, model_factory
+from kaisa_ray.train.spec import JobSpec, KFACSpec, OptimizerSpec, ScheduleSpec
+
+CHECKPOINT_FILE = "state.pt"
+CHECKPOINT_VERSION = 1
+
+
+def build_optimizer(spec: OptimizerSpec, params: Any) -> torch.optim.Optimizer:
+    """The optimizer a job asks for."""
+    if spec.name == "sgd":
+        return torch.optim.SGD(
+            params,
+            lr=spec.lr,
+            momentum=spec.momentum,
+            nesterov=spec.nesterov and spec.momentum > 0,
+            weight_decay=spec.weight_decay,
+        )
+    if spec.name == "adam":
+        return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+
+
+def lr_factor(schedule: ScheduleSpec, total_steps: int) -> Callable[[int], float]:
+    """The lr multiplier after ``s`` completed steps: linear warm-up, then the schedule.
+
+    Warm-up rises linearly from ``1/(warmup_steps+1)`` to 1 over ``warmup_steps`` steps;
+    ``cosine`` then decays to 0 at ``total_steps``; ``step`` multiplies by ``gamma`` every
+    ``step_every`` steps after warm-up; ``constant`` stays at 1.
+    """
+    warmup = schedule.warmup_steps
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / (warmup + 1)
+        after = s - warmup
+        if schedule.kind == "cosine":
+            span = max(total_steps - warmup, 1)
+            return 0.5 * (1.0 + math.cos(math.pi * min(after, span) / span))
+        if schedule.kind == "step" and schedule.step_every:
+            return float(schedule.gamma ** (after // schedule.step_every))
+        return 1.0
+
+    return factor
+
+
+def build_preconditioner(
+    spec: KFACSpec, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> KFACPreconditioner:
+    """K-FAC as the job asks for it; KL clipping follows the lr schedule."""
+    group = optimizer.param_groups[0]
+    return KFACPreconditioner(
+        model,
+        factor_update_steps=spec.factor_update_steps,
+        inv_update_steps=spec.inv_update_steps,
+        damping=spec.damping,
+        kl_clip=spec.kl_clip,
+        lr=lambda _step: float(group["lr"]),
+        compute_method=spec.compute_method,
+        kfac_approx=spec.kfac_approx,
+        grad_worker_fraction=spec.strategy,
+    )
+
+
+@dataclass
+class Window:
+    """Step metrics accumulated between two progress records."""
+
+    steps: int = 0
+    loss: float = 0.0
+    correct: int = 0
+    samples: int = 0
+    step_s: float = 0.0
+    kfac_s: float = 0.0
+
+    def record(self, *, step: int, epoch: int, lr: float, world: int) -> dict[str, Any]:
+        n = max(self.steps, 1)
+        return {
+            "kind": "step",
+            "step": step,
+            "epoch": epoch,
+            "loss": self.loss / n,
+            "accuracy": self.correct / max(self.samples, 1),
+            "lr": lr,
+            "samples_per_s": world * self.samples / max(self.step_s, 1e-9),
+            "ms_per_step": 1000 * self.step_s / n,
+            "kfac_ms_per_step": 1000 * self.kfac_s / n,
+        }
+
+
+@dataclass
+class Shard:
+    """One worker's view of the data: its batches in sampler order, and its test slice."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    sampler: DistributedSampler[Any]
+    batch_size: int
+    steps_per_epoch: int
+    _epoch: int = -1
+    _order: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, batch within the epoch) that step ``step`` (1-based) reads."""
+        return divmod(step - 1, self.steps_per_epoch)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, index = self.position(step)
+        if epoch != self._epoch:
+            self.sampler.set_epoch(epoch)
+            self._order = torch.tensor(list(iter(self.sampler)), dtype=torch.long)
+            self._epoch = epoch
+        rows = self._order[index * self.batch_size : (index + 1) * self.batch_size]
+        return self.train_x[rows], self.train_y[rows]
+
+
+def load_shard(spec: JobSpec, rank: int, world: int) -> Shard:
+    entry = dataset_entry(spec.dataset.name)
+    data_dir = spec.dataset.data_dir or entry.default_dir
+
+    def load(split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        request = DatasetRequest(
+            split=split, data_dir=data_dir, limit=spec.dataset.limit, seed=spec.seed
+        )
+        return entry.loader(request)
+
+    train_x, train_y = load("train")
+    test_x, test_y = load("test")
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        TensorDataset(train_y), num_replicas=world, rank=rank, shuffle=True, seed=spec.seed
+    )
+    batch = spec.dataset.batch_size
+    steps_per_epoch = len(sampler) // batch
+    if steps_per_epoch == 0:
+        raise ConfigurationError(
+            f"dataset.batch_size={batch} is larger than each worker's share of the training "
+            f"set ({len(sampler)} samples over {world} workers); lower batch_size or raise "
+            "dataset.limit"
+        )
+    per_rank = math.ceil(test_x.shape[0] / world)
+    lo, hi = rank * per_rank, min((rank + 1) * per_rank, test_x.shape[0])
+    return Shard(
+        train_x=train_x,
+        train_y=train_y,
+        test_x=test_x[lo:hi],
+        test_y=test_y[lo:hi],
+        sampler=sampler,
+        batch_size=batch,
+        steps_per_epoch=steps_per_epoch,
+    )
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@torch.no_grad()
+def evaluate_shard(
+    model: nn.Module, shard: Shard, device: torch.device, batch_size: int = 1000
+) -> tuple[float, float]:
+    """(test loss, test accuracy) over the whole test split, summed over every rank's slice."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64)
+    for start in range(0, shard.test_x.shape[0], batch_size):
+        x = shard.test_x[start : start + batch_size].to(device)
+        y = shard.test_y[start : start + batch_size].to(device)
+        logits = model(x)
+        totals[0] += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
+        totals[1] += int((logits.argmax(dim=1) == y).sum())
+        totals[2] += y.shape[0]
+    model.train(was_training)
+    if _distributed():
+        on_device = totals.to(device)
+        dist.all_reduce(on_device)
+        totals = on_device.cpu()
+    count = max(float(totals[2]), 1.0)
+    return float(totals[0]) / count, float(totals[1]) / count
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": list(random.getstate())}
+    state["python"][1] = list(state["python"][1])
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _gather(obj: Any, world: int) -> list[Any]:
+    if not _distributed():
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+@dataclass
+class Job:
+    """Everything one worker trains with (built by ``Job.build``)."""
+
+    spec: JobSpec
+    rank: int
+    world: int
+    device: torch.device
+    model: nn.Module
+    net: nn.Module  # the DDP wrapper when distributed, else the model itself
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    preconditioner: KFACPreconditioner | None
+    shard: Shard
+    max_steps: int
+    step: int = 0
+    best: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, spec: JobSpec) -> Job:
+        context = ray.train.get_context()
+        rank, world = context.get_world_rank(), context.get_world_size()
+        device = ray.train.torch.get_device()
+        shard = load_shard(spec, rank, world)
+        if spec.stop.max_steps is not None:
+            max_steps = spec.stop.max_steps
+        else:
+            max_steps = (spec.stop.max_epochs or 1) * shard.steps_per_epoch
+        torch.manual_seed(spec.seed)
+        random.seed(spec.seed)
+        model = model_factory(spec.model.name)(**spec.model.params).to(device)
+        net: nn.Module = model
+        if _distributed() and world > 1:
+            net = DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None
+            )
+        optimizer = build_optimizer(spec.optimizer, model.parameters())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_factor(spec.optimizer.schedule, max_steps)
+        )
+        preconditioner = (
+            build_preconditioner(spec.kfac, net, optimizer)
+            if isinstance(spec.kfac, KFACSpec)
+            else None
+        )
+        return cls(
+            spec=spec,
+            rank=rank,
+            world=world,
+            device=device,
+            model=model,
+            net=net,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            preconditioner=preconditioner,
+            shard=shard,
+            max_steps=max_steps,
+        )
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any] | None:
+        """The checkpoint's content on rank 0 (None elsewhere); collective on every rank."""
+        kfac = self.preconditioner.state_dict() if self.preconditioner is not None else None
+        rngs = _gather(_rng_state(), self.world)
+        if self.rank != 0:
+            return None
+        epoch, batch = self.shard.position(self.step + 1)
+        return {
+            "version": CHECKPOINT_VERSION,
+            "step": self.step,
+            "sampler": {"epoch": epoch, "batch": batch, "seed": self.spec.seed},
+            "world_size": self.world,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "preconditioner": kfac,
+            "rng": rngs,
+            "best": dict(self.best),
+            "spec": self.spec.model_dump(mode="json"),
+        }
+
+    def load(self, state: dict[str, Any], source: str) -> None:
+        if state.get("version") != CHECKPOINT_VERSION:
+            raise ConfigurationError(
+                f"checkpoint {source} has version {state.get('version')!r}; this kaisa-ray "
+                f"reads version {CHECKPOINT_VERSION}"
+            )
+        if (state["preconditioner"] is None) != (self.preconditioner is None):
+            raise ConfigurationError(
+                f"checkpoint {source} was written with kfac "
+                f"{'off' if state['preconditioner'] is None else 'on'}; resume it with the same "
+                "kfac setting"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.preconditioner is not None:
+            self.preconditioner.load_state_dict(state["preconditioner"])
+        self.step = int(state["step"])
+        self.best = dict(state["best"])
+        rngs = state["rng"]
+        _set_rng_state(rngs[self.rank] if self.rank < len(rngs) else rngs[0])
+
+
+def load_checkpoint_file(directory: str | Path) -> dict[str, Any]:
+    """Read a kaisa-ray checkpoint directory (``state.pt``) onto the CPU."""
+    path = Path(directory) / CHECKPOINT_FILE
+    if not path.is_file():
+        raise ConfigurationError(
+            f"{directory} is not a kaisa-ray checkpoint: it has no {CHECKPOINT_FILE}; pass the "
+            "checkpoint_* directory of a run"
+        )
+    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    return state
+
+
+def _report(job: Job, metrics: dict[str, Any], with_checkpoint: bool) -> None:
+    """``ray.train.report`` on every rank; rank 0 attaches the checkpoint."""
+    state = job.state() if with_checkpoint else None
+    if state is None:
+        ray.train.report(metrics)
+        return
+    directory = tempfile.mkdtemp(prefix="kaisa-ray-ckpt-")
+    try:
+        torch.save(state, os.path.join(directory, CHECKPOINT_FILE))
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _target_met(spec: JobSpec, test_loss: float, test_accuracy: float) -> bool:
+    target = spec.stop.target
+    if target is None:
+        return False
+    if target.metric == "test_accuracy":
+        return test_accuracy >= target.value
+    return test_loss <= target.value
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_worker(config: dict[str, Any]) -> None:
+    """``train_loop_per_worker``: config holds ``spec`` (JSON), ``run`` and ``resume_from``."""
+    spec = JobSpec.model_validate(config["spec"])
+    run: str = config["run"]
+    progress_every: int = config.get("progress_every", 10)
+    job = Job.build(spec)
+    sink = progress_sink()
+    sink.push.remote(
+        run,
+        [
+            {
+                "kind": "worker",
+                "rank": job.rank,
+                "world": job.world,
+                "pid": os.getpid(),
+                "node": ray.get_runtime_context().get_node_id(),
+            }
+        ],
+    )
+
+    checkpoint = ray.train.get_checkpoint()
+    source = checkpoint.path if checkpoint is not None else config.get("resume_from")
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            job.load(load_checkpoint_file(directory), str(source))
+    elif source is not None:
+        job.load(load_checkpoint_file(source), str(source))
+    if job.rank == 0:
+        start = {"kind": "start", "total_steps": job.max_steps, "from_step": job.step}
+        if source is not None:
+            start["resumed_from"] = str(source)
+        sink.push.remote(run, [start])
+
+    criterion = nn.CrossEntropyLoss()
+    window = Window()
+    began = time.perf_counter()
+    last_eval: tuple[float, float] | None = None
+    job.net.train()
+    while job.step < job.max_steps:
+        step = job.step + 1
+        tick = time.perf_counter()
+        x, y = job.shard.batch(step)
+        x, y = x.to(job.device, non_blocking=True), y.to(job.device, non_blocking=True)
+        job.optimizer.zero_grad(set_to_none=True)
+        logits = job.net(x)
+        loss = criterion(logits, y)
+        loss.backward()
+        kfac_s = 0.0
+        if job.preconditioner is not None:
+            _sync(job.device)
+            k0 = time.perf_counter()
+            job.preconditioner.step()
+            _sync(job.device)
+            kfac_s = time.perf_counter() - k0
+        job.optimizer.step()
+        job.scheduler.step()
+        job.step = step
+        window.steps += 1
+        window.loss += float(loss.detach())
+        window.correct += int((logits.detach().argmax(dim=1) == y).sum())
+        window.samples += y.shape[0]
+        window.step_s += time.perf_counter() - tick
+        window.kfac_s += kfac_s
+
+        done = step >= job.max_steps
+        if job.rank == 0 and (step % progress_every == 0 or done):
+            epoch, _ = job.shard.position(step)
+            lr = float(job.optimizer.param_groups[0]["lr"])
+            sink.push.remote(run, [window.record(step=step, epoch=epoch, lr=lr, world=job.world)])
+            window = Window()
+
+        if step % spec.eval_every == 0 or done:
+            last_eval = evaluate_shard(job.net, job.shard, job.device)
+            test_loss, test_accuracy = last_eval
+            job.best["test_accuracy"] = max(job.best.get("test_accuracy", 0.0), test_accuracy)
+            if job.rank == 0:
+                sink.push.remote(
+                    run,
+                    [
+                        {
+                            "kind": "eval",
+                            "step": step,
+                            "test_loss": test_loss,
+                            "test_accuracy": test_accuracy,
+                            "elapsed_s": time.perf_counter() - began,
+                        }
+                    ],
+                )
+            if _target_met(spec, test_loss, test_accuracy):
+                done = True
+
+        if done or step % spec.checkpoint.every_steps == 0:
+            metrics: dict[str, Any] = {"step": step, "done": done}
+            if last_eval is not None:
+                metrics["test_loss"], metrics["test_accuracy"] = last_eval
+            _report(job, metrics, with_checkpoint=True)
+            if job.rank == 0:
+                sink.push.remote(run, [{"kind": "checkpoint", "step": step}])
+        if done:
+            break
+
+    if job.rank == 0:
+        sink.push.remote(run, [{"kind": "end", "step": job.step}])

@@ -1,0 +1,248 @@
+"""End to end on a real Ray head: 2-worker K-FAC jobs on Fashion-MNIST, faults, `ray job submit`."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from ray.job_submission import JobStatus, JobSubmissionClient
+from ray_head import RAY, RayHead
+
+from kaisa_ray import KFACPreconditioner
+from kaisa_ray.train.cli import main
+from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset
+from kaisa_ray.train.example import evaluate
+from kaisa_ray.train.job import JobResult, run_job
+from kaisa_ray.train.loop import load_checkpoint_file
+from kaisa_ray.train.models import LeNetCNN
+from kaisa_ray.train.progress import read_progress
+from kaisa_ray.train.spec import parse_job_spec
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
+    ),
+]
+
+LIMIT = 2048
+
+
+def job(**overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": "e2e",
+        "model": {"name": "lenet"},
+        "dataset": {"name": "fashion-mnist", "batch_size": 64, "limit": LIMIT},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "kfac": {"strategy": "comm-opt", "factor_update_steps": 5, "inv_update_steps": 20},
+        "scaling": {"workers": 2},
+        "stop": {"max_steps": 40},
+        "eval_every": 20,
+        "checkpoint": {"every_steps": 20, "keep": 10},
+        "seed": 3,
+    }
+    spec.update(overrides)
+    return spec
+
+
+def records(run: str, kind: str) -> list[dict[str, Any]]:
+    return list(read_progress(run, kinds=[kind])["records"])
+
+
+def test_two_worker_kfac_job_end_to_end(ray_head: RayHead, tmp_path: Path) -> None:
+    result = run_job(parse_job_spec(job()), storage_path=tmp_path, progress=False)
+    assert result.succeeded, result.error
+    assert result.metrics["step"] == 40
+    assert result.metrics["done"] is True
+
+    # The progress sink saw both workers, every 10th step, and the evaluations.
+    workers = records(result.run_name, "worker")
+    assert sorted(r["rank"] for r in workers) == [0, 1]
+    steps = records(result.run_name, "step")
+    assert [r["step"] for r in steps] == [10, 20, 30, 40]
+    assert all(r["samples_per_s"] > 0 and r["kfac_ms_per_step"] > 0 for r in steps)
+    assert steps[-1]["loss"] < 0.8 * steps[0]["loss"], [r["loss"] for r in steps]
+    evals = records(result.run_name, "eval")
+    assert [r["step"] for r in evals] == [20, 40]
+    assert evals[-1]["test_loss"] < evals[0]["test_loss"]
+
+    # The checkpoint loads: the model reproduces the reported accuracy, K-FAC state restores.
+    assert result.checkpoint is not None
+    state = load_checkpoint_file(result.checkpoint)
+    assert state["step"] == 40
+    assert state["sampler"] == {"epoch": 2, "batch": 8, "seed": 3}  # 2048/2/64 = 16 per epoch
+    assert len(state["rng"]) == 2
+    model = LeNetCNN()
+    model.load_state_dict(state["model"])
+    test_x, test_y = load_idx_dataset(None, "test", limit=LIMIT)
+    assert evaluate(model, test_x, test_y) == pytest.approx(result.metrics["test_accuracy"])
+    preconditioner = KFACPreconditioner(model, factor_update_steps=5, inv_update_steps=20)
+    preconditioner.load_state_dict(state["preconditioner"])
+    assert preconditioner.steps == 40
+
+
+def test_target_accuracy_stops_the_job_early(ray_head: RayHead, tmp_path: Path) -> None:
+    spec = job(
+        kfac="off",
+        stop={"max_epochs": 5, "target": {"metric": "test_accuracy", "value": 0.5}},
+        eval_every=5,
+    )
+    result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
+    assert result.succeeded, result.error
+    step = result.metrics["step"]
+    assert step < 5 * 16
+    assert step % 5 == 0
+    assert result.metrics["test_accuracy"] >= 0.5
+    accuracies = [r["test_accuracy"] for r in records(result.run_name, "eval")]
+    assert accuracies[-1] >= 0.5
+    assert all(a < 0.5 for a in accuracies[:-1])
+
+
+def _final_model(result: JobResult) -> dict[str, torch.Tensor]:
+    assert result.checkpoint is not None
+    model: dict[str, torch.Tensor] = load_checkpoint_file(result.checkpoint)["model"]
+    return model
+
+
+def test_killed_worker_resumes_from_its_checkpoint(ray_head: RayHead, tmp_path: Path) -> None:
+    spec = parse_job_spec(
+        job(
+            stop={"max_steps": 200},
+            max_failures=1,
+            eval_every=100,
+            checkpoint={"every_steps": 20, "keep": 20},  # keep them all: the resumed one is read
+        )
+    )
+    box: dict[str, JobResult] = {}
+
+    import threading
+
+    thread = threading.Thread(
+        target=lambda: box.setdefault(
+            "result",
+            run_job(spec, storage_path=tmp_path / "a", run_name="killed", progress=False),
+        )
+    )
+    thread.start()
+    deadline = time.monotonic() + 120
+    killed: dict[str, Any] | None = None
+    while killed is None and time.monotonic() < deadline and thread.is_alive():
+        if any(r["step"] >= 40 for r in records("killed", "checkpoint")):
+            # Kill rank 1 of the first worker group, by its pid, mid-run.
+            killed = next(r for r in records("killed", "worker") if r["rank"] == 1)
+            os.kill(killed["pid"], signal.SIGKILL)
+        time.sleep(0.05)
+    thread.join(timeout=300)
+    assert killed is not None, "the job finished before a worker could be killed"
+    result = box["result"]
+    assert result.succeeded, result.error
+    assert result.metrics["step"] == 200
+
+    starts = records("killed", "start")
+    assert len(starts) == 2, starts  # the first attempt and the resumed one
+    resumed = starts[1]
+    # The newest checkpoint Ray Train had registered when the worker died: 40 or later, or 20
+    # when the kill came before the controller took in step 40's report.
+    assert resumed["from_step"] >= 20
+    assert resumed["from_step"] % 20 == 0
+    assert resumed["from_step"] < 200
+    assert len(records("killed", "worker")) == 4  # two workers, started twice
+
+    # An uninterrupted run from that same checkpoint ends with identical parameters.
+    again = run_job(
+        spec,
+        storage_path=tmp_path / "b",
+        resume_from=resumed["resumed_from"],
+        progress=False,
+    )
+    assert again.succeeded, again.error
+    assert again.metrics["step"] == 200
+    ours, theirs = _final_model(result), _final_model(again)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+def test_ray_job_submit_runs_the_train_command(ray_head: RayHead, tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(job(name="submitted", stop={"max_steps": 20})))
+    repo = Path(__file__).resolve().parents[1]
+    submission_id = f"kaisa-ray-test-{secrets.token_hex(4)}"
+    submit = [
+        RAY,
+        "job",
+        "submit",
+        f"--address={ray_head.dashboard_url}",
+        f"--submission-id={submission_id}",
+        "--working-dir=.",
+        "--",
+        "kaisa-ray",
+        "train",
+        f"--config={config}",
+        f"--storage-path={tmp_path / 'runs'}",
+    ]
+    done = subprocess.run(
+        submit, cwd=repo, env=ray_head.client_env(), capture_output=True, text=True, timeout=240
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "finished at step 20" in output, output
+    client = JobSubmissionClient(ray_head.dashboard_url)
+    assert client.get_job_status(submission_id) == JobStatus.SUCCEEDED
+
+    # Without the cluster's token the job server refuses the client.
+    refused = subprocess.run(
+        [RAY, "job", "list", f"--address={ray_head.dashboard_url}"],
+        env=ray_head.client_env(with_token=False),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode != 0
+    assert "RAY_AUTH_TOKEN" in refused.stdout + refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "fix"),
+    [
+        ({"model": {"name": "transformer"}}, "model.name", "choose one of"),
+        (
+            {"dataset": {"name": "mnist", "data_dir": "/nonexistent/mnist"}},
+            "dataset",
+            "set data_dir",
+        ),
+        (
+            {"dataset": {"name": "fashion-mnist", "data_dir": "/nonexistent/fm"}},
+            "dataset",
+            "apt-get install dataset-fashion-mnist",
+        ),
+        ({"memory_budget": "lots"}, "memory_budget", "'2GiB'"),
+        ({"scaling": {"workers": 0}}, "scaling.workers", "greater than 0"),
+    ],
+)
+def test_bad_specs_fail_before_anything_starts(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    change: dict[str, Any],
+    field: str,
+    fix: str,
+) -> None:
+    def no_ray() -> None:
+        raise AssertionError("a bad spec reached Ray")
+
+    monkeypatch.setattr("kaisa_ray.train.job.ensure_ray", no_ray)
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump(job(**change)))
+    done = CliRunner().invoke(main, ["train", f"--config={config}"])
+    assert done.exit_code == 1, done.output
+    assert f"  - {field}" in done.output, done.output
+    assert fix in done.output, done.output
