@@ -9,7 +9,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	$(BIN)/kaisa-ray example --steps 500
+	$(BIN)/kaisa-ray train --config examples/fashion_mnist.yaml
 
 lint: setup
 	$(BIN)/ruff check .
@@ -25,3 +25,4 @@ test: lint typecheck pytest
 
 bench: setup
 	$(BIN)/python benchmarks/optimizers_fashion_mnist.py
+	$(BIN)/python benchmarks/ray_time_to_accuracy.py

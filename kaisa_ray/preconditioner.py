@@ -53,6 +53,7 @@ from kaisa_ray.layers import describe_shapes
 from kaisa_ray.plan import Options, Plan, build_plan
 from kaisa_ray.registration import discover
 from kaisa_ray.strategy import resolve_grad_worker_fraction
+from kaisa_ray.timing import PhaseTimes
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,8 @@ class KFACPreconditioner:
         self._grad_scaler = grad_scaler
         self._grad_scale_cache: tuple[int, float] | None = None
         self.last_grad_scale = 1.0
+        # Host seconds per phase (kaisa_ray.timing); read and zero with times.reset().
+        self.times = PhaseTimes()
 
         self.skip_layers = (
             [skip_layers] if isinstance(skip_layers, str) else list(skip_layers or [])
@@ -354,7 +357,7 @@ class KFACPreconditioner:
             return
         layer = self._by_module[module]
         inputs = args[0]
-        with torch.no_grad():
+        with torch.no_grad(), self.times.phase("factors"):
             if self.update_factors_in_hook:
                 layer.add_input(inputs)
             else:
@@ -365,11 +368,13 @@ class KFACPreconditioner:
                 if not self.update_factors_in_hook:
                     layer.saved_grad_outputs.append(grad.detach().clone())
                     return
-                layer.add_grad_output(grad, self._g_scale())
+                with self.times.phase("factors"):
+                    layer.add_grad_output(grad, self._g_scale())
                 if layer.g_batch.count >= self.accumulation_steps:
                     # Final for this step: start its share of the factor all-reduce now, so
                     # communication overlaps the rest of backpropagation.
-                    self._comm.factor_ready(layer.name, self._batch_of)
+                    with self.times.phase("communication"):
+                        self._comm.factor_ready(layer.name, self._batch_of)
 
         output.register_hook(on_grad)  # type: ignore[no-untyped-call]
 
@@ -411,11 +416,32 @@ class KFACPreconditioner:
         step = self._steps
         damping = self.damping
         active = [layer for layer in self._layers if layer.helper.has_grad()]
+        times = self.times
         if self._factor_step:
             if not self.update_factors_in_hook:
-                for layer in self._layers:
-                    layer.factor_saved(self._g_scale())
-            self._comm.reduce_factors(self._batch_of, self._store_reduced)
+                with times.phase("factors"):
+                    for layer in self._layers:
+                        layer.factor_saved(self._g_scale())
+            with times.phase("communication"):
+                self._comm.reduce_factors(self._batch_of, self._store_reduced)
+        with times.phase("factors"):
+            grads, grads_finite = self._fold_factors(active)
+
+        if step % self.inv_update_steps == 0:
+            self._update_decompositions(damping)
+
+        if grads_finite and active:
+            self._precondition(active, grads, damping)
+        elif active:
+            self.skipped_steps += 1
+
+        self._steps += 1
+        self._factor_step = self._is_factor_step(self._steps)
+
+    def _fold_factors(self, active: list[KFACLayer]) -> tuple[dict[str, torch.Tensor], bool]:
+        """Fold this step's (reduced) batch factors into the running averages, unless a
+        factor or a gradient is not finite; returns the raw gradients and whether all are finite."""
+        step = self._steps
         grads = {layer.name: layer.helper.grad() for layer in active}
         batches = [(layer, layer.batch_factors()) for layer in self._layers]
         ready = [(layer, b) for layer, b in batches if b is not None]
@@ -444,28 +470,20 @@ class KFACPreconditioner:
         for layer in self._layers:
             layer.reset_batch()
         self._comm.reset()
-
-        if step % self.inv_update_steps == 0:
-            self._update_decompositions(damping)
-
-        if grads_finite and active:
-            self._precondition(active, grads, damping)
-        elif active:
-            self.skipped_steps += 1
-
-        self._steps += 1
-        self._factor_step = self._is_factor_step(self._steps)
+        return grads, grads_finite
 
     def _update_decompositions(self, damping: float) -> None:
         """Each layer's A and G on their assigned ranks, then broadcast in the worker groups."""
         rank = self.rank
-        for layer in self._layers:
-            place = self.assignment.placements[layer.name]
-            a, g = layer.factors_or_identity()
-            if rank == place.a_rank:
-                layer.decomposition.compute_a(a, damping)
-            if rank == place.g_rank:
-                layer.decomposition.compute_g(g, damping)
+        times = self.times
+        with times.phase("decompositions"):
+            for layer in self._layers:
+                place = self.assignment.placements[layer.name]
+                a, g = layer.factors_or_identity()
+                if rank == place.a_rank:
+                    layer.decomposition.compute_a(a, damping)
+                if rank == place.g_rank:
+                    layer.decomposition.compute_g(g, damping)
 
         def get(name: str, part: str) -> torch.Tensor:
             return self._by_name[name].decomposition.tensors()[part]
@@ -474,18 +492,21 @@ class KFACPreconditioner:
             layer = self._by_name[name]
             layer.decomposition.set_part(part, flat.view(layer.part_shape(part)).clone())
 
-        self._comm.broadcast(self._comm.decomposition_buckets, get, put)
-        for layer in self._layers:
-            if self.assignment.is_grad_worker(layer.name, rank):
-                layer.decomposition.finish(damping)
+        with times.phase("communication"):
+            self._comm.broadcast(self._comm.decomposition_buckets, get, put)
+        with times.phase("decompositions"):
+            for layer in self._layers:
+                if self.assignment.is_grad_worker(layer.name, rank):
+                    layer.decomposition.finish(damping)
 
     def _precondition(
         self, active: list[KFACLayer], raw: dict[str, torch.Tensor], damping: float
     ) -> None:
         preconditioned: dict[str, torch.Tensor] = {}
-        for layer in active:
-            if self.assignment.is_grad_worker(layer.name, self.rank):
-                preconditioned[layer.name] = layer.precondition(raw[layer.name], damping)
+        with self.times.phase("precondition"):
+            for layer in active:
+                if self.assignment.is_grad_worker(layer.name, self.rank):
+                    preconditioned[layer.name] = layer.precondition(raw[layer.name], damping)
 
         def get(name: str, part: str) -> torch.Tensor:
             if name in preconditioned:
@@ -500,7 +521,18 @@ class KFACPreconditioner:
         def put(name: str, part: str, flat: torch.Tensor) -> None:
             preconditioned[name] = flat.view(self._by_name[name].part_shape("grad"))
 
-        self._comm.broadcast(self._comm.gradient_buckets, get, put)
+        with self.times.phase("communication"):
+            self._comm.broadcast(self._comm.gradient_buckets, get, put)
+        with self.times.phase("precondition"):
+            self._clip_and_set(active, raw, preconditioned)
+
+    def _clip_and_set(
+        self,
+        active: list[KFACLayer],
+        raw: dict[str, torch.Tensor],
+        preconditioned: dict[str, torch.Tensor],
+    ) -> None:
+        """KL clipping (scale by min(1, sqrt(kl_clip / |lr² Σ p·g|))), then set the grads."""
         pairs = [(raw[layer.name], preconditioned[layer.name]) for layer in active]
         kl_clip = self.kl_clip
         dots = torch.stack([(p * g).sum().to(torch.float64) for g, p in pairs])

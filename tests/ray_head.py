@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -74,6 +75,13 @@ class RayHead:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=30)
+        # Like `ray stop`: forget this head as the machine's default cluster, so that a later
+        # local ray.init() starts its own instead of trying to reach this dead one.
+        address_file = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        with contextlib.suppress(OSError):
+            port = self.gcs_address.rsplit(":", 1)[1]
+            if address_file.read_text().strip().endswith(f":{port}"):
+                address_file.unlink()
 
 
 def start_head(

@@ -211,6 +211,26 @@ def test_factor_and_inverse_updates_happen_on_their_intervals() -> None:
     assert inverse_steps == [0, 6, 12]
 
 
+def test_phase_times_follow_the_step_kinds() -> None:
+    model = small_cnn()
+    preconditioner = KFACPreconditioner(model, factor_update_steps=2, inv_update_steps=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen: list[dict[str, float]] = []
+    train(
+        model,
+        preconditioner,
+        optimizer,
+        batches(5),
+        on_step=lambda _step: seen.append(preconditioner.times.reset()),
+    )
+    assert set(seen[0]) == {"factors", "decompositions", "precondition", "communication"}
+    assert [s["decompositions"] > 0 for s in seen] == [True, False, False, False, True]
+    assert all(s["precondition"] > 0 for s in seen)
+    # Factor steps (0, 2, 4) compute covariances in the hooks; the others only fold nothing.
+    assert min(seen[i]["factors"] for i in (0, 2, 4)) > max(seen[i]["factors"] for i in (1, 3))
+    assert preconditioner.times.reset() == dict.fromkeys(seen[0], 0.0)
+
+
 @pytest.mark.parametrize("update_in_hook", [True, False])
 def test_accumulation_equals_one_combined_batch(update_in_hook: bool) -> None:
     ((x, y),) = batches(1, size=24, dtype=torch.float64)

@@ -84,13 +84,18 @@ def test_batch_larger_than_the_shard_is_refused() -> None:
 
 
 def test_window_record() -> None:
-    w = Window(steps=2, loss=3.0, correct=24, samples=32, step_s=0.5, kfac_s=0.1)
+    w = Window(steps=2, loss=3.0, correct=24, samples=32, step_s=0.5)
+    w.add_kfac({"factors": 0.04, "decompositions": 0.0, "precondition": 0.05})
+    w.add_kfac({"communication": 0.01})
     record = w.record(step=20, epoch=1, lr=0.1, world=2)
     assert record["loss"] == 1.5
     assert record["accuracy"] == 0.75
     assert record["samples_per_s"] == pytest.approx(128.0)
     assert record["ms_per_step"] == pytest.approx(250.0)
     assert record["kfac_ms_per_step"] == pytest.approx(50.0)
+    assert record["kfac_factors_ms"] == pytest.approx(20.0)
+    assert record["kfac_communication_ms"] == pytest.approx(5.0)
+    assert record["kfac_decompositions_ms"] == 0.0
 
 
 def test_progress_store_sequences_filters_and_bounds() -> None:

@@ -52,8 +52,18 @@ def unique_run_name(job_name: str) -> str:
 
 def ensure_ray() -> None:
     """Connect to Ray once: the cluster in ``RAY_ADDRESS`` (set inside a Ray Job) or a local one."""
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True)
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS") or None
+    try:
+        ray.init(address=address, log_to_driver=True)
+    except ConnectionError as err:
+        where = f"RAY_ADDRESS={address}" if address else "the address `ray start` left behind"
+        raise ConfigurationError(
+            f"cannot reach the Ray cluster at {where} ({err}). Start it, point RAY_ADDRESS at "
+            "a running cluster, or set RAY_ADDRESS=local to start a local Ray for this job "
+            "(`ray stop` also clears a stale address)"
+        ) from err
 
 
 @dataclass
