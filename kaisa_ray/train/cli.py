@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from kaisa_ray.train.datasets import DatasetNotFoundError, IDXFormatError
 from kaisa_ray.train.example import run_example
+
+if TYPE_CHECKING:
+    from kaisa_ray.train.spec import JobSpec
 
 __all__ = ["main"]
 
@@ -165,33 +169,34 @@ def example(
     )
 
 
-@main.command()
-@click.option(
-    "--config",
-    "config",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="Job file (YAML or JSON) to check.",
-)
-def validate(config: Path) -> None:
-    """Check a job file and print it with every default filled in; exit 1 naming each bad field."""
-    from kaisa_ray.train.spec import JobSpecError, load_job_spec
-
-    try:
-        spec = load_job_spec(config)
-    except JobSpecError as err:
-        raise click.ClickException(str(err)) from err
-    click.echo(spec.model_dump_json(indent=2))
-
-
-@main.command()
-@click.option(
+config_option = click.option(
     "--config",
     "config",
     type=click.Path(path_type=Path),
     required=True,
     help="Job file (YAML or JSON); see examples/fashion_mnist.yaml.",
 )
+
+
+def _load(config: Path) -> JobSpec:
+    """The job file as a JobSpec, or exit 1 naming every bad field."""
+    from kaisa_ray.train.spec import JobSpecError, load_job_spec
+
+    try:
+        return load_job_spec(config)
+    except JobSpecError as err:
+        raise click.ClickException(str(err)) from err
+
+
+@main.command()
+@config_option
+def validate(config: Path) -> None:
+    """Check a job file and print it with every default filled in; exit 1 naming each bad field."""
+    click.echo(_load(config).model_dump_json(indent=2))
+
+
+@main.command()
+@config_option
 @click.option(
     "--storage-path",
     type=click.Path(file_okay=False, path_type=Path),
@@ -226,12 +231,8 @@ def train(
     """Train a job on Ray Train: locally, or on the cluster when run by `ray job submit`."""
     from kaisa_ray.errors import ConfigurationError
     from kaisa_ray.train.job import run_job
-    from kaisa_ray.train.spec import JobSpecError, load_job_spec
 
-    try:
-        spec = load_job_spec(config)
-    except JobSpecError as err:
-        raise click.ClickException(str(err)) from err
+    spec = _load(config)
     try:
         result = run_job(
             spec,
