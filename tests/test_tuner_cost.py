@@ -1,0 +1,160 @@
+"""The tuner's cost model and choice, as pure functions of synthetic profiles (no processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kaisa_ray.assignment import LayerShape
+from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.plan import plan
+from tuner.cost import (
+    CubicFit,
+    LinkFit,
+    NoFeasibleCandidateError,
+    Profile,
+    choose,
+    precondition_flops,
+    predict,
+)
+
+LENET = (
+    LayerShape(name="conv1", a_dim=26, g_dim=8),
+    LayerShape(name="conv2", a_dim=201, g_dim=16),
+    LayerShape(name="fc1", a_dim=785, g_dim=128),
+    LayerShape(name="fc2", a_dim=129, g_dim=10),
+)
+# Eight equal layers: the strategies differ clearly (LeNet's fc1 dominates so much that every
+# f < 1 leaves the same worst rank at 4 workers: the model ties them, and takes the larger f).
+EVEN = tuple(LayerShape(name=f"fc{i}", a_dim=513, g_dim=512) for i in range(8))
+MIB = 2**20
+
+
+def profile(**changes: object) -> Profile:
+    base = Profile(
+        world_size=4,
+        layers=LENET,
+        base_memory_bytes=200 * MIB,
+        step_s=0.025,
+        factor_s=0.02,
+        decomposition=CubicFit(c0=1e-4, c3=2e-10),
+        precondition_s_per_flop=1 / 30e9,
+        allreduce=LinkFit(latency_s=1e-4, bytes_per_s=1e9),
+        broadcast=LinkFit(latency_s=1e-4, bytes_per_s=1e9),
+    )
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_fits_recover_the_parameters_of_exact_data() -> None:
+    link = LinkFit.fit([1e3, 1e5, 1e7], [2e-5 + n / 5e8 for n in (1e3, 1e5, 1e7)])
+    assert link.latency_s == pytest.approx(2e-5)
+    assert link.bytes_per_s == pytest.approx(5e8)
+    cubic = CubicFit.fit([64, 256, 1024], [1e-4 + 3e-10 * n**3 for n in (64, 256, 1024)])
+    assert cubic.c0 == pytest.approx(1e-4)
+    assert cubic.c3 == pytest.approx(3e-10)
+    with pytest.raises(ValueError, match="two different x"):
+        LinkFit.fit([5, 5], [1, 2])
+
+
+def test_predicted_kfac_state_is_the_plans_exactly() -> None:
+    decision = choose(profile(), None)
+    assert len(decision.candidates) == 3 * 3  # f in {1/4, 1/2, 1} x three interval pairs
+    for candidate in decision.candidates:
+        expected = max(
+            r.memory["total"] for r in plan(list(LENET), 4, candidate.grad_worker_fraction).ranks
+        )
+        assert candidate.kfac_state_bytes == expected
+        assert candidate.memory_bytes == 200 * MIB + expected
+
+
+def test_eigen_preconditioning_is_two_sandwiches() -> None:
+    fc1 = LENET[2]
+    assert precondition_flops(fc1, "eigen") == 2 * precondition_flops(fc1, "inverse")
+    assert precondition_flops(fc1, "inverse") == 2 * 128 * 785 * (785 + 128)
+
+
+def test_slow_network_fast_compute_chooses_comm_opt() -> None:
+    slow = LinkFit(latency_s=1e-3, bytes_per_s=1e7)  # 10 MB/s
+    fast_compute = profile(allreduce=slow, broadcast=slow, precondition_s_per_flop=1 / 1e13)
+    chosen = choose(fast_compute, None, intervals=[(5, 50)]).chosen
+    assert chosen.grad_worker_fraction == 1.0
+
+
+def test_fast_network_slow_compute_chooses_mem_opt() -> None:
+    fast = LinkFit(latency_s=1e-6, bytes_per_s=1e12)
+    slow_compute = profile(
+        allreduce=fast,
+        broadcast=fast,
+        precondition_s_per_flop=1 / 1e8,
+        decomposition=CubicFit(c0=0.0, c3=1e-8),
+        layers=EVEN,
+    )
+    chosen = choose(slow_compute, None, intervals=[(5, 50)]).chosen
+    assert chosen.grad_worker_fraction == 0.25
+    # With LeNet's one dominant layer, 1/4 and 1/2 cost the same: the larger f wins the tie.
+    lenet = dataclasses.replace(slow_compute, layers=LENET)
+    assert choose(lenet, None, intervals=[(5, 50)]).chosen.grad_worker_fraction == 0.5
+
+
+def test_shrinking_budget_moves_from_comm_opt_to_mem_opt_and_never_exceeds_it() -> None:
+    # A profile where COMM-OPT is fastest when memory is no object (a 10 MB/s network).
+    slow = LinkFit(latency_s=1e-3, bytes_per_s=1e7)
+    p = profile(layers=EVEN, allreduce=slow, broadcast=slow, precondition_s_per_flop=1 / 1e13)
+    table = choose(p, None, intervals=[(5, 50)]).candidates
+    by_f = {c.grad_worker_fraction: c.memory_bytes for c in table}
+    assert by_f[0.25] < by_f[0.5] < by_f[1.0]
+    assert choose(p, None, intervals=[(5, 50)]).chosen.grad_worker_fraction == 1.0
+    chosen = []
+    for budget in (by_f[1.0], by_f[1.0] - 1, by_f[0.5] - 1, by_f[0.25]):
+        decision = choose(p, budget, intervals=[(5, 50)])
+        assert decision.chosen.memory_bytes <= budget
+        chosen.append(decision.chosen.grad_worker_fraction)
+    # f never grows as the budget shrinks. (Here 1/2 is never picked: it pays for both the
+    # decomposition and the gradient broadcasts, and is slower than 1/4 on this network.)
+    assert chosen == sorted(chosen, reverse=True)
+    assert chosen[0] == 1.0
+    assert chosen[-1] == 0.25
+    rejected = [c for c in choose(p, by_f[0.25], intervals=[(5, 50)]).candidates if c.rejected]
+    assert {c.grad_worker_fraction for c in rejected} == {0.5, 1.0}
+    assert all("over the budget by" in (c.rejected or "") for c in rejected)
+
+
+def test_longer_intervals_are_cheaper_and_the_cap_limits_overhead() -> None:
+    p = profile()
+    table = {(c.grad_worker_fraction, c.factor_update_steps): c for c in choose(p, None).candidates}
+    assert table[(1.0, 10)].step_s < table[(1.0, 5)].step_s < table[(1.0, 1)].step_s
+    cheapest = min(c.overhead for c in table.values())
+    decision = choose(p, None, max_overhead=cheapest * 1.01)
+    assert decision.chosen.overhead <= cheapest * 1.01
+    assert any("over the cap" in (c.rejected or "") for c in decision.candidates)
+    with pytest.raises(NoFeasibleCandidateError, match="overhead"):
+        choose(p, None, max_overhead=cheapest / 2)
+
+
+def test_a_budget_below_the_model_says_by_how_much() -> None:
+    with pytest.raises(NoFeasibleCandidateError, match=r"smaller than the job itself") as err:
+        choose(profile(), 150 * MIB)
+    assert "0.049 GiB over" in str(err.value)  # 200 MiB - 150 MiB
+
+
+def test_nothing_fits_says_what_would() -> None:
+    p = profile(world_size=2)
+    smallest = min(c.memory_bytes for c in choose(p, None).candidates)
+    with pytest.raises(NoFeasibleCandidateError) as err:
+        choose(p, smallest - 1)
+    message = str(err.value)
+    assert "a budget of at least" in message
+    assert "skip_layers the largest: fc1" in message
+
+
+def test_predict_matches_the_table_and_bad_intervals_are_refused() -> None:
+    p = profile()
+    row = next(
+        c
+        for c in choose(p, None).candidates
+        if (c.grad_worker_fraction, c.factor_update_steps) == (0.5, 5)
+    )
+    assert predict(p, 0.5, 5, 50) == row
+    with pytest.raises(ConfigurationError, match="multiple of the factor interval"):
+        choose(p, None, intervals=[(5, 12)])

@@ -1,0 +1,305 @@
+"""The tuner's cost model and choice: pure functions of a measured profile and a budget.
+
+A ``Profile`` holds what profiling measured on a job's own workers (base memory, the plain
+step, the factor computation, fits of decomposition time and of collectives). For every
+candidate ``(grad_worker_fraction, factor_update_steps, inv_update_steps)``, ``predict`` gives:
+
+- memory per worker: the measured base plus the exact K-FAC state from ``kaisa_ray.plan``;
+- time per step, on the slowest rank (collectives make every rank wait for it)::
+
+      step + factors / fus + decompositions(rank) / ius + precondition(rank) + comm(rank)
+
+  where the decompositions are those the assignment places on the rank, preconditioning
+  covers the layers the rank is a gradient worker of, and communication is the plan's mean
+  collectives per step priced with an α–β fit (latency + bytes / bandwidth) per operation.
+
+``choose(profile, budget)`` returns the fastest candidate within the budget (and within an
+optional cap on K-FAC's overhead over the plain step), with the whole table and a reason for
+every rejection. When nothing fits, ``NoFeasibleCandidateError`` says what would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kaisa_ray.assignment import LayerShape
+from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.plan import Plan, StepType, plan
+from kaisa_ray.strategy import valid_fractions
+
+DEFAULT_INTERVALS: tuple[tuple[int, int], ...] = ((1, 10), (5, 50), (10, 100))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkFit:
+    """Seconds of one collective passing ``n`` bytes: ``latency_s + n / bytes_per_s``."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+    @classmethod
+    def fit(cls, sizes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
+        """Least-squares line through (bytes, seconds), clamped to a non-negative latency."""
+        slope, intercept = _line(sizes, seconds)
+        slope = max(slope, 1e-15)
+        return cls(latency_s=max(intercept, 0.0), bytes_per_s=1.0 / slope)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CubicFit:
+    """Seconds of decomposing one ``n × n`` factor: ``c0 + c3 · n³``."""
+
+    c0: float
+    c3: float
+
+    def seconds(self, n: int) -> float:
+        return self.c0 + self.c3 * n**3
+
+    @classmethod
+    def fit(cls, dims: Sequence[int], seconds: Sequence[float]) -> CubicFit:
+        slope, intercept = _line([float(n) ** 3 for n in dims], seconds)
+        return cls(c0=max(intercept, 0.0), c3=max(slope, 0.0))
+
+
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError("a fit needs at least two (x, y) points of equal count")
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var == 0:
+        raise ValueError("a fit needs at least two different x values")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+    return slope, my - slope * mx
+
+
+def precondition_flops(layer: LayerShape, compute_method: str) -> float:
+    """Multiply-adds ×2 of preconditioning one layer's gradient once.
+
+    Eigen: ``Q_Gᵀ ∇W Q_A`` and back, two products on each side; inverse: one on each side.
+    """
+    k, a, g = layer.groups, layer.a_dim, layer.g_dim
+    one_sandwich = 2.0 * k * g * a * (a + g)
+    return one_sandwich * (2 if compute_method == "eigen" else 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """What profiling measured on a job's workers (seconds, bytes per worker)."""
+
+    world_size: int
+    layers: tuple[LayerShape, ...]
+    base_memory_bytes: int  # model, optimizer state, activations: the peak without K-FAC
+    step_s: float  # one plain forward + backward + optimizer step
+    factor_s: float  # computing every layer's batch factors once (a factor-update step)
+    decomposition: CubicFit
+    precondition_s_per_flop: float
+    allreduce: LinkFit
+    broadcast: LinkFit
+    compute_method: str = "eigen"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One strategy and its predicted cost; ``rejected`` says why it cannot be chosen."""
+
+    grad_worker_fraction: float
+    factor_update_steps: int
+    inv_update_steps: int
+    memory_bytes: int  # worst rank: base + K-FAC state
+    kfac_state_bytes: int  # worst rank, exactly as the plan holds it
+    step_s: float  # predicted time per step on the slowest rank
+    breakdown: dict[str, float] = field(default_factory=dict)  # seconds per step per phase
+    rejected: str | None = None
+
+    @property
+    def overhead(self) -> float:
+        """K-FAC's predicted time per step over the plain step's, as a fraction."""
+        base = self.step_s - sum(self.breakdown.values())
+        return sum(self.breakdown.values()) / base if base > 0 else math.inf
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    chosen: Candidate
+    candidates: tuple[Candidate, ...]
+    budget_bytes: int | None
+    how: str = "predicted"  # or "measured" (when verified by trials)
+
+
+class NoFeasibleCandidateError(ConfigurationError):
+    """No strategy fits the memory budget; the message says what would."""
+
+
+def predict(
+    profile: Profile, fraction: float, factor_update_steps: int, inv_update_steps: int
+) -> Candidate:
+    """Memory and time per step of one candidate (see the module docstring)."""
+    strategy = plan(
+        list(profile.layers),
+        profile.world_size,
+        fraction,
+        compute_method=profile.compute_method,
+    )
+    return _priced(profile, strategy, factor_update_steps, inv_update_steps)
+
+
+def _priced(profile: Profile, strategy: Plan, fus: int, ius: int) -> Candidate:
+    assignment = strategy.assignment
+    worst: tuple[float, dict[str, float]] | None = None
+    for rank_plan in strategy.ranks:
+        rank = rank_plan.rank
+        decompositions = 0.0
+        precondition = 0.0
+        for layer in profile.layers:
+            place = assignment.placements[layer.name]
+            if place.a_rank == rank:
+                decompositions += layer.groups * profile.decomposition.seconds(layer.a_dim)
+            if place.g_rank == rank:
+                decompositions += layer.groups * profile.decomposition.seconds(layer.g_dim)
+            if assignment.is_grad_worker(layer.name, rank):
+                flops = precondition_flops(layer, profile.compute_method)
+                precondition += flops * profile.precondition_s_per_flop
+
+        plain, factor, inverse = (
+            sum(
+                (profile.allreduce if c.op == "all_reduce" else profile.broadcast).seconds(c.nbytes)
+                for c in rank_plan.calls[step_type]
+            )
+            for step_type in (StepType.PLAIN, StepType.FACTOR_UPDATE, StepType.INVERSE_UPDATE)
+        )
+        breakdown = {
+            "factors": profile.factor_s / fus,
+            "decompositions": decompositions / ius,
+            "precondition": precondition,
+            "communication": plain + (factor - plain) / fus + (inverse - factor) / ius,
+        }
+        total = profile.step_s + sum(breakdown.values())
+        if worst is None or total > worst[0]:
+            worst = (total, breakdown)
+    assert worst is not None
+    state = max(r.memory["total"] for r in strategy.ranks)
+    return Candidate(
+        grad_worker_fraction=strategy.grad_worker_fraction,
+        factor_update_steps=fus,
+        inv_update_steps=ius,
+        memory_bytes=profile.base_memory_bytes + state,
+        kfac_state_bytes=state,
+        step_s=worst[0],
+        breakdown=worst[1],
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+def choose(
+    profile: Profile,
+    budget_bytes: int | None,
+    *,
+    intervals: Sequence[tuple[int, int]] = DEFAULT_INTERVALS,
+    max_overhead: float | None = None,
+) -> Decision:
+    """The fastest candidate that fits ``budget_bytes`` (and ``max_overhead``, if given).
+
+    Raises:
+        NoFeasibleCandidateError: the budget is below the job's base memory (by how much is said),
+            or no strategy's K-FAC state fits beside it (what would fit is said).
+    """
+    for fus, ius in intervals:
+        if fus < 1 or ius < 1 or ius % fus:
+            raise ConfigurationError(
+                f"interval pair ({fus}, {ius}) is invalid: both must be positive and the "
+                "inverse interval a multiple of the factor interval"
+            )
+    if budget_bytes is not None and profile.base_memory_bytes >= budget_bytes:
+        raise NoFeasibleCandidateError(
+            f"the memory budget {_gib(budget_bytes)} is smaller than the job itself: model, "
+            f"optimizer state and activations take {_gib(profile.base_memory_bytes)} per "
+            f"worker, {_gib(profile.base_memory_bytes - budget_bytes)} over, before any K-FAC "
+            "state; raise memory_budget, lower dataset.batch_size, or train with kfac: off"
+        )
+    table: list[Candidate] = []
+    for fraction in valid_fractions(profile.world_size):
+        strategy = plan(
+            list(profile.layers),
+            profile.world_size,
+            fraction,
+            compute_method=profile.compute_method,
+        )
+        for fus, ius in intervals:
+            candidate = _priced(profile, strategy, fus, ius)
+            reason = None
+            if budget_bytes is not None and candidate.memory_bytes > budget_bytes:
+                reason = (
+                    f"needs {_gib(candidate.memory_bytes)}, over the budget by "
+                    f"{_gib(candidate.memory_bytes - budget_bytes)}"
+                )
+            elif max_overhead is not None and candidate.overhead > max_overhead:
+                reason = (
+                    f"K-FAC overhead {candidate.overhead:.0%} of the plain step is over the cap "
+                    f"of {max_overhead:.0%}"
+                )
+            table.append(_with_reason(candidate, reason))
+    feasible = [c for c in table if c.rejected is None]
+    if not feasible:
+        raise NoFeasibleCandidateError(_what_would_fit(profile, table, budget_bytes, max_overhead))
+    best = min(feasible, key=lambda c: (c.step_s, -c.grad_worker_fraction))
+    return Decision(chosen=best, candidates=tuple(table), budget_bytes=budget_bytes)
+
+
+def _with_reason(candidate: Candidate, reason: str | None) -> Candidate:
+    if reason is None:
+        return candidate
+    return Candidate(**{**candidate.__dict__, "rejected": reason})
+
+
+def _mem_opt_state(layers: Sequence[LayerShape], world: int, compute_method: str) -> int:
+    """The worst rank's K-FAC state bytes under MEM-OPT (the least memory of any f)."""
+    ranks = plan(list(layers), world, 1 / world, compute_method=compute_method).ranks
+    return max(r.memory["total"] for r in ranks)
+
+
+def _what_would_fit(
+    profile: Profile,
+    table: list[Candidate],
+    budget_bytes: int | None,
+    max_overhead: float | None,
+) -> str:
+    smallest = min(table, key=lambda c: c.memory_bytes)
+    over_budget = budget_bytes is not None and smallest.memory_bytes > budget_bytes
+    if not over_budget:
+        fastest = min(table, key=lambda c: c.overhead)
+        return (
+            f"no strategy keeps K-FAC's overhead within {max_overhead:.0%}: the lowest is "
+            f"{fastest.overhead:.0%} (f={fastest.grad_worker_fraction:g}, intervals "
+            f"{fastest.factor_update_steps}/{fastest.inv_update_steps}); raise the cap or add "
+            "longer intervals"
+        )
+    assert budget_bytes is not None
+    lines = [
+        f"no strategy fits the memory budget {_gib(budget_bytes)}: the smallest, f="
+        f"{smallest.grad_worker_fraction:g}, needs {_gib(smallest.memory_bytes)} "
+        f"({_gib(profile.base_memory_bytes)} for the job, {_gib(smallest.kfac_state_bytes)} "
+        "of K-FAC state). What would fit:",
+        f"  - a budget of at least {_gib(smallest.memory_bytes)}",
+    ]
+    room = budget_bytes - profile.base_memory_bytes
+    by_size = sorted(profile.layers, key=lambda layer: layer.a_dim**2 + layer.g_dim**2)
+    for skipped in range(1, len(by_size)):
+        kept = by_size[: len(by_size) - skipped]
+        if _mem_opt_state(kept, profile.world_size, profile.compute_method) <= room:
+            names = ", ".join(layer.name for layer in by_size[len(by_size) - skipped :])
+            lines.append(f"  - skip_layers the largest: {names}")
+            break
+    for more in (2, 4, 8):
+        world = profile.world_size * more
+        if _mem_opt_state(profile.layers, world, profile.compute_method) <= room:
+            lines.append(f"  - {world} workers (MEM-OPT spreads the decompositions)")
+            break
+    return "\n".join(lines)
