@@ -172,6 +172,29 @@ def test_killed_worker_resumes_from_its_checkpoint(ray_head: RayHead, tmp_path: 
         assert torch.equal(ours[name], theirs[name]), name
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("workers", [1, 2], ids=["1-gpu", "2-gpus-nccl"])
+def test_gpu_job_trains_on_cuda(ray_head: RayHead, tmp_path: Path, workers: int) -> None:
+    if torch.cuda.device_count() < workers:
+        pytest.skip(f"needs {workers} GPUs (NCCL will not put two ranks on one GPU)")
+    spec = job(
+        name="gpu",
+        dataset={"name": "synthetic", "batch_size": 64, "limit": 2048},
+        scaling={"workers": workers, "gpus_per_worker": 1},
+        stop={"max_steps": 30},
+        eval_every=10,
+        checkpoint={"every_steps": 10, "keep": 2},
+    )
+    result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
+    assert result.succeeded, result.error
+    assert result.metrics["step"] == 30
+    devices = [r["device"] for r in records(result.run_name, "worker")]
+    assert len(devices) == workers
+    assert all(d.startswith("cuda") for d in devices)
+    assert result.checkpoint is not None
+    assert load_checkpoint_file(result.checkpoint)["step"] == 30
+
+
 def test_ray_job_submit_runs_the_train_command(ray_head: RayHead, tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job(name="submitted", stop={"max_steps": 20})))

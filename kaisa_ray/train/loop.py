@@ -403,6 +403,7 @@ def train_worker(config: dict[str, Any]) -> None:
                 "rank": job.rank,
                 "world": job.world,
                 "pid": os.getpid(),
+                "device": str(job.device),
                 "node": ray.get_runtime_context().get_node_id(),
             }
         ],
