@@ -1,0 +1,50 @@
+"""The tuner's hardware measurements: they run, fit the cost model, and agree across ranks.
+
+Only structure is asserted here (finite, non-negative fits that every rank shares); how good
+the fits are is a benchmark's question, not a pass/fail test's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from harness import run_distributed
+
+from tuner.cost import CubicFit, LinkFit
+from tuner.measure import fit_decomposition, precondition_rate, time_collectives
+
+CPU = torch.device("cpu")
+
+
+def test_decomposition_fits_are_finite_and_non_negative() -> None:
+    for method in ("eigen", "inverse"):
+        fit = fit_decomposition(CPU, method, dims=(16, 32, 64), repeats=1)
+        assert isinstance(fit, CubicFit)
+        assert math.isfinite(fit.c0)
+        assert fit.c0 >= 0
+        assert math.isfinite(fit.c3)
+        assert fit.c3 >= 0
+
+
+def test_precondition_rate_is_positive() -> None:
+    rate = precondition_rate(CPU, a_dim=65, g_dim=32, repeats=1)
+    assert 0 < rate < 1
+
+
+def test_one_rank_has_nothing_to_send() -> None:
+    allreduce, broadcast = time_collectives(CPU)
+    assert allreduce.seconds(2**30) == 0.0
+    assert broadcast == allreduce
+
+
+def collectives_worker(rank: int, world_size: int) -> tuple[LinkFit, LinkFit]:
+    return time_collectives(CPU, sizes=(1024, 64 * 1024, 1024 * 1024), repeats=2)
+
+
+def test_collective_fits_on_two_ranks_agree() -> None:
+    per_rank = run_distributed(collectives_worker, 2, timeout=120)
+    assert per_rank[0] == per_rank[1]  # fitted to the slowest rank's times, on every rank
+    for fit in per_rank[0]:
+        assert fit.latency_s >= 0
+        assert 0 < fit.bytes_per_s < math.inf

@@ -1,0 +1,116 @@
+"""Measurements of this hardware that the cost model is fitted to (run inside the workers).
+
+Each function times real work at a few sizes and fits the ``tuner.cost`` model to it:
+collectives between the job's own ranks (``time_collectives``), factor decompositions
+(``fit_decomposition``) and preconditioning products (``precondition_rate``). They use torch
+and ``torch.distributed`` only; every rank must call ``time_collectives`` together. Each call
+is bounded: a few repeats at a few sizes, medians taken, so a slow outlier does not bend the
+fit.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tuner.cost import CubicFit, LinkFit
+
+DEFAULT_MESSAGE_BYTES = (4 * 2**10, 256 * 2**10, 4 * 2**20, 16 * 2**20)
+DEFAULT_DIMS = (64, 128, 256, 512)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+    run()  # warm-up: first calls pay for allocation and kernel selection
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_collectives(
+    device: torch.device,
+    sizes: Sequence[int] = DEFAULT_MESSAGE_BYTES,
+    repeats: int = 5,
+) -> tuple[LinkFit, LinkFit]:
+    """α–β fits of float32 all-reduce and broadcast over the default group; collective.
+
+    With one rank there is nothing to send: both fits are free (zero latency, unbounded
+    bandwidth), which is what the plan's empty schedule costs.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        free = LinkFit(latency_s=0.0, bytes_per_s=float("inf"))
+        return free, free
+    fits = []
+    for op in ("all_reduce", "broadcast"):
+        seconds = []
+        for nbytes in sizes:
+            buffer = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+
+            def call(buffer: torch.Tensor = buffer, op: str = op) -> None:
+                if op == "all_reduce":
+                    dist.all_reduce(buffer)
+                else:
+                    dist.broadcast(buffer, src=0)
+
+            dist.barrier()
+            local = _median_seconds(call, device, repeats)
+            # Every rank waits for the slowest: fit the slowest rank's time.
+            worst = torch.tensor([local], dtype=torch.float64, device=device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            seconds.append(float(worst.item()))
+        fits.append(LinkFit.fit([float(s) for s in sizes], seconds))
+    return fits[0], fits[1]
+
+
+def _spd(n: int, device: torch.device, generator: torch.Generator) -> torch.Tensor:
+    x = torch.randn(n, n, generator=generator).to(device)
+    return x @ x.T / n + torch.eye(n, device=device)
+
+
+def fit_decomposition(
+    device: torch.device,
+    compute_method: str = "eigen",
+    dims: Sequence[int] = DEFAULT_DIMS,
+    repeats: int = 3,
+) -> CubicFit:
+    """Seconds to decompose an ``n × n`` float32 factor (``eigh``, or a Cholesky inverse)."""
+    generator = torch.Generator().manual_seed(0)
+    seconds = []
+    for n in dims:
+        factor = _spd(n, device, generator)
+
+        def decompose(f: torch.Tensor = factor) -> object:
+            if compute_method == "eigen":
+                return torch.linalg.eigh(f)
+            return torch.cholesky_inverse(torch.linalg.cholesky(f))
+
+        seconds.append(_median_seconds(decompose, device, repeats))
+    return CubicFit.fit(list(dims), seconds)
+
+
+def precondition_rate(device: torch.device, a_dim: int, g_dim: int, repeats: int = 5) -> float:
+    """Seconds per flop of the ``G-side @ grad @ A-side`` products at one layer's size.
+
+    Pass the largest layer's dimensions: it dominates preconditioning, and small products
+    run at a lower rate that would overstate the total if it were used for every layer.
+    """
+    generator = torch.Generator().manual_seed(1)
+    qa = torch.randn(a_dim, a_dim, generator=generator).to(device)
+    qg = torch.randn(g_dim, g_dim, generator=generator).to(device)
+    grad = torch.randn(g_dim, a_dim, generator=generator).to(device)
+    seconds = _median_seconds(lambda: qg.T @ grad @ qa, device, repeats)
+    flops = 2.0 * g_dim * a_dim * (a_dim + g_dim)
+    return seconds / flops
