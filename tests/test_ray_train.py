@@ -73,6 +73,7 @@ def test_two_worker_kfac_job_end_to_end(ray_head: RayHead, tmp_path: Path) -> No
     assert steps[-1]["loss"] < 0.8 * steps[0]["loss"], [r["loss"] for r in steps]
     evals = records(result.run_name, "eval")
     assert [r["step"] for r in evals] == [20, 40]
+    assert result.evals == evals  # the driver followed the sink while the job ran
     assert evals[-1]["test_loss"] < evals[0]["test_loss"]
 
     # The checkpoint loads: the model reproduces the reported accuracy, K-FAC state restores.

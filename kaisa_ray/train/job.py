@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.loop import CHECKPOINT_FILE, train_worker
-from kaisa_ray.train.progress import read_progress
+from kaisa_ray.train.progress import progress_sink
 from kaisa_ray.train.spec import JobSpec
 
 __all__ = ["JobResult", "default_storage_path", "ensure_ray", "run_job", "unique_run_name"]
@@ -90,6 +90,7 @@ class _Follower(threading.Thread):
         self.records: list[dict[str, Any]] = []
         self._stop_event = threading.Event()
         self._since = 0
+        self._sink: Any = None
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -111,7 +112,9 @@ class _Follower(threading.Thread):
             bar.close()
 
     def _poll(self, bar: Any) -> None:
-        page = read_progress(self.run_name, self._since)
+        if self._sink is None:  # looked up once, on the first poll
+            self._sink = progress_sink()
+        page: dict[str, Any] = ray.get(self._sink.read.remote(self.run_name, self._since))
         self._since = page["next"]
         for record in page["records"]:
             self.records.append(record)
