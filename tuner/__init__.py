@@ -1,5 +1,7 @@
-"""The strategy tuner: profiling, the cost model and choice policy (``tuner.cost``), the actor.
+"""The strategy tuner: profiling on the job's workers, the cost model and the choice policy.
 
-So far: ``tuner.cost`` (issue 5, partial), the pure cost model and ``choose``. Profiling on
-the workers, the tuner actor, trial verification and ``kfac: auto`` are still to come.
+So far (issue 5, partial): ``tuner.cost`` (the pure cost model and ``choose``),
+``tuner.measure`` (hardware fits), ``tuner.memory`` (measured tensor memory) and
+``tuner.profile`` (``profile_job``). The tuner actor, trial verification and ``kfac: auto``
+are still to come.
 """
