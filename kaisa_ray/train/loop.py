@@ -452,10 +452,12 @@ def train_worker(config: dict[str, Any]) -> None:
         train_s += took
 
         done = step >= job.max_steps
-        if job.rank == 0 and (step % progress_every == 0 or done):
-            epoch, _ = job.shard.position(step)
-            lr = float(job.optimizer.param_groups[0]["lr"])
-            sink.push.remote(run, [window.record(step=step, epoch=epoch, lr=lr, world=job.world)])
+        if step % progress_every == 0 or done:
+            if job.rank == 0:
+                epoch, _ = job.shard.position(step)
+                lr = float(job.optimizer.param_groups[0]["lr"])
+                record = window.record(step=step, epoch=epoch, lr=lr, world=job.world)
+                sink.push.remote(run, [record])
             window = Window()
 
         if step % spec.eval_every == 0 or done:
