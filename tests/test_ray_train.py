@@ -108,6 +108,38 @@ def test_target_accuracy_stops_the_job_early(ray_head: RayHead, tmp_path: Path) 
     assert all(a < 0.5 for a in accuracies[:-1])
 
 
+def test_kfac_auto_profiles_on_the_workers_chooses_and_trains(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    spec = job(kfac="auto", memory_budget="1GiB", stop={"max_steps": 20}, eval_every=10)
+    result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
+    assert result.succeeded, result.error
+    (tuning,) = records(result.run_name, "tuner")
+    assert tuning["budget_bytes"] == 2**30
+    assert 0 < tuning["profile_s"] < 60
+    table = tuning["candidates"]
+    assert len(table) == 2 * 3  # f in {1/2, 1} at 2 workers x three interval pairs
+    feasible = [row for row in table if row["rejected"] is None]
+    fastest = min(feasible, key=lambda row: row["ms_per_step"])
+    chosen = tuning["chosen"]
+    assert chosen == {
+        "strategy": fastest["grad_worker_fraction"],
+        "factor_update_steps": fastest["factor_update_steps"],
+        "inv_update_steps": fastest["inv_update_steps"],
+    }
+    assert result.checkpoint is not None
+    assert load_checkpoint_file(result.checkpoint)["kfac_decision"] == chosen
+
+
+def test_kfac_auto_with_a_budget_below_the_model_fails_saying_so(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    spec = job(kfac="auto", memory_budget="100KiB", stop={"max_steps": 5})
+    result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
+    assert not result.succeeded
+    assert "smaller than the job itself" in (result.error or ""), result.error
+
+
 def _final_model(result: JobResult) -> dict[str, torch.Tensor]:
     assert result.checkpoint is not None
     model: dict[str, torch.Tensor] = load_checkpoint_file(result.checkpoint)["model"]

@@ -79,15 +79,19 @@ def test_missing_data_directory_says_how_to_install(tmp_path: Path) -> None:
         parse_job_spec(with_(dataset={"name": "mnist"}))
 
 
-def test_strategy_must_fit_the_workers_and_auto_is_not_yet_available() -> None:
+def test_strategy_must_fit_the_workers_and_auto_is_a_strategy() -> None:
     with pytest.raises(
         JobSpecError,
         match=r"kfac.strategy does not fit scaling.workers: .*"
         r"valid values for world size 3",
     ):
         parse_job_spec(with_(scaling={"workers": 3}))
-    with pytest.raises(JobSpecError, match=r"kfac: auto needs the strategy tuner"):
-        parse_job_spec(with_(kfac="auto"))
+    auto = parse_job_spec(with_(kfac="auto", scaling={"workers": 3}))
+    assert isinstance(auto.kfac, KFACSpec)
+    assert auto.kfac.strategy == "auto"  # any worker count: the tuner picks a valid f
+    capped = parse_job_spec(with_(kfac={"strategy": "auto", "max_overhead": 0.5}))
+    assert isinstance(capped.kfac, KFACSpec)
+    assert capped.kfac.max_overhead == 0.5
     assert parse_job_spec(with_(kfac="off")).kfac == "off"
 
 

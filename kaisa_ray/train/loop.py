@@ -40,6 +40,8 @@ from kaisa_ray.timing import PHASES
 from kaisa_ray.train.progress import progress_sink
 from kaisa_ray.train.registry import DatasetRequest, dataset_entry, model_factory
 from kaisa_ray.train.spec import JobSpec, KFACSpec, OptimizerSpec, ScheduleSpec
+from tuner.cost import choose
+from tuner.profile import profile_job
 
 CHECKPOINT_FILE = "state.pt"
 CHECKPOINT_VERSION = 1
@@ -99,6 +101,59 @@ def build_preconditioner(
         kfac_approx=spec.kfac_approx,
         grad_worker_fraction=spec.strategy,
     )
+
+
+def tune(
+    spec: JobSpec,
+    kfac: KFACSpec,
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    shard: Shard,
+    device: torch.device,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``kfac: auto``: profile on these workers (collective), then choose under the budget.
+
+    Every rank gets the same profile, so every rank makes the same choice. Returns the
+    chosen KFACSpec fields and the record for the progress sink (the decision and the whole
+    candidate table, with the reason for each rejection).
+    """
+    result = profile_job(
+        net,
+        optimizer,
+        lambda i: shard.batch(i + 1),
+        nn.functional.cross_entropy,
+        device,
+        compute_method=kfac.compute_method,
+        kfac_options={"kfac_approx": kfac.kfac_approx},
+    )
+    budget = int(spec.memory_budget) if spec.memory_budget is not None else None
+    decision = choose(result.profile, budget, max_overhead=kfac.max_overhead)
+    chosen = decision.chosen
+    decided = {
+        "strategy": chosen.grad_worker_fraction,
+        "factor_update_steps": chosen.factor_update_steps,
+        "inv_update_steps": chosen.inv_update_steps,
+    }
+    record = {
+        "kind": "tuner",
+        "how": decision.how,
+        "profile_s": result.seconds,
+        "budget_bytes": budget,
+        "chosen": decided,
+        "candidates": [
+            {
+                "grad_worker_fraction": c.grad_worker_fraction,
+                "factor_update_steps": c.factor_update_steps,
+                "inv_update_steps": c.inv_update_steps,
+                "memory_bytes": c.memory_bytes,
+                "kfac_state_bytes": c.kfac_state_bytes,
+                "ms_per_step": 1000 * c.step_s,
+                "rejected": c.rejected,
+            }
+            for c in decision.candidates
+        ],
+    }
+    return decided, record
 
 
 @dataclass
@@ -263,11 +318,15 @@ class Job:
     preconditioner: KFACPreconditioner | None
     shard: Shard
     max_steps: int
+    kfac_decision: dict[str, Any] | None = None  # what kfac: auto chose (kept in checkpoints)
+    tuning: dict[str, Any] | None = None  # the tuner's record, when it ran in this attempt
     step: int = 0
     best: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, spec: JobSpec) -> Job:
+    def build(cls, spec: JobSpec, decided: dict[str, Any] | None = None) -> Job:
+        """Everything a worker trains with. With ``kfac: auto`` the tuner profiles this job on
+        these workers and chooses, unless ``decided`` (from a checkpoint) says what it chose."""
         context = ray.train.get_context()
         rank, world = context.get_world_rank(), context.get_world_size()
         device = ray.train.torch.get_device()
@@ -285,14 +344,16 @@ class Job:
                 model, device_ids=[device.index] if device.type == "cuda" else None
             )
         optimizer = build_optimizer(spec.optimizer, model.parameters())
+        kfac = spec.kfac if isinstance(spec.kfac, KFACSpec) else None
+        tuning = None
+        if kfac is not None and kfac.strategy == "auto":
+            if decided is None:
+                decided, tuning = tune(spec, kfac, net, optimizer, shard, device)
+            kfac = kfac.model_copy(update=decided)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_factor(spec.optimizer.schedule, max_steps)
         )
-        preconditioner = (
-            build_preconditioner(spec.kfac, net, optimizer)
-            if isinstance(spec.kfac, KFACSpec)
-            else None
-        )
+        preconditioner = build_preconditioner(kfac, net, optimizer) if kfac is not None else None
         return cls(
             spec=spec,
             rank=rank,
@@ -305,6 +366,8 @@ class Job:
             preconditioner=preconditioner,
             shard=shard,
             max_steps=max_steps,
+            kfac_decision=decided,
+            tuning=tuning,
         )
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -327,6 +390,7 @@ class Job:
             "preconditioner": kfac,
             "rng": rngs,
             "best": dict(self.best),
+            "kfac_decision": self.kfac_decision,
             "spec": self.spec.model_dump(mode="json"),
         }
 
@@ -393,7 +457,17 @@ def train_worker(config: dict[str, Any]) -> None:
     spec = JobSpec.model_validate(config["spec"])
     run: str = config["run"]
     progress_every: int = config.get("progress_every", 10)
-    job = Job.build(spec)
+    checkpoint = ray.train.get_checkpoint()
+    source = checkpoint.path if checkpoint is not None else config.get("resume_from")
+    state: dict[str, Any] | None = None
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            state = load_checkpoint_file(directory)
+    elif source is not None:
+        state = load_checkpoint_file(source)
+    job = Job.build(spec, decided=state.get("kfac_decision") if state else None)
+    if state is not None:
+        job.load(state, str(source))
     sink = progress_sink()
     sink.push.remote(
         run,
@@ -409,13 +483,8 @@ def train_worker(config: dict[str, Any]) -> None:
         ],
     )
 
-    checkpoint = ray.train.get_checkpoint()
-    source = checkpoint.path if checkpoint is not None else config.get("resume_from")
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            job.load(load_checkpoint_file(directory), str(source))
-    elif source is not None:
-        job.load(load_checkpoint_file(source), str(source))
+    if job.rank == 0 and job.tuning is not None:
+        sink.push.remote(run, [job.tuning])
     if job.rank == 0:
         start = {"kind": "start", "total_steps": job.max_steps, "from_step": job.step}
         if source is not None:

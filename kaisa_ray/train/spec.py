@@ -106,15 +106,21 @@ class OptimizerSpec(_Strict):
 
 
 class KFACSpec(_Strict):
-    strategy: Literal["comm-opt", "hybrid-opt", "mem-opt"] | Annotated[float, Field(gt=0, le=1)] = (
-        "comm-opt"
-    )
+    """K-FAC settings. ``strategy: auto`` (or ``kfac: auto``) lets the tuner choose the
+    gradient worker fraction and the factor/inverse intervals on the job's own workers, under
+    ``memory_budget`` (and ``max_overhead``, K-FAC's predicted time over the plain step's,
+    if given); the intervals written here are then ignored."""
+
+    strategy: (
+        Literal["auto", "comm-opt", "hybrid-opt", "mem-opt"] | Annotated[float, Field(gt=0, le=1)]
+    ) = "comm-opt"
     factor_update_steps: PositiveInt = 5
     inv_update_steps: PositiveInt = 50
     damping: PositiveFloat = 0.1
     kl_clip: PositiveFloat | None = 0.001
     compute_method: Literal["eigen", "inverse"] = "eigen"
     kfac_approx: Literal["expand", "reduce"] = "reduce"
+    max_overhead: PositiveFloat | None = None
 
 
 class ScalingSpec(_Strict):
@@ -152,7 +158,7 @@ class JobSpec(_Strict):
     model: ModelSpec
     dataset: DatasetSpec
     optimizer: OptimizerSpec = OptimizerSpec()
-    kfac: KFACSpec | Literal["off", "auto"] = KFACSpec()
+    kfac: KFACSpec | Literal["off"] = KFACSpec()
     memory_budget: ByteSize | None = None
     scaling: ScalingSpec = ScalingSpec()
     stop: StopSpec
@@ -161,20 +167,14 @@ class JobSpec(_Strict):
     max_failures: Annotated[int, Field(ge=0)] = 0
     seed: int = 0
 
-    @field_validator("kfac")
+    @field_validator("kfac", mode="before")
     @classmethod
-    def _auto_not_yet(cls, value: KFACSpec | str) -> KFACSpec | str:
-        if value == "auto":
-            raise ValueError(
-                "kfac: auto needs the strategy tuner, which this version does not have yet; "
-                "give an explicit strategy, e.g. {strategy: comm-opt, factor_update_steps: 5, "
-                "inv_update_steps: 50}, or kfac: off"
-            )
-        return value
+    def _auto_shorthand(cls, value: Any) -> Any:
+        return {"strategy": "auto"} if value == "auto" else value
 
     @model_validator(mode="after")
     def _strategy_fits_workers(self) -> JobSpec:
-        if isinstance(self.kfac, KFACSpec):
+        if isinstance(self.kfac, KFACSpec) and self.kfac.strategy != "auto":
             try:
                 resolve_grad_worker_fraction(self.kfac.strategy, self.scaling.workers)
             except ConfigurationError as exc:
