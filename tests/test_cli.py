@@ -84,6 +84,14 @@ def test_example_without_kfac_on_real_data(runner: CliRunner) -> None:
     assert "after 3 steps" in result.output
 
 
+def test_every_example_job_is_valid() -> None:
+    examples = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
+    assert len(examples) >= 2
+    for example in examples:
+        result = CliRunner().invoke(main, ["validate", "--config", str(example)])
+        assert result.exit_code == 0, (example, result.output)
+
+
 def test_validate_accepts_the_example_job_and_names_bad_fields(tmp_path: Path) -> None:
     example = Path(__file__).resolve().parents[1] / "examples" / "fashion_mnist.yaml"
     result = CliRunner().invoke(main, ["validate", "--config", str(example)])
