@@ -134,6 +134,14 @@ class _Follower(threading.Thread):
                     samples_s=f"{record['samples_per_s']:.0f}",
                     refresh=False,
                 )
+            elif kind == "tuner" and self.show_bar:
+                chosen = record["chosen"]
+                tqdm.write(
+                    f"kfac: auto chose grad_worker_fraction={chosen['strategy']:g}, intervals "
+                    f"{chosen['factor_update_steps']}/{chosen['inv_update_steps']} "
+                    f"({record['profile_s']:.1f} s of profiling, {len(record['candidates'])} "
+                    "candidates)"
+                )
             elif kind == "eval":
                 self.evals.append(record)
                 if not self.show_bar:
