@@ -51,8 +51,13 @@ from kaisa_ray.train.spec import parse_job_spec
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 TARGET = 0.88
-KFAC = {"factor_update_steps": 5, "inv_update_steps": 50, "damping": 0.1, "kl_clip": 0.001}
-KFAC["kfac_approx"] = "reduce"
+KFAC = {
+    "factor_update_steps": 5,
+    "inv_update_steps": 50,
+    "damping": 0.1,
+    "kl_clip": 0.001,
+    "kfac_approx": "reduce",
+}
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "SGD (Nesterov 0.9, lr 0.05)": {

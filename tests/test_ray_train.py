@@ -6,6 +6,7 @@ import os
 import secrets
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -156,8 +157,6 @@ def test_killed_worker_resumes_from_its_checkpoint(ray_head: RayHead, tmp_path: 
         )
     )
     box: dict[str, JobResult] = {}
-
-    import threading
 
     thread = threading.Thread(
         target=lambda: box.setdefault(

@@ -20,6 +20,7 @@ every rejection. When nothing fits, ``NoFeasibleCandidateError`` says what would
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -256,7 +257,7 @@ def choose(
 def _with_reason(candidate: Candidate, reason: str | None) -> Candidate:
     if reason is None:
         return candidate
-    return Candidate(**{**candidate.__dict__, "rejected": reason})
+    return dataclasses.replace(candidate, rejected=reason)
 
 
 def _mem_opt_state(layers: Sequence[LayerShape], world: int, compute_method: str) -> int:

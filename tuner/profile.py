@@ -11,6 +11,7 @@ same ``Profile`` (times and memory are the slowest rank's).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -166,5 +167,5 @@ def profile_job(
     if _distributed():
         shared: list[Any] = [profile.decomposition]
         dist.broadcast_object_list(shared, src=0)
-        profile = Profile(**{**profile.__dict__, "decomposition": shared[0]})
+        profile = dataclasses.replace(profile, decomposition=shared[0])
     return ProfileResult(profile=profile, seconds=time.perf_counter() - began)

@@ -87,7 +87,6 @@ class _Follower(threading.Thread):
         self.show_bar = show_bar
         self.interval_s = interval_s
         self.evals: list[dict[str, Any]] = []
-        self.records: list[dict[str, Any]] = []
         self._stop_event = threading.Event()
         self._since = 0
         self._sink: Any = None
@@ -117,7 +116,6 @@ class _Follower(threading.Thread):
         page: dict[str, Any] = ray.get(self._sink.read.remote(self.run_name, self._since))
         self._since = page["next"]
         for record in page["records"]:
-            self.records.append(record)
             kind = record["kind"]
             if kind == "start":
                 bar.total = record["total_steps"]
@@ -228,7 +226,6 @@ def run_job(
     try:
         result = trainer.fit()
     except Exception as err:  # Ray raises when the workers failed beyond max_failures
-        follower.stop()
         return JobResult(
             run_name=name,
             succeeded=False,
@@ -237,7 +234,8 @@ def run_job(
             evals=follower.evals,
             error=f"{type(err).__name__}: {err}",
         )
-    follower.stop()
+    finally:
+        follower.stop()  # before the result is read: its final poll has every evaluation
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
     return JobResult(
         run_name=name,
