@@ -135,7 +135,7 @@ def test_longer_intervals_are_cheaper_and_the_cap_limits_overhead() -> None:
 def test_a_budget_below_the_model_says_by_how_much() -> None:
     with pytest.raises(NoFeasibleCandidateError, match=r"smaller than the job itself") as err:
         choose(profile(), 150 * MIB)
-    assert "0.049 GiB over" in str(err.value)  # 200 MiB - 150 MiB
+    assert "50.00 MiB over" in str(err.value)  # 200 MiB - 150 MiB
 
 
 def test_nothing_fits_says_what_would() -> None:

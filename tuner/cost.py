@@ -4,7 +4,9 @@ A ``Profile`` holds what profiling measured on a job's own workers (base memory,
 step, the factor computation, fits of decomposition time and of collectives). For every
 candidate ``(grad_worker_fraction, factor_update_steps, inv_update_steps)``, ``predict`` gives:
 
-- memory per worker: the measured base plus the exact K-FAC state from ``kaisa_ray.plan``;
+- memory per worker: the measured base, plus K-FAC's measured transient memory (the
+  temporaries of a factor-and-decomposition step over its state), plus the exact K-FAC state
+  from ``kaisa_ray.plan``;
 - time per step, on the slowest rank (collectives make every rank wait for it)::
 
       step + factors / fus + decompositions(rank) / ius + precondition(rank) + comm(rank)
@@ -95,6 +97,7 @@ class Profile:
     world_size: int
     layers: tuple[LayerShape, ...]
     base_memory_bytes: int  # model, optimizer state, activations: the peak without K-FAC
+    kfac_transient_bytes: int = 0  # K-FAC's temporaries at the peak of a step, over its state
     step_s: float  # one plain forward + backward + optimizer step
     factor_s: float  # computing every layer's batch factors once (a factor-update step)
     decomposition: CubicFit
@@ -111,7 +114,7 @@ class Candidate:
     grad_worker_fraction: float
     factor_update_steps: int
     inv_update_steps: int
-    memory_bytes: int  # worst rank: base + K-FAC state
+    memory_bytes: int  # worst rank: base + K-FAC transient + K-FAC state
     kfac_state_bytes: int  # worst rank, exactly as the plan holds it
     step_s: float  # predicted time per step on the slowest rank
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds per step per phase
@@ -188,7 +191,7 @@ def _priced(profile: Profile, strategy: Plan, fus: int, ius: int) -> Candidate:
         grad_worker_fraction=strategy.grad_worker_fraction,
         factor_update_steps=fus,
         inv_update_steps=ius,
-        memory_bytes=profile.base_memory_bytes + state,
+        memory_bytes=profile.base_memory_bytes + profile.kfac_transient_bytes + state,
         kfac_state_bytes=state,
         step_s=worst[0],
         breakdown=worst[1],
@@ -196,7 +199,10 @@ def _priced(profile: Profile, strategy: Plan, fus: int, ius: int) -> Candidate:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.3f} GiB"
+    """Bytes for people: GiB from 1 GiB up, MiB below."""
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.3f} GiB"
+    return f"{n / 2**20:.2f} MiB"
 
 
 def choose(
@@ -287,10 +293,11 @@ def _what_would_fit(
         f"no strategy fits the memory budget {_gib(budget_bytes)}: the smallest, f="
         f"{smallest.grad_worker_fraction:g}, needs {_gib(smallest.memory_bytes)} "
         f"({_gib(profile.base_memory_bytes)} for the job, {_gib(smallest.kfac_state_bytes)} "
-        "of K-FAC state). What would fit:",
+        f"of K-FAC state, {_gib(profile.kfac_transient_bytes)} of K-FAC temporaries). "
+        "What would fit:",
         f"  - a budget of at least {_gib(smallest.memory_bytes)}",
     ]
-    room = budget_bytes - profile.base_memory_bytes
+    room = budget_bytes - profile.base_memory_bytes - profile.kfac_transient_bytes
     by_size = sorted(profile.layers, key=lambda layer: layer.a_dim**2 + layer.g_dim**2)
     for skipped in range(1, len(by_size)):
         kept = by_size[: len(by_size) - skipped]

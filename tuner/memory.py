@@ -29,7 +29,8 @@ class _Counter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.peak = 0
         self._seen: set[int] = set()
 
-    def _count(self, tensor: torch.Tensor) -> None:
+    def count(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage as live until it is freed (once per storage)."""
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key in self._seen:
@@ -55,17 +56,25 @@ class _Counter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **(kwargs or {}))
         for item in tree_flatten(out)[0]:
             if isinstance(item, torch.Tensor) and item.device.type == "cpu":
-                self._count(item)
+                self.count(item)
         return out
 
 
 class TensorMemory:
-    """Peak and live bytes of tensors created inside ``with TensorMemory(device) as m:``."""
+    """Peak and live bytes of tensors created inside ``with TensorMemory(device) as m:``.
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    ``existing`` tensors (parameters, gradients, optimizer state) count as live from the
+    start, and stop counting when they are freed inside the block, so the figures are of
+    everything the step holds, not only of what it created.
+    """
+
+    def __init__(
+        self, device: torch.device | str = "cpu", existing: Iterable[torch.Tensor] = ()
+    ) -> None:
         self.device = torch.device(device)
         self.peak_bytes = 0
         self.live_bytes = 0
+        self._existing = list(existing)
         self._counter: _Counter | None = None
         self._start = 0
 
@@ -73,11 +82,25 @@ class TensorMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._start = torch.cuda.memory_allocated(self.device)
+            self._start = torch.cuda.memory_allocated(self.device) - tensor_bytes(
+                t for t in self._existing if t.device.type == "cuda"
+            )
         else:
             self._counter = _Counter()
+            for tensor in self._existing:
+                if tensor.device.type == "cpu":
+                    self._counter.count(tensor)
             self._counter.__enter__()  # type: ignore[no-untyped-call]
+        self._existing = []
         return self
+
+    def reset_peak(self) -> None:
+        """Start the peak again from what is live now."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._counter is not None:
+            self._counter.peak = self._counter.live
 
     def update(self) -> None:
         """Read the figures now (also done on exit)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.registration import registered_layers
 from tuner.cost import Profile, precondition_flops
 from tuner.measure import DEFAULT_DIMS, fit_decomposition, time_collectives
-from tuner.memory import TensorMemory, tensor_bytes
+from tuner.memory import TensorMemory
 
 Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -54,6 +55,56 @@ def _slowest(value: float, device: torch.device) -> float:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@dataclass
+class _Trainee:
+    """One rank's training step, and what it holds, for profiling and measuring."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batch: Batch
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    device: torch.device
+
+    def step(self, preconditioner: KFACPreconditioner | None, i: int) -> None:
+        x, y = self.batch(i)
+        x, y = x.to(self.device), y.to(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss_fn(self.model(x), y).backward()  # type: ignore[no-untyped-call]
+        if preconditioner is not None:
+            preconditioner.step()
+        self.optimizer.step()
+
+    def held(self) -> list[torch.Tensor]:
+        """What training holds between steps: parameters, buffers, gradients, optimizer state."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        state = [t for entry in self.optimizer.state.values() for t in entry.values()]
+        return [
+            *self.model.parameters(),
+            *self.model.buffers(),
+            *grads,
+            *filter(torch.is_tensor, state),
+        ]
+
+    def save(self) -> Callable[[], None]:
+        """Snapshot the model, optimizer and RNG; the returned function puts them back."""
+        model = copy.deepcopy(self.model.state_dict())
+        optimizer = copy.deepcopy(self.optimizer.state_dict())
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+        def restore() -> None:
+            self.model.load_state_dict(model)
+            self.optimizer.load_state_dict(optimizer)
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+
+        return restore
+
+    def sync(self) -> None:
+        _sync(self.device)
 
 
 def profile_job(
@@ -82,38 +133,26 @@ def profile_job(
     """
     began = time.perf_counter()
     options = dict(kfac_options or {})
-    saved_model = copy.deepcopy(model.state_dict())
-    saved_optimizer = copy.deepcopy(optimizer.state_dict())
-    saved_rng = torch.get_rng_state()
-    saved_cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    trainee = _Trainee(model, optimizer, batch, loss_fn, device)
+    restore = trainee.save()
+    one_step, held = trainee.step, trainee.held
 
-    def one_step(preconditioner: KFACPreconditioner | None, i: int) -> None:
-        x, y = batch(i)
-        x, y = x.to(device), y.to(device)
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()  # type: ignore[no-untyped-call]
-        if preconditioner is not None:
-            preconditioner.step()
-        optimizer.step()
-
-    # Plain steps: time, and the peak of what they allocate on top of what already exists.
-    existing = tensor_bytes(
-        [*model.parameters(), *model.buffers()]
-        + [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-    )
-    with TensorMemory(device) as memory:
+    # Plain steps: the peak of two (the first creates the optimizer state), then timed ones
+    # outside the count, since counting CPU allocations slows every operation.
+    with TensorMemory(device, existing=held()) as memory:
         one_step(None, 0)
-        times = []
-        for i in range(1, steps + 1):
-            _sync(device)
-            start = time.perf_counter()
-            one_step(None, i)
-            _sync(device)
-            times.append(time.perf_counter() - start)
-    base_memory = existing + memory.peak_bytes
+        one_step(None, 1)
+    base_memory = memory.peak_bytes
+    times = []
+    for i in range(2, steps + 2):
+        _sync(device)
+        start = time.perf_counter()
+        one_step(None, i)
+        _sync(device)
+        times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
 
-    # A few real K-FAC steps (factors every step, one decomposition first): phase times.
+    # A few real K-FAC steps (factors every step, decompositions at the first two): phases.
     unwrapped = model.module if isinstance(model, DistributedDataParallel) else model
     layers = tuple(
         LayerShape(name=layer.name, a_dim=layer.a_dim, g_dim=layer.g_dim, groups=layer.groups)
@@ -122,14 +161,24 @@ def profile_job(
     preconditioner = KFACPreconditioner(
         model,
         factor_update_steps=1,
-        inv_update_steps=10**6,
+        inv_update_steps=lambda step: 1 if step < 2 else 10**6,  # decompose at steps 0 and 1
         compute_method=compute_method,
         grad_worker_fraction=1.0,
         **options,
     )
-    one_step(preconditioner, steps + 1)  # warm-up, and the only decomposition
+    # The warm-up step allocates the K-FAC state and decomposes once. The next one updates
+    # the factors and decomposes them again, as every inverse-update step of training does
+    # (old decompositions live until new ones replace them). Its peak over the base and the
+    # state is K-FAC's transient memory: activations the hooks keep, batch factors,
+    # decomposition workspace, communication buffers.
+    with TensorMemory(device, existing=held()) as memory:
+        one_step(preconditioner, steps + 2)
+        state_bytes = preconditioner.memory_usage()["total"]
+        memory.reset_peak()
+        one_step(preconditioner, steps + 3)
+    transient = memory.peak_bytes - base_memory - state_bytes
     preconditioner.times.reset()
-    for i in range(steps + 2, 2 * steps + 2):
+    for i in range(steps + 4, 2 * steps + 4):
         one_step(preconditioner, i)
     phases = preconditioner.times.reset()
     preconditioner.remove_hooks()
@@ -144,17 +193,14 @@ def profile_job(
     decomposition = fit_decomposition(device, compute_method, dims=dims, repeats=2)
     allreduce, broadcast = time_collectives(device)
 
-    model.load_state_dict(saved_model)
-    optimizer.load_state_dict(saved_optimizer)
-    torch.set_rng_state(saved_rng)
-    if saved_cuda_rng is not None:
-        torch.cuda.set_rng_state_all(saved_cuda_rng)
+    restore()
 
     world = dist.get_world_size() if _distributed() else 1
     profile = Profile(
         world_size=world,
         layers=layers,
         base_memory_bytes=int(_slowest(float(base_memory), device)),
+        kfac_transient_bytes=int(_slowest(float(max(transient, 0)), device)),
         step_s=_slowest(step_s, device),
         factor_s=_slowest(factor_s, device),
         decomposition=decomposition,
@@ -169,3 +215,68 @@ def profile_job(
         dist.broadcast_object_list(shared, src=0)
         profile = dataclasses.replace(profile, decomposition=shared[0])
     return ProfileResult(profile=profile, seconds=time.perf_counter() - began)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """One candidate strategy measured on the job's workers (the slowest rank's figures)."""
+
+    grad_worker_fraction: float
+    factor_update_steps: int
+    inv_update_steps: int
+    memory_bytes: int  # peak tensor bytes held by a worker, the worst rank's
+    step_s: float  # seconds per step over whole inverse-update periods, the slowest rank's
+    steps: int  # steps timed
+
+
+def measure_candidate(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+    *,
+    grad_worker_fraction: float,
+    factor_update_steps: int,
+    inv_update_steps: int,
+    min_steps: int = 50,
+    kfac_options: dict[str, Any] | None = None,
+) -> Measurement:
+    """Train with one candidate strategy and measure it (collective, like ``profile_job``).
+
+    Memory: the peak of everything a worker holds (parameters, gradients, optimizer and K-FAC
+    state, activations, temporaries) over the first ``inv_update_steps + 1`` steps, which
+    include a re-decomposition. Time: the following whole inverse-update periods (at least
+    ``min_steps`` steps), so factor and decomposition work is amortized exactly as in
+    training. The model, optimizer and RNG are put back afterwards.
+    """
+    trainee = _Trainee(model, optimizer, batch, loss_fn, device)
+    restore = trainee.save()
+    with TensorMemory(device, existing=trainee.held()) as memory:
+        preconditioner = KFACPreconditioner(
+            model,
+            factor_update_steps=factor_update_steps,
+            inv_update_steps=inv_update_steps,
+            grad_worker_fraction=grad_worker_fraction,
+            **(kfac_options or {}),
+        )
+        for i in range(inv_update_steps + 1):
+            trainee.step(preconditioner, i)
+    timed = inv_update_steps * max(1, math.ceil(min_steps / inv_update_steps))
+    first = inv_update_steps + 1
+    trainee.sync()
+    start = time.perf_counter()
+    for i in range(first, first + timed):
+        trainee.step(preconditioner, i)
+    trainee.sync()
+    elapsed = time.perf_counter() - start
+    preconditioner.remove_hooks()
+    restore()
+    return Measurement(
+        grad_worker_fraction=preconditioner.grad_worker_fraction,
+        factor_update_steps=factor_update_steps,
+        inv_update_steps=inv_update_steps,
+        memory_bytes=int(_slowest(float(memory.peak_bytes), device)),
+        step_s=_slowest(elapsed / timed, device),
+        steps=timed,
+    )
