@@ -252,3 +252,36 @@ def train(
         + (f", test accuracy {accuracy:.4f}" if accuracy is not None else "")
         + (f"; checkpoint {result.checkpoint}" if result.checkpoint else "")
     )
+
+
+@main.command()
+@config_option
+@click.option(
+    "--storage-path",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where the profiling and verification runs keep their files "
+    "[default: $KAISA_RAY_STORAGE or ~/kaisa-ray/runs].",
+)
+@click.option(
+    "--verify",
+    type=click.IntRange(min=0, max=32),
+    default=None,
+    help="Measure the K best predicted candidates in short Ray Tune trials "
+    "[default: the job's kfac.verify].",
+)
+def tune(config: Path, storage_path: Path | None, verify: int | None) -> None:
+    """Choose K-FAC's strategy for a `kfac: auto` job without training: profile the job on its
+    own workers, print the candidate table and the decision."""
+    from kaisa_ray.errors import ConfigurationError
+    from kaisa_ray.train.job import tune_job, tuning_table
+    from kaisa_ray.train.spec import KFACSpec
+
+    spec = _load(config)
+    if verify is not None and isinstance(spec.kfac, KFACSpec) and spec.kfac.strategy == "auto":
+        spec = spec.model_copy(update={"kfac": spec.kfac.model_copy(update={"verify": verify})})
+    try:
+        outcome = tune_job(spec, storage_path=storage_path)
+    except ConfigurationError as err:
+        raise click.ClickException(str(err)) from err
+    click.echo(tuning_table(outcome.record))

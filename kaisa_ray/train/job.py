@@ -20,15 +20,28 @@ from typing import Any
 
 import ray
 import ray.train
+import ray.tune
 from ray.train.torch import TorchTrainer
 from tqdm.auto import tqdm
 
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.loop import CHECKPOINT_FILE, train_worker
-from kaisa_ray.train.progress import progress_sink
-from kaisa_ray.train.spec import JobSpec
+from kaisa_ray.train.progress import progress_sink, read_progress
+from kaisa_ray.train.spec import JobSpec, KFACSpec
+from tuner.cost import NoFeasibleCandidateError
 
-__all__ = ["JobResult", "default_storage_path", "ensure_ray", "run_job", "unique_run_name"]
+__all__ = [
+    "JobResult",
+    "TuningOutcome",
+    "build_trainer",
+    "decision_line",
+    "default_storage_path",
+    "ensure_ray",
+    "run_job",
+    "tune_job",
+    "tuning_table",
+    "unique_run_name",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -133,13 +146,7 @@ class _Follower(threading.Thread):
                     refresh=False,
                 )
             elif kind == "tuner" and self.show_bar:
-                chosen = record["chosen"]
-                tqdm.write(
-                    f"kfac: auto chose grad_worker_fraction={chosen['strategy']:g}, intervals "
-                    f"{chosen['factor_update_steps']}/{chosen['inv_update_steps']} "
-                    f"({record['profile_s']:.1f} s of profiling, {len(record['candidates'])} "
-                    "candidates)"
-                )
+                tqdm.write(decision_line(record))
             elif kind == "eval":
                 self.evals.append(record)
                 if not self.show_bar:
@@ -149,6 +156,293 @@ class _Follower(threading.Thread):
                     f"test loss {record['test_loss']:.4f}, {record['elapsed_s']:.1f} s"
                 )
         bar.refresh()
+
+
+def build_trainer(
+    spec: JobSpec,
+    config: dict[str, Any],
+    *,
+    name: str,
+    storage: Path,
+    max_failures: int | None = None,
+) -> TorchTrainer:
+    """The job's ``TorchTrainer``: ``train_worker`` with ``config`` on the job's workers."""
+    scaling = spec.scaling
+    resources: dict[str, float] = {"CPU": scaling.cpus_per_worker}
+    if scaling.gpus_per_worker > 0:
+        resources["GPU"] = scaling.gpus_per_worker
+    failures = spec.max_failures if max_failures is None else max_failures
+    return TorchTrainer(
+        train_worker,
+        train_loop_config=config,
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=scaling.workers,
+            use_gpu=scaling.gpus_per_worker > 0,
+            resources_per_worker=resources,
+        ),
+        run_config=ray.train.RunConfig(
+            name=name,
+            storage_path=str(storage.resolve()),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.checkpoint.keep),
+            failure_config=ray.train.FailureConfig(max_failures=failures),
+        ),
+    )
+
+
+def decision_line(record: dict[str, Any]) -> str:
+    """One line saying what ``kfac: auto`` chose and how (from a ``tuner`` record)."""
+    chosen = record["chosen"]
+    how = (
+        "profile from the tuner's cache"
+        if record.get("cache") == "hit"
+        else f"{record['profile_s']:.1f} s of profiling"
+    )
+    if record.get("how") == "measured":
+        how += f", {record.get('verify_s', 0.0):.0f} s of verification trials"
+    return (
+        f"kfac: auto chose grad_worker_fraction={chosen['strategy']:g}, intervals "
+        f"{chosen['factor_update_steps']}/{chosen['inv_update_steps']} "
+        f"({record.get('how', 'predicted')}: {how}; {len(record['candidates'])} candidates)"
+    )
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def tuning_table(record: dict[str, Any]) -> str:
+    """The candidate table of a ``tuner`` record, as text: predicted (and, when verified,
+    measured) memory per worker and time per step, and why each candidate lost."""
+    chosen = record["chosen"]
+    measured = any("measured_ms_per_step" in row for row in record["candidates"])
+    header = ["f", "intervals", "MiB/worker", "K-FAC MiB", "ms/step"]
+    if measured:
+        header += ["measured MiB", "measured ms"]
+    header.append("verdict")
+    lines = [header]
+    for row in record["candidates"]:
+        picked = (
+            row["grad_worker_fraction"] == chosen["strategy"]
+            and row["factor_update_steps"] == chosen["factor_update_steps"]
+            and row["inv_update_steps"] == chosen["inv_update_steps"]
+        )
+        cells = [
+            f"{row['grad_worker_fraction']:g}",
+            f"{row['factor_update_steps']}/{row['inv_update_steps']}",
+            _mib(row["memory_bytes"]),
+            _mib(row["kfac_state_bytes"]),
+            f"{row['ms_per_step']:.1f}",
+        ]
+        if measured:
+            ms = row.get("measured_ms_per_step")
+            cells += [_mib(row.get("measured_memory_bytes")), "-" if ms is None else f"{ms:.1f}"]
+        cells.append("CHOSEN" if picked else row["rejected"] or "slower")
+        lines.append(cells)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
+    text = [
+        "  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=False))
+        + "  "
+        + line[-1]
+        for line in lines
+    ]
+    budget = record.get("budget_bytes")
+    text.append(
+        f"budget {'none' if budget is None else _mib(budget) + ' MiB'} per worker; base "
+        f"{_mib(record.get('base_memory_bytes'))} MiB + K-FAC temporaries "
+        f"{_mib(record.get('kfac_transient_bytes'))} MiB + K-FAC state; plain step "
+        f"{record.get('plain_ms_per_step', 0.0):.1f} ms"
+    )
+    text.append(decision_line(record))
+    return "\n".join(text)
+
+
+@dataclass(frozen=True)
+class TuningOutcome:
+    """What ``kfac: auto`` chose before a job starts (``decided``: KFACSpec fields), and the
+    tuner's record of it: the candidate table, measured columns when verified, timings."""
+
+    decided: dict[str, Any]
+    record: dict[str, Any]
+
+
+def _profile_failure(run: str, error: Exception) -> ConfigurationError:
+    """The tuner's own error when the profiling run failed because nothing fits."""
+    failures = read_progress(run, kinds=["tuner-error"])["records"]
+    if failures:
+        return NoFeasibleCandidateError(failures[-1]["error"])
+    return ConfigurationError(f"profiling the job failed: {type(error).__name__}: {error}")
+
+
+def tune_job(
+    spec: JobSpec,
+    *,
+    storage_path: str | Path | None = None,
+    run_name: str | None = None,
+    min_steps: int = 50,
+) -> TuningOutcome:
+    """``kfac: auto`` without training: profile on the job's workers and choose; with
+    ``kfac.verify: K``, also measure the K best predicted candidates as Ray Tune trials (each
+    a function trainable that fits a ``TorchTrainer`` for about ``min_steps`` steps) and take
+    the fastest measured one that fits the budget.
+
+    Raises:
+        NoFeasibleCandidateError: nothing fits the memory budget (the message says what would).
+        ConfigurationError: the job does not ask for ``kfac: auto``, or profiling failed.
+    """
+    kfac = spec.kfac
+    if not isinstance(kfac, KFACSpec) or kfac.strategy != "auto":
+        raise ConfigurationError(
+            "tuning needs a job with kfac: auto (or kfac.strategy: auto); this one fixes "
+            f"kfac to {kfac if isinstance(kfac, str) else kfac.strategy!r}"
+        )
+    name = run_name or unique_run_name(spec.name)
+    storage = Path(storage_path) if storage_path is not None else default_storage_path()
+    storage.mkdir(parents=True, exist_ok=True)
+    ensure_ray()
+    profile_run = f"{name}.profile"
+    began = time.perf_counter()
+    trainer = build_trainer(
+        spec,
+        {"spec": spec.model_dump(mode="json"), "run": profile_run, "mode": "profile"},
+        name=profile_run,
+        storage=storage,
+        max_failures=0,
+    )
+    try:
+        trainer.fit()
+    except Exception as error:  # Ray raises when the workers failed
+        raise _profile_failure(profile_run, error) from None
+    records = read_progress(profile_run, kinds=["tuner"])["records"]
+    if not records:
+        raise ConfigurationError(f"the profiling run {profile_run} reported no decision")
+    record = dict(records[-1])
+    record["profile_run_s"] = time.perf_counter() - began
+    if kfac.verify > 0:
+        record = _verify(spec, record, name=name, storage=storage, min_steps=min_steps)
+    return TuningOutcome(decided=dict(record["chosen"]), record=record)
+
+
+def _candidate_key(row: dict[str, Any]) -> tuple[float, int, int]:
+    return (row["grad_worker_fraction"], row["factor_update_steps"], row["inv_update_steps"])
+
+
+def _measure_trial(config: dict[str, Any]) -> None:
+    """A Ray Tune function trainable: fit a ``TorchTrainer`` that measures one candidate."""
+    spec = JobSpec.model_validate(config["spec"])
+    candidate = config["candidate"]
+    run = f"{config['run']}.f{candidate['strategy']:g}-{candidate['factor_update_steps']}-" + str(
+        candidate["inv_update_steps"]
+    )
+    trainer = build_trainer(
+        spec,
+        {
+            "spec": config["spec"],
+            "run": run,
+            "mode": "measure",
+            "candidate": candidate,
+            "min_steps": config["min_steps"],
+        },
+        name=run,
+        storage=Path(config["storage"]),
+        max_failures=0,
+    )
+    trainer.fit()
+    (measured,) = read_progress(run, kinds=["measured"])["records"][-1:]
+    ray.tune.report({k: measured[k] for k in ("memory_bytes", "ms_per_step", "steps")})
+
+
+def _verify(
+    spec: JobSpec, record: dict[str, Any], *, name: str, storage: Path, min_steps: int
+) -> dict[str, Any]:
+    """Measure the ``verify`` best predicted candidates; the fastest measured one that fits
+    the budget wins. Trials run one at a time, so they do not slow each other down."""
+    kfac = spec.kfac
+    assert isinstance(kfac, KFACSpec)
+    began = time.perf_counter()
+    feasible = [row for row in record["candidates"] if row["rejected"] is None]
+    best = sorted(feasible, key=lambda row: row["ms_per_step"])[: kfac.verify]
+    candidates = [
+        {
+            "strategy": row["grad_worker_fraction"],
+            "factor_update_steps": row["factor_update_steps"],
+            "inv_update_steps": row["inv_update_steps"],
+        }
+        for row in best
+    ]
+    tuner = ray.tune.Tuner(
+        # The trial only waits on its TorchTrainer, whose workers hold the CPUs: it takes none
+        # (Tune refuses an empty bundle; a MiB of logical memory makes it non-empty).
+        ray.tune.with_resources(_measure_trial, {"CPU": 0, "memory": 2**20}),
+        param_space={
+            "spec": spec.model_dump(mode="json"),
+            "run": f"{name}.verify",
+            "storage": str(storage.resolve()),
+            "min_steps": min_steps,
+            "candidate": ray.tune.grid_search(candidates),
+        },
+        tune_config=ray.tune.TuneConfig(max_concurrent_trials=1),
+        run_config=ray.tune.RunConfig(
+            name=f"{name}.verify", storage_path=str(storage.resolve()), verbose=0
+        ),
+    )
+    results = tuner.fit()
+    measured: dict[tuple[float, int, int], dict[str, Any]] = {}
+    for index in range(len(results)):
+        result = results[index]
+        candidate = (result.config or {})["candidate"]
+        key = (
+            candidate["strategy"],
+            candidate["factor_update_steps"],
+            candidate["inv_update_steps"],
+        )
+        if result.error is not None:
+            measured[key] = {"error": f"{type(result.error).__name__}: {result.error}"}
+        else:
+            measured[key] = dict(result.metrics or {})
+    budget = record["budget_bytes"]
+    rows = []
+    for row in record["candidates"]:
+        row = dict(row)
+        found = measured.get(_candidate_key(row))
+        if found is not None:
+            row["measured_memory_bytes"] = found.get("memory_bytes")
+            row["measured_ms_per_step"] = found.get("ms_per_step")
+            if "error" in found:
+                row["rejected"] = f"its trial failed: {found['error']}"
+            elif budget is not None and found["memory_bytes"] > budget:
+                row["rejected"] = (
+                    f"measured {found['memory_bytes']} bytes, over the budget of {budget}"
+                )
+        rows.append(row)
+    verified = [
+        row for row in rows if row.get("measured_ms_per_step") is not None and not row["rejected"]
+    ]
+    if not verified:
+        reasons = "; ".join(
+            f"f={row['grad_worker_fraction']:g} {row['factor_update_steps']}/"
+            f"{row['inv_update_steps']}: {row['rejected']}"
+            for row in rows
+            if "measured_ms_per_step" in row
+        )
+        raise NoFeasibleCandidateError(
+            f"none of the {len(candidates)} verified candidates fits when measured ({reasons}); "
+            "raise memory_budget, or verify more candidates"
+        )
+    winner = min(
+        verified, key=lambda row: (row["measured_ms_per_step"], -row["grad_worker_fraction"])
+    )
+    return {
+        **record,
+        "how": "measured",
+        "verify_s": time.perf_counter() - began,
+        "predicted_choice": record["chosen"],
+        "chosen": {
+            "strategy": winner["grad_worker_fraction"],
+            "factor_update_steps": winner["factor_update_steps"],
+            "inv_update_steps": winner["inv_update_steps"],
+        },
+        "candidates": rows,
+    }
 
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -196,31 +490,23 @@ def run_job(
     storage.mkdir(parents=True, exist_ok=True)
     ensure_ray()
 
-    scaling = spec.scaling
-    resources: dict[str, float] = {"CPU": scaling.cpus_per_worker}
-    if scaling.gpus_per_worker > 0:
-        resources["GPU"] = scaling.gpus_per_worker
-    trainer = TorchTrainer(
-        train_worker,
-        train_loop_config={
-            "spec": spec.model_dump(mode="json"),
-            "run": name,
-            "resume_from": str(resume_from) if resume_from is not None else None,
-            "progress_every": progress_every,
-        },
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=scaling.workers,
-            use_gpu=scaling.gpus_per_worker > 0,
-            resources_per_worker=resources,
-        ),
-        run_config=ray.train.RunConfig(
-            name=name,
-            storage_path=str(storage.resolve()),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.checkpoint.keep),
-            failure_config=ray.train.FailureConfig(max_failures=spec.max_failures),
-        ),
-    )
-    logger.info("run %s: %d worker(s), checkpoints in %s", name, scaling.workers, storage)
+    config: dict[str, Any] = {
+        "spec": spec.model_dump(mode="json"),
+        "run": name,
+        "resume_from": str(resume_from) if resume_from is not None else None,
+        "progress_every": progress_every,
+    }
+    kfac = spec.kfac
+    if (
+        isinstance(kfac, KFACSpec)
+        and kfac.strategy == "auto"
+        and kfac.verify > 0
+        and resume_from is None
+    ):
+        outcome = tune_job(spec, storage_path=storage, run_name=name)
+        config["decided"], config["tuning"] = outcome.decided, outcome.record
+    trainer = build_trainer(spec, config, name=name, storage=storage)
+    logger.info("run %s: %d worker(s), checkpoints in %s", name, spec.scaling.workers, storage)
     follower = _Follower(name, show_bar=progress)
     follower.start()
     try:

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray
+import ray.exceptions
 import ray.train
 import ray.train.torch
 import torch
@@ -40,8 +42,9 @@ from kaisa_ray.timing import PHASES
 from kaisa_ray.train.progress import progress_sink
 from kaisa_ray.train.registry import DatasetRequest, dataset_entry, model_factory
 from kaisa_ray.train.spec import JobSpec, KFACSpec, OptimizerSpec, ScheduleSpec
-from tuner.cost import choose
-from tuner.profile import profile_job
+from tuner.actor import profile_key, tuner_actor
+from tuner.cost import DEFAULT_INTERVALS, Decision, Profile
+from tuner.profile import measure_candidate, profile_job
 
 CHECKPOINT_FILE = "state.pt"
 CHECKPOINT_VERSION = 1
@@ -103,6 +106,31 @@ def build_preconditioner(
     )
 
 
+def _share(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (itself when not distributed)."""
+    if not _distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def candidate_rows(candidates: Any) -> list[dict[str, Any]]:
+    """The candidate table as progress records carry it (plain numbers, ms per step)."""
+    return [
+        {
+            "grad_worker_fraction": c.grad_worker_fraction,
+            "factor_update_steps": c.factor_update_steps,
+            "inv_update_steps": c.inv_update_steps,
+            "memory_bytes": c.memory_bytes,
+            "kfac_state_bytes": c.kfac_state_bytes,
+            "ms_per_step": 1000 * c.step_s,
+            "rejected": c.rejected,
+        }
+        for c in candidates
+    ]
+
+
 def tune(
     spec: JobSpec,
     kfac: KFACSpec,
@@ -111,24 +139,54 @@ def tune(
     shard: Shard,
     device: torch.device,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``kfac: auto``: profile on these workers (collective), then choose under the budget.
+    """``kfac: auto``: profile on these workers (collective), then ask the tuner to choose.
 
-    Every rank gets the same profile, so every rank makes the same choice. Returns the
-    chosen KFACSpec fields and the record for the progress sink (the decision and the whole
-    candidate table, with the reason for each rejection).
+    The tuner actor caches profiles by ``profile_key`` (model, batch, K-FAC options, cluster
+    shape): when it has this job's, nobody profiles. Rank 0 talks to the actor and shares
+    the answer, so every rank makes the same choice. Returns the chosen KFACSpec fields and
+    the record for the progress sink (the decision and the whole candidate table, with the
+    reason for each rejection).
     """
-    result = profile_job(
-        net,
-        optimizer,
-        lambda i: shard.batch(i + 1),
-        nn.functional.cross_entropy,
-        device,
-        compute_method=kfac.compute_method,
-        kfac_options={"kfac_approx": kfac.kfac_approx},
-    )
+    options = {"compute_method": kfac.compute_method, "kfac_approx": kfac.kfac_approx}
+    model = net.module if isinstance(net, DistributedDataParallel) else net
+    key = profile_key(model, shard.batch(1)[0], device, options)
+    rank = dist.get_rank() if _distributed() else 0
+    tuner = tuner_actor() if rank == 0 else None
+    cached: Profile | None = _share(ray.get(tuner.lookup.remote(key)) if tuner else None)
+    seconds = 0.0
+    profile = cached
+    if profile is None:
+        result = profile_job(
+            net,
+            optimizer,
+            lambda i: shard.batch(i + 1),
+            nn.functional.cross_entropy,
+            device,
+            compute_method=kfac.compute_method,
+            kfac_options={"kfac_approx": kfac.kfac_approx},
+        )
+        profile, seconds = result.profile, result.seconds
     budget = int(spec.memory_budget) if spec.memory_budget is not None else None
-    decision = choose(result.profile, budget, max_overhead=kfac.max_overhead)
-    chosen = decision.chosen
+    outcome: Decision | ConfigurationError | None = None
+    if tuner is not None:
+        call = tuner.decide.remote(
+            key,
+            None if cached is not None else profile,
+            budget,
+            kfac.max_overhead,
+            kfac.ladder() or DEFAULT_INTERVALS,
+        )
+        try:
+            outcome = ray.get(call)
+        except ray.exceptions.RayTaskError as error:
+            if not isinstance(error.cause, ConfigurationError):
+                raise
+            outcome = type(error.cause)(*error.cause.args)  # a plain, picklable copy
+    outcome = _share(outcome)
+    if isinstance(outcome, ConfigurationError):
+        raise outcome
+    assert isinstance(outcome, Decision)
+    chosen = outcome.chosen
     decided = {
         "strategy": chosen.grad_worker_fraction,
         "factor_update_steps": chosen.factor_update_steps,
@@ -136,22 +194,15 @@ def tune(
     }
     record = {
         "kind": "tuner",
-        "how": decision.how,
-        "profile_s": result.seconds,
+        "how": outcome.how,
+        "cache": "hit" if cached is not None else "miss",
+        "profile_s": seconds,
         "budget_bytes": budget,
+        "base_memory_bytes": profile.base_memory_bytes,
+        "kfac_transient_bytes": profile.kfac_transient_bytes,
+        "plain_ms_per_step": 1000 * profile.step_s,
         "chosen": decided,
-        "candidates": [
-            {
-                "grad_worker_fraction": c.grad_worker_fraction,
-                "factor_update_steps": c.factor_update_steps,
-                "inv_update_steps": c.inv_update_steps,
-                "memory_bytes": c.memory_bytes,
-                "kfac_state_bytes": c.kfac_state_bytes,
-                "ms_per_step": 1000 * c.step_s,
-                "rejected": c.rejected,
-            }
-            for c in decision.candidates
-        ],
+        "candidates": candidate_rows(outcome.candidates),
     }
     return decided, record
 
@@ -452,9 +503,72 @@ def _target_met(spec: JobSpec, test_loss: float, test_accuracy: float) -> bool:
     return test_loss <= target.value
 
 
+def _profile_worker(spec: JobSpec, run: str) -> None:
+    """``mode: profile``: build the job (``kfac: auto`` profiles and decides), report, stop."""
+    sink = progress_sink()
+    try:
+        job = Job.build(spec)
+    except ConfigurationError as error:  # nothing fits: the driver reports this message
+        if ray.train.get_context().get_world_rank() == 0:
+            ray.get(sink.push.remote(run, [{"kind": "tuner-error", "error": str(error)}]))
+        raise
+    if job.rank == 0 and job.tuning is not None:
+        ray.get(sink.push.remote(run, [job.tuning]))  # waited for: the worker stops next
+    ray.train.report({"done": True})
+
+
+def _measure_worker(spec: JobSpec, run: str, candidate: dict[str, Any], min_steps: int) -> None:
+    """``mode: measure``: train a few steps with one strategy; report its peak memory per
+    worker and time per step (``tuner.profile.measure_candidate``)."""
+    kfac = spec.kfac
+    if not isinstance(kfac, KFACSpec):
+        raise ConfigurationError("measuring a K-FAC strategy needs a job with kfac on")
+    job = Job.build(spec.model_copy(update={"kfac": "off"}))
+    measured = measure_candidate(
+        job.net,
+        job.optimizer,
+        lambda i: job.shard.batch(i + 1),
+        nn.functional.cross_entropy,
+        job.device,
+        grad_worker_fraction=candidate["strategy"],
+        factor_update_steps=candidate["factor_update_steps"],
+        inv_update_steps=candidate["inv_update_steps"],
+        min_steps=min_steps,
+        kfac_options={
+            "compute_method": kfac.compute_method,
+            "kfac_approx": kfac.kfac_approx,
+            "damping": kfac.damping,
+            "kl_clip": kfac.kl_clip,
+        },
+    )
+    if job.rank == 0:  # Ray Train keeps metrics only with checkpoints: the sink carries them
+        record = {
+            "kind": "measured",
+            "memory_bytes": measured.memory_bytes,
+            "ms_per_step": 1000 * measured.step_s,
+            "steps": measured.steps,
+        }
+        ray.get(progress_sink().push.remote(run, [record]))
+    ray.train.report({"done": True})
+
+
 def train_worker(config: dict[str, Any]) -> None:
-    """``train_loop_per_worker``: config holds ``spec`` (JSON), ``run`` and ``resume_from``."""
+    """``train_loop_per_worker``. ``config`` holds ``spec`` (JSON) and ``run``, and:
+
+    - ``mode``: ``train`` (the default), ``profile`` (``kfac: auto`` profiles and decides,
+      then stops) or ``measure`` (time one ``candidate`` strategy for ``min_steps``);
+    - ``resume_from``: a checkpoint to start from;
+    - ``decided`` and ``tuning``: what ``kfac: auto`` chose before the job started (with
+      ``verify``), and the tuner's record of it.
+    """
     spec = JobSpec.model_validate(config["spec"])
+    mode = config.get("mode", "train")
+    if mode == "profile":
+        _profile_worker(spec, config["run"])
+        return
+    if mode == "measure":
+        _measure_worker(spec, config["run"], config["candidate"], config.get("min_steps", 50))
+        return
     run: str = config["run"]
     progress_every: int = config.get("progress_every", 10)
     checkpoint = ray.train.get_checkpoint()
@@ -465,7 +579,9 @@ def train_worker(config: dict[str, Any]) -> None:
             state = load_checkpoint_file(directory)
     elif source is not None:
         state = load_checkpoint_file(source)
-    job = Job.build(spec, decided=state.get("kfac_decision") if state else None)
+    job = Job.build(spec, decided=state.get("kfac_decision") if state else config.get("decided"))
+    if state is None and config.get("tuning") is not None:
+        job.tuning = config["tuning"]
     if state is not None:
         job.load(state, str(source))
     sink = progress_sink()

@@ -109,7 +109,10 @@ class KFACSpec(_Strict):
     """K-FAC settings. ``strategy: auto`` (or ``kfac: auto``) lets the tuner choose the
     gradient worker fraction and the factor/inverse intervals on the job's own workers, under
     ``memory_budget`` (and ``max_overhead``, K-FAC's predicted time over the plain step's,
-    if given); the intervals written here are then ignored."""
+    if given). It chooses the intervals from ``intervals`` (pairs of factor and inverse
+    intervals; ``[[5, 50]]`` fixes them), else from its own ladder; ``factor_update_steps``
+    and ``inv_update_steps`` are then ignored. ``verify: K`` measures the K best predicted
+    candidates in short trials and takes the fastest measured one that fits."""
 
     strategy: (
         Literal["auto", "comm-opt", "hybrid-opt", "mem-opt"] | Annotated[float, Field(gt=0, le=1)]
@@ -121,6 +124,39 @@ class KFACSpec(_Strict):
     compute_method: Literal["eigen", "inverse"] = "eigen"
     kfac_approx: Literal["expand", "reduce"] = "reduce"
     max_overhead: PositiveFloat | None = None
+    intervals: Annotated[list[tuple[PositiveInt, PositiveInt]], Field(min_length=1)] | None = None
+    verify: Annotated[int, Field(ge=0, le=32)] = 0
+
+    @field_validator("intervals")
+    @classmethod
+    def _multiples(cls, pairs: list[tuple[int, int]] | None) -> list[tuple[int, int]] | None:
+        for fus, ius in pairs or []:
+            if ius % fus:
+                raise ValueError(
+                    f"the pair [{fus}, {ius}] has an inverse interval that is not a multiple of "
+                    f"its factor interval; use e.g. [{fus}, {fus * max(1, round(ius / fus))}]"
+                )
+        return pairs
+
+    @model_validator(mode="after")
+    def _auto_only(self) -> KFACSpec:
+        if self.strategy != "auto":
+            given = [
+                name
+                for name in ("max_overhead", "intervals", "verify")
+                if name in self.model_fields_set
+            ]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} only for strategy: auto (the tuner); remove "
+                    f"{'it' if len(given) == 1 else 'them'} or set strategy: auto instead of "
+                    f"{self.strategy!r}"
+                )
+        return self
+
+    def ladder(self) -> list[tuple[int, int]] | None:
+        """The interval pairs the tuner may choose from (None: its default ladder)."""
+        return list(self.intervals) if self.intervals is not None else None
 
 
 class ScalingSpec(_Strict):

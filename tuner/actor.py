@@ -1,0 +1,155 @@
+"""The tuner as a Ray actor: it receives profiles, chooses, and remembers what it profiled.
+
+``TunerState`` is plain Python (unit-tested without Ray); ``Tuner`` is the same class as a
+named, detached Ray actor, created on first use by ``tuner_actor()``. Profiles are cached by
+``profile_key``: the model's structure, the batch each worker trains on, the job's K-FAC
+options and the shape of the cluster that ran it (workers, nodes, devices, threads), so a
+second identical job skips profiling and gets its decision at once. The cache is bounded and
+lives as long as the actor (that is, the Ray cluster).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import socket
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tuner.cost import DEFAULT_INTERVALS, Decision, Profile, choose
+
+TUNER_NAME = "kaisa-ray-tuner"
+TUNER_NAMESPACE = "kaisa-ray"
+MAX_PROFILES = 256
+
+
+def _device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{platform.machine()}:{os.cpu_count()}:{torch.get_num_threads()} threads"
+
+
+def profile_key(
+    model: nn.Module,
+    sample: torch.Tensor,
+    device: torch.device,
+    options: dict[str, Any],
+) -> str:
+    """What a profile depends on, hashed; the same on every rank (collective when distributed).
+
+    Args:
+        model: the model as trained (its class, parameter and buffer shapes and dtypes).
+        sample: one training batch's input on this rank (its shape and dtype).
+        device: where training runs (its kind, name and the threads it uses).
+        options: K-FAC options that change the work (compute method, approximation, ...).
+    """
+    shapes = [
+        (name, list(tensor.shape), str(tensor.dtype))
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+    ]
+    here = {"host": socket.gethostname(), "device": _device_description(device)}
+    world = [here]
+    if dist.is_available() and dist.is_initialized():
+        world = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(world, here)
+    hosts: dict[str, int] = {}
+    for entry in world:
+        hosts[entry["host"]] = hosts.get(entry["host"], 0) + 1
+    described = {
+        "model": type(model).__name__,
+        "shapes": shapes,
+        "batch": [list(sample.shape), str(sample.dtype)],
+        "options": {k: options[k] for k in sorted(options)},
+        "workers": len(world),
+        "workers_per_node": sorted(hosts.values()),
+        "devices": sorted({entry["device"] for entry in world}),
+        "torch": torch.__version__,
+    }
+    text = json.dumps(described, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class TunerState:
+    """Profiles by key (least recently used dropped past ``max_profiles``), and choices."""
+
+    def __init__(self, max_profiles: int = MAX_PROFILES) -> None:
+        self._profiles: OrderedDict[str, Profile] = OrderedDict()
+        self._max = max_profiles
+        self.hits = 0
+        self.misses = 0
+
+    def lookup(self, key: str) -> Profile | None:
+        """The cached profile for ``key``, or None (counted as a hit or a miss)."""
+        profile = self._profiles.get(key)
+        if profile is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._profiles.move_to_end(key)
+        return profile
+
+    def decide(
+        self,
+        key: str,
+        profile: Profile | None,
+        budget_bytes: int | None,
+        max_overhead: float | None = None,
+        intervals: Sequence[tuple[int, int]] = DEFAULT_INTERVALS,
+    ) -> Decision:
+        """Store ``profile`` under ``key`` (None: use the cached one), then ``choose``.
+
+        Raises:
+            KeyError: ``profile`` is None and nothing is cached under ``key``.
+            NoFeasibleCandidateError: nothing fits (from ``choose``).
+        """
+        if profile is None:
+            if key not in self._profiles:
+                raise KeyError(f"no profile cached under {key}; profile the job first")
+            profile = self._profiles[key]
+        else:
+            self._profiles[key] = profile
+            while len(self._profiles) > self._max:
+                self._profiles.popitem(last=False)
+        self._profiles.move_to_end(key)
+        return choose(
+            profile,
+            budget_bytes,
+            max_overhead=max_overhead,
+            intervals=[tuple(pair) for pair in intervals],  # type: ignore[misc]
+        )
+
+    def forget(self, key: str | None = None) -> int:
+        """Drop one cached profile, or all (``key=None``); returns how many went."""
+        if key is None:
+            count = len(self._profiles)
+            self._profiles.clear()
+            return count
+        return 1 if self._profiles.pop(key, None) is not None else 0
+
+    def stats(self) -> dict[str, int]:
+        return {"profiles": len(self._profiles), "hits": self.hits, "misses": self.misses}
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class Tuner(TunerState):
+    """``TunerState`` as a named Ray actor (no CPU reserved: it must never block a job)."""
+
+
+def tuner_actor() -> Any:
+    """The cluster's tuner (an actor handle), created on first use; needs Ray."""
+    # Typed Any: Ray's stubs give actor method calls the result type Never.
+    handle: Any = Tuner.options(  # type: ignore[attr-defined]
+        name=TUNER_NAME,
+        namespace=TUNER_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+    ).remote()
+    return handle
