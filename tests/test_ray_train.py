@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 import torch
 import yaml
 from click.testing import CliRunner
@@ -27,6 +28,7 @@ from kaisa_ray.train.loop import load_checkpoint_file
 from kaisa_ray.train.models import LeNetCNN
 from kaisa_ray.train.progress import read_progress
 from kaisa_ray.train.spec import parse_job_spec
+from tuner.actor import tuner_actor
 
 pytestmark = [
     pytest.mark.slow,
@@ -112,10 +114,12 @@ def test_target_accuracy_stops_the_job_early(ray_head: RayHead, tmp_path: Path) 
 def test_kfac_auto_profiles_on_the_workers_chooses_and_trains(
     ray_head: RayHead, tmp_path: Path
 ) -> None:
+    ray.get(tuner_actor().forget.remote())  # no profile cached by an earlier test
     spec = job(kfac="auto", memory_budget="1GiB", stop={"max_steps": 20}, eval_every=10)
     result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
     assert result.succeeded, result.error
     (tuning,) = records(result.run_name, "tuner")
+    assert tuning["cache"] == "miss"
     assert tuning["budget_bytes"] == 2**30
     assert 0 < tuning["profile_s"] < 60
     table = tuning["candidates"]
@@ -130,6 +134,69 @@ def test_kfac_auto_profiles_on_the_workers_chooses_and_trains(
     }
     assert result.checkpoint is not None
     assert load_checkpoint_file(result.checkpoint)["kfac_decision"] == chosen
+
+    # The same job again: the tuner actor has its profile, so nobody profiles.
+    again = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
+    assert again.succeeded, again.error
+    (cached,) = records(again.run_name, "tuner")
+    assert cached["cache"] == "hit"
+    assert cached["profile_s"] == 0
+    assert cached["candidates"] == table
+    assert cached["chosen"] == chosen
+
+
+def test_kfac_auto_verify_measures_the_best_candidates_in_tune_trials(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    kfac = {"strategy": "auto", "intervals": [[1, 4], [2, 8]], "verify": 2}
+    spec = job(kfac=kfac, memory_budget="1GiB", stop={"max_steps": 10}, eval_every=10)
+    result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
+    assert result.succeeded, result.error
+    (tuning,) = records(result.run_name, "tuner")
+    assert tuning["how"] == "measured"
+    assert tuning["verify_s"] > 0
+    measured = [row for row in tuning["candidates"] if "measured_ms_per_step" in row]
+    assert len(measured) == 2  # the two best predicted
+
+    def key(row: dict[str, Any]) -> tuple[float, int, int]:
+        return (row["grad_worker_fraction"], row["factor_update_steps"], row["inv_update_steps"])
+
+    predicted_best = sorted(tuning["candidates"], key=lambda row: row["ms_per_step"])[:2]
+    assert {key(row) for row in measured} == {key(row) for row in predicted_best}
+    for row in measured:
+        assert 0 < row["measured_memory_bytes"] <= 2**30
+        # Predicted memory per worker is the measured peak to within 10% (exact on CPU).
+        assert row["memory_bytes"] == pytest.approx(row["measured_memory_bytes"], rel=0.10)
+    fastest = min(measured, key=lambda row: row["measured_ms_per_step"])
+    assert tuning["chosen"] == {
+        "strategy": fastest["grad_worker_fraction"],
+        "factor_update_steps": fastest["factor_update_steps"],
+        "inv_update_steps": fastest["inv_update_steps"],
+    }
+    assert result.checkpoint is not None
+    assert load_checkpoint_file(result.checkpoint)["kfac_decision"] == tuning["chosen"]
+
+
+def test_kaisa_ray_tune_prints_the_table_without_training(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    spec = tmp_path / "auto.yaml"
+    spec.write_text(yaml.safe_dump(job(kfac="auto", memory_budget="1GiB")))
+    run = CliRunner().invoke(
+        main, ["tune", "--config", str(spec), "--storage-path", str(tmp_path / "runs")]
+    )
+    assert run.exit_code == 0, run.output
+    lines = run.output.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["f", "intervals"])
+    assert sum("CHOSEN" in line for line in lines[header:]) == 1
+    assert "kfac: auto chose grad_worker_fraction=" in lines[-1]
+    assert not any(path.name.startswith("checkpoint_") for path in (tmp_path / "runs").rglob("*"))
+
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text(yaml.safe_dump(job()))
+    refused = CliRunner().invoke(main, ["tune", "--config", str(fixed)])
+    assert refused.exit_code == 1
+    assert "tuning needs a job with kfac: auto" in refused.output
 
 
 def test_kfac_auto_with_a_budget_below_the_model_fails_saying_so(

@@ -95,6 +95,24 @@ def test_strategy_must_fit_the_workers_and_auto_is_a_strategy() -> None:
     assert parse_job_spec(with_(kfac="off")).kfac == "off"
 
 
+def test_tuner_options_need_auto_and_intervals_must_nest() -> None:
+    tuned = parse_job_spec(
+        with_(kfac={"strategy": "auto", "intervals": [[1, 10], [5, 50]], "verify": 2})
+    )
+    assert isinstance(tuned.kfac, KFACSpec)
+    assert tuned.kfac.ladder() == [(1, 10), (5, 50)]
+    assert tuned.kfac.verify == 2
+    assert KFACSpec(strategy="auto").ladder() is None  # the tuner's own ladder
+    with pytest.raises(JobSpecError, match=r"kfac.*verify only for strategy: auto.*remove it"):
+        parse_job_spec(with_(kfac={"strategy": "comm-opt", "verify": 2}))
+    with pytest.raises(JobSpecError, match=r"kfac.intervals.*\[3, 10\].*use e.g. \[3, 9\]"):
+        parse_job_spec(with_(kfac={"strategy": "auto", "intervals": [[3, 10]]}))
+    with pytest.raises(JobSpecError, match=r"kfac.intervals"):
+        parse_job_spec(with_(kfac={"strategy": "auto", "intervals": []}))
+    with pytest.raises(JobSpecError, match=r"kfac.verify"):
+        parse_job_spec(with_(kfac={"strategy": "auto", "verify": -1}))
+
+
 def test_stop_needs_exactly_one_limit() -> None:
     with pytest.raises(JobSpecError, match=r"stop: give exactly one of max_steps and max_epochs"):
         parse_job_spec(with_(stop={"max_steps": 10, "max_epochs": 1}))

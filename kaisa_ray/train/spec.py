@@ -227,10 +227,31 @@ class JobSpecError(ConfigurationError):
         super().__init__(f"{source} is invalid ({len(problems)} problem(s)):\n{lines}")
 
 
+def _field_path(loc: tuple[int | str, ...]) -> tuple[str, ...]:
+    """The field names in an error location, without pydantic's union-branch and validator
+    tags (``KFACSpec``, ``literal['off']``, ``function-after[...]``)."""
+    return tuple(
+        str(part)
+        for part in loc
+        if not (isinstance(part, str) and ("[" in part or part[:1].isupper()))
+    )
+
+
 def _describe(error: ValidationError) -> list[str]:
+    items = error.errors()
+
+    # ``kfac`` is a model or the literal 'off': when the model branch has errors, the
+    # literal branch's "Input should be 'off'" only adds noise.
+    def literal_branch(item: Any) -> bool:
+        return any(str(part).startswith("literal[") for part in item["loc"])
+
+    structural = {_field_path(item["loc"])[:1] for item in items if not literal_branch(item)}
     problems = []
-    for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+    for item in items:
+        path = _field_path(item["loc"])
+        if literal_branch(item) and path[:1] in structural:
+            continue
+        where = ".".join(path) or "(top level)"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown field; check its spelling against the JobSpec reference"

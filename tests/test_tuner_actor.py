@@ -1,0 +1,94 @@
+"""The tuner actor's state (profile cache and choice) and the cache key, without Ray;
+the tuner's record as text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_tuner_cost import EVEN, MIB, profile
+
+from kaisa_ray.train.job import decision_line, tuning_table
+from kaisa_ray.train.loop import candidate_rows
+from kaisa_ray.train.models import MLP, LeNetCNN
+from tuner.actor import TunerState, profile_key
+from tuner.cost import NoFeasibleCandidateError, choose
+
+
+def test_a_cached_profile_is_reused_and_the_cache_is_bounded() -> None:
+    state = TunerState(max_profiles=2)
+    assert state.lookup("a") is None
+    first = state.decide("a", profile(), None)
+    assert state.lookup("a") == profile()
+    # A second identical job sends no profile and gets the same decision from the cache.
+    assert state.decide("a", None, None) == first
+    state.decide("b", profile(world_size=2), None)
+    state.lookup("a")  # a is now the most recently used
+    state.decide("c", profile(world_size=8), None)  # evicts b, the least recently used
+    assert state.lookup("b") is None
+    assert state.lookup("a") is not None
+    assert state.stats() == {"profiles": 2, "hits": 3, "misses": 2}
+    with pytest.raises(KeyError, match="no profile cached under b; profile the job first"):
+        state.decide("b", None, None)
+    assert state.forget("a") == 1
+    assert state.forget() == 1
+
+
+def test_the_actor_passes_budget_cap_and_intervals_to_choose() -> None:
+    state = TunerState()
+    with pytest.raises(NoFeasibleCandidateError, match="smaller than the job itself"):
+        state.decide("a", profile(), 100 * MIB)
+    decision = state.decide("a", None, 2**40, None, [[1, 10]])  # lists, as from JSON
+    assert {(c.factor_update_steps, c.inv_update_steps) for c in decision.candidates} == {(1, 10)}
+    assert decision == choose(profile(), 2**40, intervals=[(1, 10)])
+
+
+def test_the_cache_key_follows_model_batch_options_and_workers() -> None:
+    cpu = torch.device("cpu")
+    batch = torch.zeros(64, 1, 28, 28)
+    key = profile_key(LeNetCNN(), batch, cpu, {"kfac_approx": "reduce"})
+    assert key == profile_key(LeNetCNN(), batch.clone(), cpu, {"kfac_approx": "reduce"})
+    others = {
+        profile_key(LeNetCNN(), torch.zeros(32, 1, 28, 28), cpu, {"kfac_approx": "reduce"}),
+        profile_key(MLP(), batch, cpu, {"kfac_approx": "reduce"}),
+        profile_key(LeNetCNN(), batch, cpu, {"kfac_approx": "expand"}),
+    }
+    assert key not in others
+    assert len(others) == 3
+
+
+def test_the_record_reads_as_a_table_with_the_choice_and_the_reasons() -> None:
+    decision = choose(profile(world_size=2, layers=EVEN), 250 * MIB)
+    chosen = decision.chosen
+    record = {
+        "kind": "tuner",
+        "how": "predicted",
+        "cache": "miss",
+        "profile_s": 1.5,
+        "budget_bytes": 250 * MIB,
+        "base_memory_bytes": 200 * MIB,
+        "kfac_transient_bytes": 0,
+        "plain_ms_per_step": 25.0,
+        "chosen": {
+            "strategy": chosen.grad_worker_fraction,
+            "factor_update_steps": chosen.factor_update_steps,
+            "inv_update_steps": chosen.inv_update_steps,
+        },
+        "candidates": candidate_rows(decision.candidates),
+    }
+    text = tuning_table(record)
+    lines = text.splitlines()
+    assert lines[0].split() == [
+        "f",
+        "intervals",
+        "MiB/worker",
+        "K-FAC",
+        "MiB",
+        "ms/step",
+        "verdict",
+    ]
+    assert len(lines) == 1 + len(decision.candidates) + 2
+    assert sum("CHOSEN" in line for line in lines) == 1
+    assert any("over the budget" in line for line in lines)  # COMM-OPT holds too much here
+    assert "budget 250.00 MiB per worker" in text
+    assert "1.5 s of profiling" in lines[-1]
+    assert "from the tuner's cache" in decision_line({**record, "cache": "hit"})
