@@ -16,6 +16,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,6 +241,7 @@ def measure_candidate(
     factor_update_steps: int,
     inv_update_steps: int,
     min_steps: int = 50,
+    count_memory: bool = True,
     kfac_options: dict[str, Any] | None = None,
 ) -> Measurement:
     """Train with one candidate strategy and measure it (collective, like ``profile_job``).
@@ -248,11 +250,14 @@ def measure_candidate(
     state, activations, temporaries) over the first ``inv_update_steps + 1`` steps, which
     include a re-decomposition. Time: the following whole inverse-update periods (at least
     ``min_steps`` steps), so factor and decomposition work is amortized exactly as in
-    training. The model, optimizer and RNG are put back afterwards.
+    training. Without ``count_memory`` (``memory_bytes`` is then 0) one step replaces the
+    counted ones: any ``inv_update_steps`` consecutive steps hold one decomposition. The
+    model, optimizer and RNG are put back afterwards.
     """
     trainee = _Trainee(model, optimizer, batch, loss_fn, device)
     restore = trainee.save()
-    with TensorMemory(device, existing=trainee.held()) as memory:
+    first = inv_update_steps + 1 if count_memory else 1
+    with TensorMemory(device, existing=trainee.held()) if count_memory else nullcontext() as memory:
         preconditioner = KFACPreconditioner(
             model,
             factor_update_steps=factor_update_steps,
@@ -260,10 +265,9 @@ def measure_candidate(
             grad_worker_fraction=grad_worker_fraction,
             **(kfac_options or {}),
         )
-        for i in range(inv_update_steps + 1):
+        for i in range(first):
             trainee.step(preconditioner, i)
     timed = inv_update_steps * max(1, math.ceil(min_steps / inv_update_steps))
-    first = inv_update_steps + 1
     trainee.sync()
     start = time.perf_counter()
     for i in range(first, first + timed):
@@ -276,7 +280,7 @@ def measure_candidate(
         grad_worker_fraction=preconditioner.grad_worker_fraction,
         factor_update_steps=factor_update_steps,
         inv_update_steps=inv_update_steps,
-        memory_bytes=int(_slowest(float(memory.peak_bytes), device)),
+        memory_bytes=int(_slowest(float(memory.peak_bytes if memory else 0), device)),
         step_s=_slowest(elapsed / timed, device),
         steps=timed,
     )

@@ -37,6 +37,7 @@ __all__ = [
     "decision_line",
     "default_storage_path",
     "ensure_ray",
+    "measure_candidates",
     "run_job",
     "tune_job",
     "tuning_table",
@@ -326,28 +327,49 @@ def _candidate_key(row: dict[str, Any]) -> tuple[float, int, int]:
     return (row["grad_worker_fraction"], row["factor_update_steps"], row["inv_update_steps"])
 
 
+def measure_candidates(
+    spec: JobSpec,
+    candidates: list[dict[str, Any]],
+    *,
+    run_name: str,
+    storage_path: str | Path | None = None,
+    min_steps: int = 50,
+    rounds: int = 1,
+) -> list[dict[str, Any]]:
+    """Measure K-FAC strategies on the job's workers (one ``TorchTrainer`` run): for each
+    candidate (``strategy``, ``factor_update_steps``, ``inv_update_steps``), the peak memory
+    per worker and the time per step over whole inverse-update periods (about
+    ``min_steps`` steps; the median of ``rounds`` interleaved rounds), from the same starting
+    weights. Returns one record per candidate."""
+    storage = Path(storage_path) if storage_path is not None else default_storage_path()
+    storage.mkdir(parents=True, exist_ok=True)
+    ensure_ray()
+    config = {
+        "spec": spec.model_dump(mode="json"),
+        "run": run_name,
+        "mode": "measure",
+        "candidates": candidates,
+        "min_steps": min_steps,
+        "rounds": rounds,
+    }
+    build_trainer(spec, config, name=run_name, storage=storage, max_failures=0).fit()
+    measured: list[dict[str, Any]] = read_progress(run_name, kinds=["measured"])["records"]
+    return measured
+
+
 def _measure_trial(config: dict[str, Any]) -> None:
     """A Ray Tune function trainable: fit a ``TorchTrainer`` that measures one candidate."""
-    spec = JobSpec.model_validate(config["spec"])
     candidate = config["candidate"]
     run = f"{config['run']}.f{candidate['strategy']:g}-{candidate['factor_update_steps']}-" + str(
         candidate["inv_update_steps"]
     )
-    trainer = build_trainer(
-        spec,
-        {
-            "spec": config["spec"],
-            "run": run,
-            "mode": "measure",
-            "candidate": candidate,
-            "min_steps": config["min_steps"],
-        },
-        name=run,
-        storage=Path(config["storage"]),
-        max_failures=0,
+    (measured,) = measure_candidates(
+        JobSpec.model_validate(config["spec"]),
+        [candidate],
+        run_name=run,
+        storage_path=config["storage"],
+        min_steps=config["min_steps"],
     )
-    trainer.fit()
-    (measured,) = read_progress(run, kinds=["measured"])["records"][-1:]
     ray.tune.report({k: measured[k] for k in ("memory_bytes", "ms_per_step", "steps")})
 
 

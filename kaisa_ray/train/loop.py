@@ -15,10 +15,12 @@ state. It is written by rank 0 every ``checkpoint.every_steps`` steps and when t
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -517,38 +519,56 @@ def _profile_worker(spec: JobSpec, run: str) -> None:
     ray.train.report({"done": True})
 
 
-def _measure_worker(spec: JobSpec, run: str, candidate: dict[str, Any], min_steps: int) -> None:
-    """``mode: measure``: train a few steps with one strategy; report its peak memory per
-    worker and time per step (``tuner.profile.measure_candidate``)."""
+def _measure_worker(
+    spec: JobSpec, run: str, candidates: list[dict[str, Any]], min_steps: int, rounds: int
+) -> None:
+    """``mode: measure``: train a few steps with each candidate strategy in turn (from the
+    same weights), ``rounds`` times interleaved; push each one's peak memory per worker (from
+    the first round) and median time per step to the sink
+    (``tuner.profile.measure_candidate``)."""
     kfac = spec.kfac
     if not isinstance(kfac, KFACSpec):
         raise ConfigurationError("measuring a K-FAC strategy needs a job with kfac on")
     job = Job.build(spec.model_copy(update={"kfac": "off"}))
-    measured = measure_candidate(
-        job.net,
-        job.optimizer,
-        lambda i: job.shard.batch(i + 1),
-        nn.functional.cross_entropy,
-        job.device,
-        grad_worker_fraction=candidate["strategy"],
-        factor_update_steps=candidate["factor_update_steps"],
-        inv_update_steps=candidate["inv_update_steps"],
-        min_steps=min_steps,
-        kfac_options={
-            "compute_method": kfac.compute_method,
-            "kfac_approx": kfac.kfac_approx,
-            "damping": kfac.damping,
-            "kl_clip": kfac.kl_clip,
-        },
-    )
-    if job.rank == 0:  # Ray Train keeps metrics only with checkpoints: the sink carries them
-        record = {
-            "kind": "measured",
-            "memory_bytes": measured.memory_bytes,
-            "ms_per_step": 1000 * measured.step_s,
-            "steps": measured.steps,
-        }
-        ray.get(progress_sink().push.remote(run, [record]))
+    sink = progress_sink()
+    memory: dict[int, int] = {}
+    times: dict[int, list[float]] = {i: [] for i in range(len(candidates))}
+    steps: dict[int, int] = {}
+    for round_, (index, candidate) in itertools.product(range(rounds), enumerate(candidates)):
+        measured = measure_candidate(
+            job.net,
+            job.optimizer,
+            lambda i: job.shard.batch(i + 1),
+            nn.functional.cross_entropy,
+            job.device,
+            grad_worker_fraction=candidate["strategy"],
+            factor_update_steps=candidate["factor_update_steps"],
+            inv_update_steps=candidate["inv_update_steps"],
+            min_steps=min_steps,
+            count_memory=round_ == 0,
+            kfac_options={
+                "compute_method": kfac.compute_method,
+                "kfac_approx": kfac.kfac_approx,
+                "damping": kfac.damping,
+                "kl_clip": kfac.kl_clip,
+            },
+        )
+        if round_ == 0:
+            memory[index], steps[index] = measured.memory_bytes, measured.steps
+        times[index].append(1000 * measured.step_s)
+    if job.rank == 0:  # Ray Train keeps metrics only with checkpoints: the sink has them
+        records = [
+            {
+                "kind": "measured",
+                "candidate": candidate,
+                "memory_bytes": memory[index],
+                "ms_per_step": statistics.median(times[index]),
+                "ms_per_step_rounds": times[index],
+                "steps": steps[index],
+            }
+            for index, candidate in enumerate(candidates)
+        ]
+        ray.get(sink.push.remote(run, records))
     ray.train.report({"done": True})
 
 
@@ -556,7 +576,7 @@ def train_worker(config: dict[str, Any]) -> None:
     """``train_loop_per_worker``. ``config`` holds ``spec`` (JSON) and ``run``, and:
 
     - ``mode``: ``train`` (the default), ``profile`` (``kfac: auto`` profiles and decides,
-      then stops) or ``measure`` (time one ``candidate`` strategy for ``min_steps``);
+      then stops) or ``measure`` (measure each of ``candidates`` for ``min_steps``);
     - ``resume_from``: a checkpoint to start from;
     - ``decided`` and ``tuning``: what ``kfac: auto`` chose before the job started (with
       ``verify``), and the tuner's record of it.
@@ -567,7 +587,13 @@ def train_worker(config: dict[str, Any]) -> None:
         _profile_worker(spec, config["run"])
         return
     if mode == "measure":
-        _measure_worker(spec, config["run"], config["candidate"], config.get("min_steps", 50))
+        _measure_worker(
+            spec,
+            config["run"],
+            config["candidates"],
+            config.get("min_steps", 50),
+            config.get("rounds", 1),
+        )
         return
     run: str = config["run"]
     progress_every: int = config.get("progress_every", 10)

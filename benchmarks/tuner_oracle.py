@@ -1,0 +1,257 @@
+"""The tuner against an oracle: the example job at 2 and 4 Ray workers, three memory budgets.
+
+For each worker count, the example job (``examples/fashion_mnist_auto.yaml``: LeNet CNN,
+Fashion-MNIST, ``kfac: auto``) is profiled on its own Ray Train workers (``tune_job``; the
+tuner actor's cache is emptied first, so the profiling is real and its time is reported).
+Then every candidate of the tuner's table (every valid ``grad_worker_fraction`` x the interval
+ladder) is measured on the same workers (``measure_candidates``: peak tensor memory per
+worker, and time per step over whole inverse-update periods of at least 100 steps). For
+three budgets (the example's 2 GiB; one byte below COMM-OPT's predicted memory; one byte
+below the smallest prediction) the tuner chooses again (from its cached profile) and the
+oracle takes the fastest measured candidate whose measured memory fits. Reported: predicted
+against measured memory and ms per step for every candidate, the tuner's and the oracle's
+picks, the ratio of their measured times (goal: at most 1.10), and the profiling time.
+
+Run ``python benchmarks/tuner_oracle.py`` (about 10 minutes; ``--quick`` for a smoke run);
+``--write`` stores the tables in ``benchmarks/README.md`` and the raw figures in
+``benchmarks/results/tuner_oracle.json``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+
+import argparse
+import datetime
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ray
+import yaml
+from report import machine, table, write_block
+
+from kaisa_ray.train.job import measure_candidates, tune_job
+from kaisa_ray.train.spec import parse_job_spec
+from tuner.actor import tuner_actor
+from tuner.cost import NoFeasibleCandidateError
+
+HERE = Path(__file__).resolve().parent
+EXAMPLE = HERE.parent / "examples" / "fashion_mnist_auto.yaml"
+RESULTS = HERE / "results"
+MIB = 2**20
+
+
+def spec_for(workers: int, budget: int | str, limit: int | None) -> Any:
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["scaling"] = {"workers": workers, "cpus_per_worker": 1}
+    data["memory_budget"] = budget
+    if limit is not None:
+        data["dataset"]["limit"] = limit
+    return parse_job_spec(data, source=str(EXAMPLE))
+
+
+def key(row: dict[str, Any]) -> tuple[float, int, int]:
+    if "strategy" in row:
+        return (row["strategy"], row["factor_update_steps"], row["inv_update_steps"])
+    return (row["grad_worker_fraction"], row["factor_update_steps"], row["inv_update_steps"])
+
+
+def name(k: tuple[float, int, int]) -> str:
+    return f"f={k[0]:g}, {k[1]}/{k[2]}"
+
+
+def one_world(workers: int, args: argparse.Namespace, storage: Path) -> dict[str, Any]:
+    ray.get(tuner_actor().forget.remote())
+    first = tune_job(spec_for(workers, "2GiB", args.limit), storage_path=storage)
+    record = first.record
+    candidates = [
+        {"strategy": k[0], "factor_update_steps": k[1], "inv_update_steps": k[2]}
+        for k in (key(row) for row in record["candidates"])
+    ]
+    measured = {
+        key(m["candidate"]): m
+        for m in measure_candidates(
+            spec_for(workers, "2GiB", args.limit),
+            candidates,
+            run_name=f"oracle-w{workers}-{datetime.datetime.now(datetime.UTC):%H%M%S}",
+            storage_path=storage,
+            min_steps=args.min_steps,
+            rounds=args.rounds,
+        )
+    }
+    rows = []
+    for row in record["candidates"]:
+        m = measured[key(row)]
+        rows.append(
+            {
+                "candidate": key(row),
+                "predicted_bytes": row["memory_bytes"],
+                "measured_bytes": m["memory_bytes"],
+                "predicted_ms": row["ms_per_step"],
+                "measured_ms": m["ms_per_step"],
+                "steps_timed": m["steps"],
+            }
+        )
+    comm = max(r["predicted_bytes"] for r in rows if r["candidate"][0] == 1.0)
+    smallest = min(r["predicted_bytes"] for r in rows)
+    budgets = [
+        ("2 GiB", 2**30 * 2),
+        ("COMM-OPT's - 1 B", comm - 1),
+        ("smallest - 1 B", smallest - 1),
+    ]
+    picks = []
+    for label, budget in budgets:
+        fitting = [r for r in rows if r["measured_bytes"] <= budget]
+        oracle = min(fitting, key=lambda r: r["measured_ms"]) if fitting else None
+        try:
+            chosen = tune_job(spec_for(workers, budget, args.limit), storage_path=storage)
+        except NoFeasibleCandidateError as error:
+            picks.append(
+                {
+                    "budget": label,
+                    "budget_bytes": budget,
+                    "tuner": None,
+                    "error": str(error).splitlines()[0],
+                    "oracle": None if oracle is None else oracle["candidate"],
+                }
+            )
+            continue
+        pick = next(r for r in rows if r["candidate"] == key(chosen.decided))
+        picks.append(
+            {
+                "budget": label,
+                "budget_bytes": budget,
+                "tuner": pick["candidate"],
+                "tuner_ms": pick["measured_ms"],
+                "tuner_bytes": pick["measured_bytes"],
+                "cache": chosen.record["cache"],
+                "oracle": None if oracle is None else oracle["candidate"],
+                "oracle_ms": None if oracle is None else oracle["measured_ms"],
+            }
+        )
+    return {
+        "workers": workers,
+        "profile_s": record["profile_s"],
+        "profile_run_s": record["profile_run_s"],
+        "base_bytes": record["base_memory_bytes"],
+        "transient_bytes": record["kfac_transient_bytes"],
+        "plain_ms": record["plain_ms_per_step"],
+        "rows": rows,
+        "picks": picks,
+    }
+
+
+def summarize(results: list[dict[str, Any]], header: str) -> str:
+    rows = []
+    for result in results:
+        for r in result["rows"]:
+            rows.append(
+                [
+                    str(result["workers"]),
+                    name(r["candidate"]),
+                    f"{r['predicted_bytes'] / MIB:.2f}",
+                    f"{r['measured_bytes'] / MIB:.2f}",
+                    f"{(r['predicted_bytes'] / r['measured_bytes'] - 1) * 100:+.1f}%",
+                    f"{r['predicted_ms']:.1f}",
+                    f"{r['measured_ms']:.1f}",
+                    f"{(r['predicted_ms'] / r['measured_ms'] - 1) * 100:+.0f}%",
+                ]
+            )
+    candidates = table(
+        header,
+        [
+            "W",
+            "candidate",
+            "MiB/worker predicted",
+            "MiB/worker measured",
+            "error",
+            "ms/step predicted",
+            "ms/step measured",
+            "error",
+        ],
+        rows,
+    )
+    rows = []
+    for result in results:
+        for p in result["picks"]:
+            if p["tuner"] is None:
+                tuner, ratio = f"none fits: {p['error']}", "-"
+            else:
+                tuner = (
+                    f"{name(p['tuner'])} ({p['tuner_ms']:.1f} ms, {p['tuner_bytes'] / MIB:.2f} MiB)"
+                )
+                ratio = f"{p['tuner_ms'] / p['oracle_ms']:.2f}" if p["oracle"] else "-"
+            oracle = (
+                "none fits"
+                if p["oracle"] is None
+                else f"{name(p['oracle'])} ({p['oracle_ms']:.1f} ms)"
+            )
+            rows.append(
+                [
+                    str(result["workers"]),
+                    f"{p['budget']} ({p['budget_bytes'] / MIB:.2f} MiB)",
+                    tuner,
+                    oracle,
+                    ratio,
+                    f"{result['profile_s']:.1f} s in the workers "
+                    f"({result['profile_run_s']:.0f} s with worker start-up)",
+                ]
+            )
+    picks = table(
+        "Picks under three budgets (measured ms/step and peak MiB per worker in brackets):",
+        ["W", "budget", "tuner's pick", "oracle's pick", "tuner ÷ oracle", "profiling"],
+        rows,
+    )
+    return candidates + "\n\n" + picks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--min-steps", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    parser.add_argument("--limit", type=int, default=None, help="samples per split (smoke runs)")
+    parser.add_argument("--quick", action="store_true", help="2 workers, 20 steps, 4k samples")
+    parser.add_argument("--write", action="store_true", help="store the tables and the JSON")
+    args = parser.parse_args()
+    if args.quick:
+        args.workers, args.min_steps, args.limit, args.rounds = [2], 20, 4096, 1
+    ray.init(
+        address="local", num_cpus=max(args.workers), include_dashboard=False, log_to_driver=False
+    )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+    ).stdout.strip()
+    started = datetime.datetime.now(datetime.UTC)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kaisa-oracle-") as storage:
+        for workers in args.workers:
+            results.append(one_world(workers, args, Path(storage)))
+            print(json.dumps(results[-1]["picks"]), flush=True)
+    ray.shutdown()
+    header = (
+        f"Measured {started:%Y-%m-%d} at commit {commit} on {machine()}; the example job "
+        f"(`examples/fashion_mnist_auto.yaml`), W Ray Train workers with one logical CPU each; "
+        f"time per step: the median of {args.rounds} interleaved rounds of at least "
+        f"{args.min_steps} steps per candidate"
+        + (f", {args.limit} samples per split" if args.limit else "")
+        + "."
+    )
+    text = summarize(results, header)
+    print(text)
+    if args.write:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "tuner_oracle.json").write_text(json.dumps(results, indent=1))
+        write_block("tuner-oracle", text)
+
+
+if __name__ == "__main__":
+    main()
