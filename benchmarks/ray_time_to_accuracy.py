@@ -7,8 +7,11 @@ worker) of the LeNet-style CNN, 64 samples per worker per step (a global batch o
 at 88%. K-FAC runs with the reference implementation's settings (damping 0.1, KL clip 0.001),
 K-FAC-reduce, factors every 5 steps and decompositions every 50, once per distinct
 ``grad_worker_fraction`` at 2 workers: COMM-OPT (f = 1) and MEM-OPT (f = 1/2; HYBRID-OPT is the
-same fraction at 2 workers). Runs are interleaved seed by seed, so drift in the machine's load
-hits every configuration alike.
+same fraction at 2 workers). Then ``kfac: auto`` with the example's 2 GiB budget and nothing
+chosen by hand: the tuner profiles the job on its workers and picks the fraction and the
+intervals (the first seed profiles; later ones reuse the tuner actor's cached profile).
+Runs are interleaved seed by seed, so drift in the machine's load hits every configuration
+alike.
 
 Reported per configuration, median over seeds: steps to target; training seconds to target
 (wall-clock inside the workers' step loop: evaluation, checkpointing and worker start-up
@@ -16,8 +19,10 @@ excluded); wall-clock seconds from the first step, evaluation included; the rati
 seconds to the best first-order baseline's; mean ms per step; and where K-FAC's share of a step
 goes (host time per phase: factors, decompositions, preconditioning, communication).
 
-Run ``python benchmarks/ray_time_to_accuracy.py`` (``--quick`` for a smoke run); ``--write``
-stores the table in ``benchmarks/README.md`` and the plot in ``benchmarks/results/``.
+Run ``python benchmarks/ray_time_to_accuracy.py`` (``--quick`` for a smoke run; ``--only
+SGD COMM auto`` for some configurations); ``--write`` stores the table in
+``benchmarks/README.md`` and the plot in ``benchmarks/results/`` (a subset in their own
+``-subset`` block and files).
 """
 
 from __future__ import annotations
@@ -73,6 +78,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
         "kfac": {**KFAC, "strategy": "mem-opt"},
     },
+    # Nothing chosen by hand: the tuner picks f and the intervals under the example's budget.
+    "SGD + K-FAC, kfac: auto (2 GiB budget)": {
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "kfac": {"strategy": "auto", "damping": 0.1, "kl_clip": 0.001, "kfac_approx": "reduce"},
+        "memory_budget": "2GiB",
+    },
 }
 FIRST_ORDER = list(CONFIGS)[:2]
 
@@ -87,6 +98,7 @@ class Run:
     ms_per_step: float
     kfac_ms: dict[str, float]
     curve: list[tuple[float, float, int]]  # (train_s, test_accuracy, step) per evaluation
+    tuning: dict[str, Any] | None = None  # kfac: auto's choice and profiling time
 
 
 def job(config: str, seed: int, max_steps: int, limit: int | None) -> dict[str, Any]:
@@ -123,6 +135,10 @@ def one_run(config: str, seed: int, args: argparse.Namespace, storage: Path) -> 
         for p in PHASES
     }
     hit = next((e for e in evals if e["test_accuracy"] >= TARGET), None)
+    tuner = read_progress(result.run_name, kinds=["tuner"])["records"]
+    tuning = None
+    if tuner:
+        tuning = {k: tuner[-1][k] for k in ("chosen", "cache", "profile_s", "how")}
     return Run(
         config=config,
         seed=seed,
@@ -132,6 +148,7 @@ def one_run(config: str, seed: int, args: argparse.Namespace, storage: Path) -> 
         ms_per_step=ms,
         kfac_ms=kfac_ms if "K-FAC" in config else {},
         curve=[(e["train_s"], e["test_accuracy"], e["step"]) for e in evals],
+        tuning=tuning,
     )
 
 
@@ -195,8 +212,9 @@ def plot(runs: list[Run], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    colors = dict(zip(CONFIGS, ["tab:gray", "tab:orange", "tab:blue", "tab:green"], strict=True))
-    for config in CONFIGS:
+    palette = ["tab:gray", "tab:orange", "tab:blue", "tab:green", "tab:red"]
+    colors = dict(zip(CONFIGS, palette, strict=True))
+    for config in sorted({r.config for r in runs}, key=list(CONFIGS).index):
         for i, run in enumerate(r for r in runs if r.config == config):
             xs = [c[0] for c in run.curve]
             ys = [c[1] for c in run.curve]
@@ -220,7 +238,15 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="samples per split (smoke runs)")
     parser.add_argument("--quick", action="store_true", help="1 seed, 60 steps, 4k samples")
     parser.add_argument("--write", action="store_true", help="store the table and the plot")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="run only the configurations whose names contain one of these words; the table "
+        "then goes to its own README block and files (suffix -subset)",
+    )
     args = parser.parse_args()
+    configs = [c for c in CONFIGS if args.only is None or any(w in c for w in args.only)]
     if args.quick:
         args.seeds, args.max_steps, args.limit = 1, 60, 4096
 
@@ -232,12 +258,12 @@ def main() -> None:
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="kaisa-bench-") as storage:
         for seed in range(args.seeds):
-            for config in CONFIGS:
+            for config in configs:
                 run = one_run(config, seed, args, Path(storage))
                 runs.append(run)
                 print(
                     f"seed {seed} {config}: steps {run.steps}, train s {run.train_s}, "
-                    f"{run.ms_per_step:.1f} ms/step, K-FAC {run.kfac_ms}",
+                    f"{run.ms_per_step:.1f} ms/step, K-FAC {run.kfac_ms}, tuner {run.tuning}",
                     flush=True,
                 )
     ray.shutdown()
@@ -248,14 +274,30 @@ def main() -> None:
         + "."
     )
     text = summarize(runs, header)
+    choices = [
+        f"seed {r.seed}: f={r.tuning['chosen']['strategy']:g}, intervals "
+        f"{r.tuning['chosen']['factor_update_steps']}/{r.tuning['chosen']['inv_update_steps']}, "
+        + (
+            "profile from the tuner's cache"
+            if r.tuning["cache"] == "hit"
+            else f"{r.tuning['profile_s']:.1f} s of profiling"
+        )
+        for r in runs
+        if r.tuning is not None
+    ]
+    if choices:
+        text += "\n\n`kfac: auto` chose (profiling is outside the train seconds): " + "; ".join(
+            choices
+        )
     print(text)
     if args.write:
+        suffix = "" if args.only is None else "-subset"
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "ray_time_to_accuracy.json").write_text(
+        (RESULTS / f"ray_time_to_accuracy{suffix}.json").write_text(
             json.dumps([dataclasses.asdict(r) for r in runs], indent=1)
         )
-        plot(runs, RESULTS / "ray_time_to_accuracy.png")
-        write_block("ray-time-to-accuracy", text)
+        plot(runs, RESULTS / f"ray_time_to_accuracy{suffix}.png")
+        write_block(f"ray-time-to-accuracy{suffix}", text)
 
 
 if __name__ == "__main__":

@@ -198,6 +198,15 @@ def test_kaisa_ray_tune_prints_the_table_without_training(
     assert refused.exit_code == 1
     assert "tuning needs a job with kfac: auto" in refused.output
 
+    small = tmp_path / "small.yaml"
+    small.write_text(yaml.safe_dump(job(kfac="auto", memory_budget="1MiB")))
+    too_small = CliRunner().invoke(
+        main, ["tune", "--config", str(small), "--storage-path", str(tmp_path / "runs")]
+    )
+    assert too_small.exit_code == 1
+    assert "the memory budget 1.00 MiB is smaller than the job itself" in too_small.output
+    assert "MiB over, before any K-FAC state" in too_small.output
+
 
 def test_kfac_auto_with_a_budget_below_the_model_fails_saying_so(
     ray_head: RayHead, tmp_path: Path
