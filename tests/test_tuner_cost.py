@@ -97,6 +97,27 @@ def test_fast_network_slow_compute_chooses_mem_opt() -> None:
     assert choose(lenet, None, intervals=[(5, 50)]).chosen.grad_worker_fraction == 0.5
 
 
+def test_ranks_sharing_cores_make_work_done_by_one_rank_cheaper() -> None:
+    # LeNet at 4 workers with a free network: fc1 dominates, so every fraction's slowest rank
+    # preconditions about as much: the fractions are within a hair of each other. With
+    # four ranks on two cores (contention 2, and the profile's compute times measured with
+    # every rank busy), MEM-OPT's fc1 rank works while the others mostly wait, so it runs
+    # nearly at the solo rate: MEM-OPT is now the faster.
+    fast = LinkFit(latency_s=0.0, bytes_per_s=1e15)
+    own_cores = profile(allreduce=fast, broadcast=fast)
+    shared = dataclasses.replace(own_cores, contention=2.0)
+    pairs = [(5, 50)]
+    one = {c.grad_worker_fraction: c for c in choose(own_cores, None, intervals=pairs).candidates}
+    two = {c.grad_worker_fraction: c for c in choose(shared, None, intervals=pairs).candidates}
+    # Work every rank repeats is priced as measured (it was measured with every rank busy).
+    assert two[1.0].breakdown["precondition"] == pytest.approx(one[1.0].breakdown["precondition"])
+    assert two[0.25].breakdown["precondition"] < 0.7 * one[0.25].breakdown["precondition"]
+    gain_own = one[1.0].step_s - one[0.25].step_s
+    gain_shared = two[1.0].step_s - two[0.25].step_s
+    assert gain_shared > gain_own + 0.003  # MEM-OPT pulls ahead by milliseconds per step
+    assert choose(shared, None, intervals=pairs).chosen.grad_worker_fraction < 1.0
+
+
 def test_shrinking_budget_moves_from_comm_opt_to_mem_opt_and_never_exceeds_it() -> None:
     # A profile where COMM-OPT is fastest when memory is no object (a 10 MB/s network).
     slow = LinkFit(latency_s=1e-3, bytes_per_s=1e7)

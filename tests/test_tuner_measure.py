@@ -12,7 +12,12 @@ import torch
 from harness import run_distributed
 
 from tuner.cost import CubicFit, LinkFit
-from tuner.measure import fit_decomposition, precondition_rate, time_collectives
+from tuner.measure import (
+    compute_contention,
+    fit_decomposition,
+    precondition_rate,
+    time_collectives,
+)
 
 CPU = torch.device("cpu")
 
@@ -48,3 +53,14 @@ def test_collective_fits_on_two_ranks_agree() -> None:
     for fit in per_rank[0]:
         assert fit.latency_s >= 0
         assert 0 < fit.bytes_per_s < math.inf
+
+
+def contention_worker(rank: int, world_size: int) -> float:
+    return compute_contention(torch.device("cpu"))
+
+
+def test_contention_is_one_alone_and_shared_by_every_rank() -> None:
+    assert compute_contention(torch.device("cpu")) == 1.0
+    figures = run_distributed(contention_worker, 3, timeout=120)
+    assert len(set(figures)) == 1  # every rank prices the same
+    assert figures[0] >= 1.0

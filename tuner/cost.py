@@ -105,6 +105,9 @@ class Profile:
     allreduce: LinkFit
     broadcast: LinkFit
     compute_method: str = "eigen"
+    # How much slower ranks compute all at once than one alone (``measure.compute_contention``):
+    # 1 with a device or cores per rank; the times above were measured with every rank busy.
+    contention: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,23 +155,38 @@ def predict(
     return _priced(profile, strategy, factor_update_steps, inv_update_steps)
 
 
+def _uncontended(work: list[float], contention: float) -> list[float]:
+    """Per-rank seconds of work priced as if every rank did it at once, repriced for how
+    many ranks actually do: with shared cores, work that only some ranks do runs faster."""
+    busiest = max(work, default=0.0)
+    if contention <= 1.0 or busiest <= 0.0:
+        return work
+    busy = sum(work) / (len(work) * busiest)  # 1 when every rank does as much as the busiest
+    scale = (1.0 + (contention - 1.0) * busy) / contention
+    return [seconds * scale for seconds in work]
+
+
 def _priced(profile: Profile, strategy: Plan, fus: int, ius: int) -> Candidate:
     assignment = strategy.assignment
     worst: tuple[float, dict[str, float]] | None = None
+    world = len(strategy.ranks)
+    decompositions = [0.0] * world
+    precondition = [0.0] * world
     for rank_plan in strategy.ranks:
         rank = rank_plan.rank
-        decompositions = 0.0
-        precondition = 0.0
         for layer in profile.layers:
             place = assignment.placements[layer.name]
             if place.a_rank == rank:
-                decompositions += layer.groups * profile.decomposition.seconds(layer.a_dim)
+                decompositions[rank] += layer.groups * profile.decomposition.seconds(layer.a_dim)
             if place.g_rank == rank:
-                decompositions += layer.groups * profile.decomposition.seconds(layer.g_dim)
+                decompositions[rank] += layer.groups * profile.decomposition.seconds(layer.g_dim)
             if assignment.is_grad_worker(layer.name, rank):
                 flops = precondition_flops(layer, profile.compute_method)
-                precondition += flops * profile.precondition_s_per_flop
-
+                precondition[rank] += flops * profile.precondition_s_per_flop
+    decompositions = _uncontended(decompositions, profile.contention)
+    precondition = _uncontended(precondition, profile.contention)
+    for rank_plan in strategy.ranks:
+        rank = rank_plan.rank
         plain, factor, inverse = (
             sum(
                 (profile.allreduce if c.op == "all_reduce" else profile.broadcast).seconds(c.nbytes)
@@ -178,8 +196,8 @@ def _priced(profile: Profile, strategy: Plan, fus: int, ius: int) -> Candidate:
         )
         breakdown = {
             "factors": profile.factor_s / fus,
-            "decompositions": decompositions / ius,
-            "precondition": precondition,
+            "decompositions": decompositions[rank] / ius,
+            "precondition": precondition[rank],
             "communication": plain + (factor - plain) / fus + (inverse - factor) / ius,
         }
         total = profile.step_s + sum(breakdown.values())

@@ -114,3 +114,30 @@ def precondition_rate(device: torch.device, a_dim: int, g_dim: int, repeats: int
     seconds = _median_seconds(lambda: qg.T @ grad @ qa, device, repeats)
     flops = 2.0 * g_dim * a_dim * (a_dim + g_dim)
     return seconds / flops
+
+
+def compute_contention(device: torch.device, size: int = 256, repeats: int = 7) -> float:
+    """How much slower a rank computes when every rank computes at once than when it computes
+    alone (collective; the same value on every rank, at least 1).
+
+    About 1 when each rank has its own device or cores; about ranks ÷ cores when ranks share
+    a machine's cores, as in a local Ray cluster on a laptop. The cost model uses it to see
+    that work done on one rank while the others wait runs faster than work every rank does.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return 1.0
+    generator = torch.Generator().manual_seed(2)
+    a = torch.randn(size, size, generator=generator).to(device)
+
+    def work() -> object:
+        return [a @ a for _ in range(8)]
+
+    dist.barrier()
+    solo = _median_seconds(work, device, repeats) if dist.get_rank() == 0 else 0.0
+    dist.barrier()  # the others wait here while rank 0 computes alone
+    together = _median_seconds(work, device, repeats)
+    mine = torch.tensor([together, solo], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    ratio = statistics.median(float(t[0]) for t in every) / float(every[0][1])
+    return max(1.0, ratio)

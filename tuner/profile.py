@@ -29,7 +29,12 @@ from kaisa_ray.assignment import LayerShape
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.registration import registered_layers
 from tuner.cost import Profile, precondition_flops
-from tuner.measure import DEFAULT_DIMS, fit_decomposition, time_collectives
+from tuner.measure import (
+    DEFAULT_DIMS,
+    compute_contention,
+    fit_decomposition,
+    time_collectives,
+)
 from tuner.memory import TensorMemory
 
 Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -193,6 +198,7 @@ def profile_job(
         dims = (dims[0] // 2, dims[0])
     decomposition = fit_decomposition(device, compute_method, dims=dims, repeats=2)
     allreduce, broadcast = time_collectives(device)
+    contention = compute_contention(device)
 
     restore()
 
@@ -209,6 +215,7 @@ def profile_job(
         allreduce=allreduce,
         broadcast=broadcast,
         compute_method=compute_method,
+        contention=contention,
     )
     # The decomposition fit is local: take rank 0's, so every rank holds the same profile.
     if _distributed():
