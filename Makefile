@@ -26,3 +26,4 @@ test: lint typecheck pytest
 bench: setup
 	$(BIN)/python benchmarks/optimizers_fashion_mnist.py
 	$(BIN)/python benchmarks/ray_time_to_accuracy.py
+	$(BIN)/python benchmarks/tuner_oracle.py

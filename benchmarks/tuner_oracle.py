@@ -14,7 +14,7 @@ picks, the ratio of their measured times (goal: at most 1.10), and the profiling
 
 Run ``python benchmarks/tuner_oracle.py`` (about 10 minutes; ``--quick`` for a smoke run);
 ``--write`` stores the tables in ``benchmarks/README.md`` and the raw figures in
-``benchmarks/results/tuner_oracle.json``.
+``benchmarks/results/tuner_oracle.json`` (``--from-json`` re-prints a stored run).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "fashion_mnist_auto.yaml"
 RESULTS = HERE / "results"
 MIB = 2**20
+VERIFY = 3
 
 
 def spec_for(workers: int, budget: int | str, limit: int | None) -> Any:
@@ -149,6 +150,16 @@ def one_world(workers: int, args: argparse.Namespace, storage: Path) -> dict[str
     }
 
 
+def verify_pick(rows: list[dict[str, Any]], budget: int) -> dict[str, Any] | None:
+    """What ``kfac.verify: VERIFY`` takes: of the VERIFY fastest predicted candidates that
+    fit the budget (as predicted), the fastest measured one that fits (as measured)."""
+    predicted = sorted(
+        (r for r in rows if r["predicted_bytes"] <= budget), key=lambda r: r["predicted_ms"]
+    )[:VERIFY]
+    fitting = [r for r in predicted if r["measured_bytes"] <= budget]
+    return min(fitting, key=lambda r: r["measured_ms"]) if fitting else None
+
+
 def summarize(results: list[dict[str, Any]], header: str) -> str:
     rows = []
     for result in results:
@@ -194,6 +205,10 @@ def summarize(results: list[dict[str, Any]], header: str) -> str:
                 if p["oracle"] is None
                 else f"{name(p['oracle'])} ({p['oracle_ms']:.1f} ms)"
             )
+            verified = verify_pick(result["rows"], p["budget_bytes"])
+            verify_ratio = "-"
+            if verified is not None and p["oracle"] is not None:
+                verify_ratio = f"{verified['measured_ms'] / p['oracle_ms']:.2f}"
             rows.append(
                 [
                     str(result["workers"]),
@@ -201,13 +216,24 @@ def summarize(results: list[dict[str, Any]], header: str) -> str:
                     tuner,
                     oracle,
                     ratio,
+                    verify_ratio,
                     f"{result['profile_s']:.1f} s in the workers "
                     f"({result['profile_run_s']:.0f} s with worker start-up)",
                 ]
             )
     picks = table(
-        "Picks under three budgets (measured ms/step and peak MiB per worker in brackets):",
-        ["W", "budget", "tuner's pick", "oracle's pick", "tuner ÷ oracle", "profiling"],
+        "Picks under three budgets (measured ms/step and peak MiB per worker in brackets); "
+        f"the verify column is what `kfac.verify: {VERIFY}` picks from these measurements: the "
+        f"fastest measured of the {VERIFY} best predicted candidates that fits:",
+        [
+            "W",
+            "budget",
+            "tuner's pick (predicted)",
+            "oracle's pick",
+            "tuner ÷ oracle",
+            f"verify: {VERIFY} ÷ oracle",
+            "profiling",
+        ],
         rows,
     )
     return candidates + "\n\n" + picks
@@ -221,7 +247,20 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="samples per split (smoke runs)")
     parser.add_argument("--quick", action="store_true", help="2 workers, 20 steps, 4k samples")
     parser.add_argument("--write", action="store_true", help="store the tables and the JSON")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="print (with --write: store) the tables of an earlier run's JSON; measures nothing",
+    )
     args = parser.parse_args()
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        text = summarize(saved["results"], saved["header"])
+        print(text)
+        if args.write:
+            write_block("tuner-oracle", text)
+        return
     if args.quick:
         args.workers, args.min_steps, args.limit, args.rounds = [2], 20, 4096, 1
     ray.init(
@@ -249,7 +288,8 @@ def main() -> None:
     print(text)
     if args.write:
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "tuner_oracle.json").write_text(json.dumps(results, indent=1))
+        saved = {"header": header, "results": results}
+        (RESULTS / "tuner_oracle.json").write_text(json.dumps(saved, indent=1))
         write_block("tuner-oracle", text)
 
 
