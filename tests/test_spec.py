@@ -103,6 +103,9 @@ def test_tuner_options_need_auto_and_intervals_must_nest() -> None:
     assert tuned.kfac.ladder() == [(1, 10), (5, 50)]
     assert tuned.kfac.verify == 2
     assert KFACSpec(strategy="auto").ladder() is None  # the tuner's own ladder
+    # Workers read the spec back from its JSON dump, where every field is set.
+    for spec in (parse_job_spec(GOOD), tuned):
+        assert parse_job_spec(spec.model_dump(mode="json")) == spec
     with pytest.raises(JobSpecError, match=r"kfac.*verify only for strategy: auto.*remove it"):
         parse_job_spec(with_(kfac={"strategy": "comm-opt", "verify": 2}))
     with pytest.raises(JobSpecError, match=r"kfac.intervals.*\[3, 10\].*use e.g. \[3, 9\]"):

@@ -141,11 +141,10 @@ class KFACSpec(_Strict):
     @model_validator(mode="after")
     def _auto_only(self) -> KFACSpec:
         if self.strategy != "auto":
-            given = [
-                name
-                for name in ("max_overhead", "intervals", "verify")
-                if name in self.model_fields_set
-            ]
+            # By value, not by fields set: a spec dumped to JSON and read back (as the workers
+            # do) has every field set.
+            defaults = {"max_overhead": None, "intervals": None, "verify": 0}
+            given = [name for name, empty in defaults.items() if getattr(self, name) != empty]
             if given:
                 raise ValueError(
                     f"{', '.join(given)} only for strategy: auto (the tuner); remove "
