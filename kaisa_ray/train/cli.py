@@ -177,6 +177,14 @@ config_option = click.option(
     help="Job file (YAML or JSON); see examples/fashion_mnist.yaml.",
 )
 
+storage_option = click.option(
+    "--storage-path",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where runs keep their files and checkpoints [default: $KAISA_RAY_STORAGE or "
+    "~/kaisa-ray/runs]; on a multi-node cluster, storage every node can reach.",
+)
+
 
 def _load(config: Path) -> JobSpec:
     """The job file as a JobSpec, or exit 1 naming every bad field."""
@@ -197,13 +205,7 @@ def validate(config: Path) -> None:
 
 @main.command()
 @config_option
-@click.option(
-    "--storage-path",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where runs keep checkpoints [default: $KAISA_RAY_STORAGE or ~/kaisa-ray/runs]; "
-    "on a multi-node cluster, storage every node can reach.",
-)
+@storage_option
 @click.option(
     "--resume-from",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -256,13 +258,7 @@ def train(
 
 @main.command()
 @config_option
-@click.option(
-    "--storage-path",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where the profiling and verification runs keep their files "
-    "[default: $KAISA_RAY_STORAGE or ~/kaisa-ray/runs].",
-)
+@storage_option
 @click.option(
     "--verify",
     type=click.IntRange(min=0, max=32),
