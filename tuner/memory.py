@@ -3,11 +3,11 @@
 On CUDA the allocator keeps a peak (``torch.cuda.max_memory_allocated``). On CPU there is no
 allocator statistic, so ``TensorMemory`` counts it: a dispatch mode sees every tensor an
 operator returns, adds its storage's bytes once, and subtracts them when the storage is freed.
-The peak is of tensors created inside the ``with`` block; tensors that already existed
-(the model's parameters, say) are the caller's to add. What it counts is tensor memory —
-parameters, gradients, optimizer state, activations, K-FAC state and every temporary — which
-is what a memory budget for training is about. The interpreter, libraries and the data set
-held in host memory are not counted.
+The peak is of tensors created inside the ``with`` block plus the ``existing`` tensors the
+caller passes (the model's parameters, say), each until it is freed. What it counts is tensor
+memory — parameters, gradients, optimizer state, activations, K-FAC state and every
+temporary — which is what a memory budget for training is about. The interpreter, libraries
+and the data set held in host memory are not counted.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def profile_job(
         batch: ``batch(i)`` gives the i-th profiling batch on this rank, on any device.
         loss_fn: ``loss_fn(output, target)``.
         device: where training runs.
-        steps: timed steps per phase (after one warm-up step).
+        steps: timed steps per phase (after the counted warm-up steps).
         compute_method: K-FAC's ``compute_method`` (``eigen`` or ``inverse``).
         kfac_options: other ``KFACPreconditioner`` arguments that change which layers are
             registered (``skip_layers``, ``kfac_approx``).
@@ -141,20 +141,19 @@ def profile_job(
     options = dict(kfac_options or {})
     trainee = _Trainee(model, optimizer, batch, loss_fn, device)
     restore = trainee.save()
-    one_step, held = trainee.step, trainee.held
 
     # Plain steps: the peak of two (the first creates the optimizer state), then timed ones
     # outside the count, since counting CPU allocations slows every operation.
-    with TensorMemory(device, existing=held()) as memory:
-        one_step(None, 0)
-        one_step(None, 1)
+    with TensorMemory(device, existing=trainee.held()) as memory:
+        trainee.step(None, 0)
+        trainee.step(None, 1)
     base_memory = memory.peak_bytes
     times = []
     for i in range(2, steps + 2):
-        _sync(device)
+        trainee.sync()
         start = time.perf_counter()
-        one_step(None, i)
-        _sync(device)
+        trainee.step(None, i)
+        trainee.sync()
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
 
@@ -177,15 +176,15 @@ def profile_job(
     # (old decompositions live until new ones replace them). Its peak over the base and the
     # state is K-FAC's transient memory: activations the hooks keep, batch factors,
     # decomposition workspace, communication buffers.
-    with TensorMemory(device, existing=held()) as memory:
-        one_step(preconditioner, steps + 2)
+    with TensorMemory(device, existing=trainee.held()) as memory:
+        trainee.step(preconditioner, steps + 2)
         state_bytes = preconditioner.memory_usage()["total"]
         memory.reset_peak()
-        one_step(preconditioner, steps + 3)
+        trainee.step(preconditioner, steps + 3)
     transient = memory.peak_bytes - base_memory - state_bytes
     preconditioner.times.reset()
     for i in range(steps + 4, 2 * steps + 4):
-        one_step(preconditioner, i)
+        trainee.step(preconditioner, i)
     phases = preconditioner.times.reset()
     preconditioner.remove_hooks()
     flops = sum(precondition_flops(layer, compute_method) for layer in layers)

@@ -58,6 +58,13 @@ def default_storage_path() -> Path:
     return Path(os.environ.get(STORAGE_ENV) or Path.home() / "kaisa-ray" / "runs")
 
 
+def _storage(storage_path: str | Path | None) -> Path:
+    """``storage_path`` or ``default_storage_path()``, created if missing."""
+    storage = Path(storage_path) if storage_path is not None else default_storage_path()
+    storage.mkdir(parents=True, exist_ok=True)
+    return storage
+
+
 def unique_run_name(job_name: str) -> str:
     """``<job name>-<UTC time>-<8 hex>``: unique, so a run never resumes an older one."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -222,11 +229,7 @@ def tuning_table(record: dict[str, Any]) -> str:
     header.append("verdict")
     lines = [header]
     for row in record["candidates"]:
-        picked = (
-            row["grad_worker_fraction"] == chosen["strategy"]
-            and row["factor_update_steps"] == chosen["factor_update_steps"]
-            and row["inv_update_steps"] == chosen["inv_update_steps"]
-        )
+        picked = _decided(row) == chosen
         cells = [
             f"{row['grad_worker_fraction']:g}",
             f"{row['factor_update_steps']}/{row['inv_update_steps']}",
@@ -297,8 +300,7 @@ def tune_job(
             f"kfac to {kfac if isinstance(kfac, str) else kfac.strategy!r}"
         )
     name = run_name or unique_run_name(spec.name)
-    storage = Path(storage_path) if storage_path is not None else default_storage_path()
-    storage.mkdir(parents=True, exist_ok=True)
+    storage = _storage(storage_path)
     ensure_ray()
     profile_run = f"{name}.profile"
     began = time.perf_counter()
@@ -323,8 +325,13 @@ def tune_job(
     return TuningOutcome(decided=dict(record["chosen"]), record=record)
 
 
-def _candidate_key(row: dict[str, Any]) -> tuple[float, int, int]:
-    return (row["grad_worker_fraction"], row["factor_update_steps"], row["inv_update_steps"])
+def _decided(row: dict[str, Any]) -> dict[str, Any]:
+    """A candidate-table row as the KFACSpec fields it would set (a ``chosen`` dict)."""
+    return {
+        "strategy": row["grad_worker_fraction"],
+        "factor_update_steps": row["factor_update_steps"],
+        "inv_update_steps": row["inv_update_steps"],
+    }
 
 
 def measure_candidates(
@@ -341,8 +348,7 @@ def measure_candidates(
     per worker and the time per step over whole inverse-update periods (about
     ``min_steps`` steps; the median of ``rounds`` interleaved rounds), from the same starting
     weights. Returns one record per candidate."""
-    storage = Path(storage_path) if storage_path is not None else default_storage_path()
-    storage.mkdir(parents=True, exist_ok=True)
+    storage = _storage(storage_path)
     ensure_ray()
     config = {
         "spec": spec.model_dump(mode="json"),
@@ -383,14 +389,7 @@ def _verify(
     began = time.perf_counter()
     feasible = [row for row in record["candidates"] if row["rejected"] is None]
     best = sorted(feasible, key=lambda row: row["ms_per_step"])[: kfac.verify]
-    candidates = [
-        {
-            "strategy": row["grad_worker_fraction"],
-            "factor_update_steps": row["factor_update_steps"],
-            "inv_update_steps": row["inv_update_steps"],
-        }
-        for row in best
-    ]
+    candidates = [_decided(row) for row in best]
     tuner = ray.tune.Tuner(
         # The trial only waits on its TorchTrainer, whose workers hold the CPUs: it takes none
         # (Tune refuses an empty bundle; a MiB of logical memory makes it non-empty).
@@ -408,24 +407,18 @@ def _verify(
         ),
     )
     results = tuner.fit()
-    measured: dict[tuple[float, int, int], dict[str, Any]] = {}
+    measured: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for index in range(len(results)):
         result = results[index]
-        candidate = (result.config or {})["candidate"]
-        key = (
-            candidate["strategy"],
-            candidate["factor_update_steps"],
-            candidate["inv_update_steps"],
-        )
+        outcome: dict[str, Any] = dict(result.metrics or {})
         if result.error is not None:
-            measured[key] = {"error": f"{type(result.error).__name__}: {result.error}"}
-        else:
-            measured[key] = dict(result.metrics or {})
+            outcome = {"error": f"{type(result.error).__name__}: {result.error}"}
+        measured.append(((result.config or {})["candidate"], outcome))
     budget = record["budget_bytes"]
     rows = []
     for row in record["candidates"]:
         row = dict(row)
-        found = measured.get(_candidate_key(row))
+        found = next((m for c, m in measured if c == _decided(row)), None)
         if found is not None:
             row["measured_memory_bytes"] = found.get("memory_bytes")
             row["measured_ms_per_step"] = found.get("ms_per_step")
@@ -458,11 +451,7 @@ def _verify(
         "how": "measured",
         "verify_s": time.perf_counter() - began,
         "predicted_choice": record["chosen"],
-        "chosen": {
-            "strategy": winner["grad_worker_fraction"],
-            "factor_update_steps": winner["factor_update_steps"],
-            "inv_update_steps": winner["inv_update_steps"],
-        },
+        "chosen": _decided(winner),
         "candidates": rows,
     }
 
@@ -508,8 +497,7 @@ def run_job(
             f"resume_from={resume_from} is not a kaisa-ray checkpoint (no {CHECKPOINT_FILE} "
             "in it); pass a run's checkpoint_* directory"
         )
-    storage = Path(storage_path) if storage_path is not None else default_storage_path()
-    storage.mkdir(parents=True, exist_ok=True)
+    storage = _storage(storage_path)
     ensure_ray()
 
     config: dict[str, Any] = {
