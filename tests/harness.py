@@ -32,12 +32,18 @@ def _child(
         result = fn(rank, world_size, **kwargs)
         dist.barrier()
         dist.destroy_process_group()
-        with open(out, "wb") as handle:
-            pickle.dump(("ok", result), handle)
+        _write(out, ("ok", result))
     except BaseException:
-        with open(out, "wb") as handle:
-            pickle.dump(("error", traceback.format_exc()), handle)
+        _write(out, ("error", traceback.format_exc()))
         raise SystemExit(1) from None
+
+
+def _write(out: str, payload: tuple[str, Any]) -> None:
+    """Write whole or not at all: a child killed mid-write (a hang's clean-up) leaves no
+    half-written file for the parent to misread."""
+    with open(out + ".part", "wb") as handle:
+        pickle.dump(payload, handle)
+    os.replace(out + ".part", out)
 
 
 def run_distributed(
