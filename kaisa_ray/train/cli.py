@@ -196,6 +196,20 @@ def _load(config: Path) -> JobSpec:
         raise click.ClickException(str(err)) from err
 
 
+def _parse(text: str) -> JobSpec:
+    """A JSON job given on the command line, or exit 1 naming every bad field."""
+    import json
+
+    from kaisa_ray.train.spec import JobSpecError, parse_job_spec
+
+    try:
+        return parse_job_spec(json.loads(text), "--spec")
+    except json.JSONDecodeError as err:
+        raise click.ClickException(f"--spec is not valid JSON: {err}") from err
+    except JobSpecError as err:
+        raise click.ClickException(str(err)) from err
+
+
 @main.command()
 @config_option
 def validate(config: Path) -> None:
@@ -204,7 +218,19 @@ def validate(config: Path) -> None:
 
 
 @main.command()
-@config_option
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Job file (YAML or JSON); see examples/fashion_mnist.yaml.",
+)
+@click.option(
+    "--spec",
+    "spec_json",
+    default=None,
+    help="The job as one JSON object instead of a file (what the service's Ray Jobs run).",
+)
 @storage_option
 @click.option(
     "--resume-from",
@@ -224,7 +250,8 @@ def validate(config: Path) -> None:
     help="Show a progress bar (on a terminal) and log each evaluation.",
 )
 def train(
-    config: Path,
+    config: Path | None,
+    spec_json: str | None,
     storage_path: Path | None,
     resume_from: Path | None,
     run_name: str | None,
@@ -234,7 +261,9 @@ def train(
     from kaisa_ray.errors import ConfigurationError
     from kaisa_ray.train.job import run_job
 
-    spec = _load(config)
+    if (config is None) == (spec_json is None):
+        raise click.UsageError("give the job as --config FILE or as --spec JSON (one of them)")
+    spec = _load(config) if config is not None else _parse(spec_json or "")
     try:
         result = run_job(
             spec,

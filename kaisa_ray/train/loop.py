@@ -605,25 +605,31 @@ def train_worker(config: dict[str, Any]) -> None:
             state = load_checkpoint_file(directory)
     elif source is not None:
         state = load_checkpoint_file(source)
-    job = Job.build(spec, decided=state.get("kfac_decision") if state else config.get("decided"))
-    if state is None and config.get("tuning") is not None:
-        job.tuning = config["tuning"]
-    if state is not None:
-        job.load(state, str(source))
+    # Before anything slow (data, tuning): the service sees the workers start.
+    context = ray.train.get_context()
     sink = progress_sink()
     sink.push.remote(
         run,
         [
             {
                 "kind": "worker",
-                "rank": job.rank,
-                "world": job.world,
+                "rank": context.get_world_rank(),
+                "world": context.get_world_size(),
                 "pid": os.getpid(),
-                "device": str(job.device),
+                "device": str(ray.train.torch.get_device()),
                 "node": ray.get_runtime_context().get_node_id(),
             }
         ],
     )
+    decided = state.get("kfac_decision") if state else config.get("decided")
+    auto = isinstance(spec.kfac, KFACSpec) and spec.kfac.strategy == "auto"
+    if auto and decided is None and context.get_world_rank() == 0:
+        sink.push.remote(run, [{"kind": "profiling"}])
+    job = Job.build(spec, decided=decided)
+    if state is None and config.get("tuning") is not None:
+        job.tuning = config["tuning"]
+    if state is not None:
+        job.load(state, str(source))
 
     if job.rank == 0 and job.tuning is not None:
         sink.push.remote(run, [job.tuning])

@@ -19,6 +19,7 @@ Example (YAML)::
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -237,7 +238,12 @@ def _field_path(loc: tuple[int | str, ...]) -> tuple[str, ...]:
 
 
 def _describe(error: ValidationError) -> list[str]:
-    items = error.errors()
+    return [f"{where}: {message}" for where, message in field_problems(error.errors())]
+
+
+def field_problems(items: Sequence[Any]) -> list[tuple[str, str]]:
+    """``(field, message)`` for each of pydantic's error dicts (``loc``, ``msg``, ``type``):
+    the dotted field (``kfac.damping``) and a message that says how to fix it."""
 
     # ``kfac`` is a model or the literal 'off': when the model branch has errors, the
     # literal branch's "Input should be 'off'" only adds noise.
@@ -256,7 +262,7 @@ def _describe(error: ValidationError) -> list[str]:
             message = "unknown field; check its spelling against the JobSpec reference"
         elif item["type"] == "byte_size":
             message = f"{message}; write a size such as '2GiB' or '512MB'"
-        problems.append(f"{where}: {message}")
+        problems.append((where, message))
     return problems
 
 

@@ -1,0 +1,431 @@
+"""The FastAPI application: the REST API under ``/v1``, health, readiness and Prometheus.
+
+``create_app(settings)`` builds it; its lifespan opens the store, connects to Ray (or starts
+the embedded head), and runs the follower. Tests pass a fake ``runner``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kaisa_ray.train.spec import JobSpec, field_problems
+from service.errors import JobNotFoundError, RayUnavailableError, ServiceError
+from service.head import RayHead
+from service.hub import Hub
+from service.jobs import Follower, Jobs
+from service.lifecycle import JobState
+from service.metrics import ServiceMetrics
+from service.middleware import BodyLimit, Timing
+from service.runner import RayRunner, Runner
+from service.schemas import (
+    ErrorBody,
+    FieldProblem,
+    Health,
+    JobDetail,
+    JobList,
+    JobView,
+    MetricHistory,
+    ValidationErrorBody,
+    job_detail,
+    job_view,
+    metric_point,
+)
+from service.settings import Settings
+from service.store import JobStore
+
+logger = logging.getLogger(__name__)
+
+API_VERSION = "v1"
+_bearer = HTTPBearer(auto_error=False, description="the service's token (kaisa-ray serve --token)")
+
+
+def _error(code: int, what: str) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorBody, "description": what}}
+
+
+UNAUTHORIZED = _error(401, "no token, or a wrong one")
+NOT_FOUND = _error(404, "no such job")
+INVALID: dict[int | str, dict[str, Any]] = {
+    422: {"model": ValidationErrorBody, "description": "bad parameters or body"}
+}
+
+
+@dataclass
+class Runtime:
+    """What the lifespan opened, kept on ``app.state.runtime``."""
+
+    settings: Settings
+    store: JobStore
+    jobs: Jobs
+    follower: Follower
+    metrics: ServiceMetrics
+    head: RayHead | None = None
+
+
+def _connect(settings: Settings) -> tuple[Runner, RayHead | None]:
+    """Ray for the service: the configured cluster, or the embedded head (adopted after a
+    restart, else started)."""
+    from service.head import adopt_or_start
+
+    head = None
+    address = settings.ray_address
+    if address is None:
+        head, adopted = adopt_or_start(settings.data_dir, num_cpus=settings.embedded_cpus)
+        address = head.gcs_address
+        # Ray reads its auth settings when first imported: this must precede RayRunner.
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = head.token
+        logger.info("%s embedded Ray head %s", "adopted" if adopted else "started", address)
+    runner = RayRunner(address, dashboard_url=settings.dashboard_url, storage_path=settings.storage)
+    return runner, head
+
+
+def create_app(settings: Settings | None = None, *, runner: Runner | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = await run_in_threadpool(JobStore, settings.database)
+        head = None
+        if runner is not None:
+            active: Runner = runner
+        else:
+            active, head = await run_in_threadpool(_connect, settings)
+        jobs = Jobs(store, active, Hub())
+        follower = Follower(jobs, interval_s=settings.poll_interval_s)
+        runtime = Runtime(settings, store, jobs, follower, metrics, head)
+        metrics.bind(store)
+        app.state.runtime = runtime
+        follower.start()
+        try:
+            yield
+        finally:
+            follower.stop()
+            await run_in_threadpool(active.close)
+            if head is not None:
+                await run_in_threadpool(head.stop)
+            store.close()
+
+    metrics = ServiceMetrics()
+    app = FastAPI(
+        title="kaisa-ray",
+        version="0.1.0",
+        summary="K-FAC training jobs on Ray: submit, follow, cancel.",
+        lifespan=lifespan,
+        responses={500: {"model": ErrorBody, "description": "an internal error (see the log)"}},
+    )
+    _handlers(app)
+    app.include_router(_api(settings), prefix=f"/{API_VERSION}")
+    app.include_router(_health(settings))
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(Timing, observe=metrics.observe, prefixes=(f"/{API_VERSION}",))
+    return app
+
+
+def _runtime(request: Request) -> Runtime:
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+def _authorizer(settings: Settings) -> Any:
+    expected = settings.token.get_secret_value() if settings.token else None
+
+    def authorize(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> None:
+        if expected is None:
+            return
+        given = credentials.credentials if credentials is not None else ""
+        if credentials is None or not secrets.compare_digest(given.encode(), expected.encode()):
+            raise UnauthorizedError
+
+    return authorize
+
+
+class UnauthorizedError(ServiceError):
+    status = 401
+
+    def __init__(self) -> None:
+        super().__init__(
+            "missing or wrong token: send 'Authorization: Bearer <token>' with the token the "
+            "service was started with (kaisa-ray serve --token, or $KAISA_RAY_TOKEN)"
+        )
+
+
+RuntimeDep = Annotated[Runtime, Depends(_runtime)]
+
+
+def _api(settings: Settings) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(_authorizer(settings))], responses=UNAUTHORIZED)
+
+    @router.post(
+        "/jobs",
+        status_code=status.HTTP_201_CREATED,
+        response_model=JobView,
+        responses={
+            **_error(409, "the idempotency key was used for a different spec"),
+            **_error(413, "the body is over the size limit"),
+            **INVALID,
+        },
+        tags=["jobs"],
+    )
+    def submit_job(
+        spec: JobSpec,
+        runtime: RuntimeDep,
+        idempotency_key: Annotated[
+            str | None,
+            Header(
+                max_length=200,
+                description="send the same key again to get the same job, not a second one",
+            ),
+        ] = None,
+    ) -> JobView:
+        """Store a job as QUEUED and start it on Ray."""
+        job, created = runtime.jobs.create(spec.model_dump(mode="json"), idempotency_key)
+        if created:
+            runtime.metrics.submissions.inc()
+        return job_view(job)
+
+    @router.get("/jobs", response_model=JobList, responses=INVALID, tags=["jobs"])
+    def list_jobs(
+        runtime: RuntimeDep,
+        state: Annotated[list[JobState] | None, Query(description="only these states")] = None,
+        limit: Annotated[int, Query(ge=1, le=500)] = 50,
+        offset: Annotated[int, Query(ge=0, le=2**31)] = 0,
+    ) -> JobList:
+        """Jobs, newest first."""
+        jobs, total = runtime.store.page(states=state or (), limit=limit, offset=offset)
+        more = offset + len(jobs) < total
+        return JobList(
+            jobs=[job_view(j) for j in jobs],
+            total=total,
+            limit=limit,
+            offset=offset,
+            next_offset=offset + len(jobs) if more else None,
+        )
+
+    @router.get(
+        "/jobs/{job_id}",
+        response_model=JobDetail,
+        responses={**NOT_FOUND, **INVALID},
+        tags=["jobs"],
+    )
+    def get_job(job_id: str, runtime: RuntimeDep) -> JobDetail:
+        """A job: state, progress, latest metrics, the tuner's decision and table, history."""
+        return job_detail(runtime.store.get(job_id), runtime.store.transitions(job_id))
+
+    @router.get(
+        "/jobs/{job_id}/metrics",
+        response_model=MetricHistory,
+        responses={**NOT_FOUND, **INVALID},
+        tags=["jobs"],
+    )
+    def get_metrics(
+        job_id: str,
+        runtime: RuntimeDep,
+        kind: Annotated[list[str] | None, Query(description="step, eval")] = None,
+        since: Annotated[int, Query(ge=0, le=2**31)] = 0,
+        limit: Annotated[int, Query(ge=1, le=20_000)] = 10_000,
+    ) -> MetricHistory:
+        """The metric history: a point per progress report (step) and evaluation (eval)."""
+        points = runtime.store.metrics(job_id, kinds=kind or (), since=since, limit=limit)
+        return MetricHistory(
+            job_id=job_id,
+            points=[metric_point(m) for m in points],
+            next_since=points[-1].seq + 1 if points else since,
+        )
+
+    @router.get(
+        "/jobs/{job_id}/events",
+        response_class=EventSourceResponse,
+        responses={
+            200: {
+                "description": "server-sent events: state (the job, on connect and on every "
+                "change), progress, eval and tuner; the stream ends when the job finishes",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            },
+            **NOT_FOUND,
+            **INVALID,
+        },
+        tags=["jobs"],
+    )
+    async def job_events(job_id: str, runtime: RuntimeDep) -> EventSourceResponse:
+        """Follow a job live."""
+        await run_in_threadpool(runtime.store.get, job_id)  # 404 before the stream starts
+        return EventSourceResponse(_stream(runtime, job_id), ping=15)
+
+    @router.get(
+        "/jobs/{job_id}/logs",
+        response_class=PlainTextResponse,
+        responses={
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+            **NOT_FOUND,
+            **_error(503, "Ray cannot be reached"),
+            **INVALID,
+        },
+        tags=["jobs"],
+    )
+    def job_logs(job_id: str, runtime: RuntimeDep) -> PlainTextResponse:
+        """The job driver's log (the Ray Job's output); empty before the job reached Ray."""
+        job = runtime.store.get(job_id)
+        if job.submission_id is None:
+            return PlainTextResponse("")
+        try:
+            text = runtime.jobs.runner.logs(job.submission_id)
+        except Exception as err:
+            raise RayUnavailableError(f"cannot read the job's log from Ray: {err}") from err
+        return PlainTextResponse(text)
+
+    @router.post(
+        "/jobs/{job_id}/cancel",
+        response_model=JobView,
+        responses={**NOT_FOUND, **_error(409, "the job already finished otherwise"), **INVALID},
+        tags=["jobs"],
+    )
+    def cancel_job(job_id: str, runtime: RuntimeDep) -> JobView:
+        """Stop a job: CANCELLING now, CANCELLED when Ray has stopped it. Idempotent."""
+        return job_view(runtime.jobs.cancel(job_id))
+
+    @router.delete(
+        "/jobs/{job_id}",
+        status_code=status.HTTP_204_NO_CONTENT,
+        response_class=Response,
+        responses={**NOT_FOUND, **_error(409, "the job is not finished"), **INVALID},
+        tags=["jobs"],
+    )
+    def delete_job(job_id: str, runtime: RuntimeDep) -> Response:
+        """Forget a finished job and its history."""
+        runtime.jobs.delete(job_id)
+        return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+    return router
+
+
+def _health(settings: Settings) -> APIRouter:
+    router = APIRouter(tags=["service"])
+
+    @router.get("/healthz", response_model=Health)
+    def healthz() -> Health:
+        """The process answers."""
+        return Health(status="ok")
+
+    @router.get(
+        "/readyz",
+        response_model=Health,
+        responses={503: {"model": Health, "description": "Ray or the database is not ready"}},
+    )
+    def readyz(runtime: RuntimeDep) -> JSONResponse:
+        """Ray reachable and the database writable."""
+        checks = {"ray": "ok", "database": "ok"}
+        if not runtime.jobs.runner.reachable():
+            checks["ray"] = "unreachable"
+        try:
+            runtime.store.writable()
+        except Exception as err:
+            checks["database"] = f"not writable: {type(err).__name__}"
+        ok = all(v == "ok" for v in checks.values())
+        body = Health(status="ok" if ok else "unavailable", checks=checks)
+        return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+
+    @router.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+            **UNAUTHORIZED,
+        },
+        dependencies=[Depends(_authorizer(settings))],
+    )
+    def metrics(runtime: RuntimeDep) -> Response:
+        """Prometheus metrics: jobs by state, submissions, request latency, throughput."""
+        return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+async def _stream(runtime: Runtime, job_id: str) -> AsyncIterator[ServerSentEvent]:
+    """The job's state now, then every update until it finishes."""
+    async with runtime.jobs.hub.subscribe(job_id) as queue:
+        job = await run_in_threadpool(runtime.store.get, job_id)
+        yield ServerSentEvent(job_view(job).model_dump_json(), event="state")
+        while not job.state.finished:
+            update = await queue.get()
+            if update.kind == "state":
+                try:
+                    job = await run_in_threadpool(runtime.store.get, job_id)
+                except JobNotFoundError:
+                    return
+                yield ServerSentEvent(job_view(job).model_dump_json(), event="state")
+            else:
+                yield ServerSentEvent(json.dumps(update.data), event=update.kind)
+    await asyncio.sleep(0)
+
+
+def _handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def service_error(_: Request, err: ServiceError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        return JSONResponse(
+            ErrorBody(detail=str(err)).model_dump(), status_code=err.status, headers=headers
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        problems = []
+        body_items = []
+        for item in err.errors():
+            loc = tuple(item.get("loc", ()))
+            if len(loc) > 1 and loc[0] == "body":
+                body_items.append({**item, "loc": loc[1:]})  # a field of the JobSpec
+                continue
+            where = ".".join(str(part) for part in loc) or "body"
+            message = str(item.get("msg", "invalid"))
+            if item.get("type") == "json_invalid":
+                where, message = "body", f"not valid JSON: {message}"
+            problems.append(FieldProblem(field=where, message=message))
+        for field, message in field_problems(body_items):
+            problems.append(FieldProblem(field=field, message=message))
+        body = ValidationErrorBody(
+            detail=f"{len(problems)} problem(s): "
+            + "; ".join(f"{p.field}: {p.message}" for p in problems),
+            problems=problems,
+        )
+        return JSONResponse(body.model_dump(), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            ErrorBody(detail=str(err.detail)).model_dump(),
+            status_code=err.status_code,
+            headers=getattr(err, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, err: Exception) -> JSONResponse:
+        ref = secrets.token_hex(4)
+        logger.error(
+            "internal error %s on %s %s", ref, request.method, request.url.path, exc_info=err
+        )
+        return JSONResponse(
+            ErrorBody(
+                detail=f"internal error (reference {ref}); the service log has it"
+            ).model_dump(),
+            status_code=500,
+        )

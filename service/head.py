@@ -1,0 +1,186 @@
+"""A local Ray head with the job server: ``ray start --head --block`` in its own process group.
+
+The service starts one when no Ray address is configured (the embedded head), and the tests
+start one per pytest run. The head runs in its own session, so a killed service leaves it (and
+the jobs on it) running; the next service on the same data directory finds it through
+``head.json`` and adopts it, and a graceful shutdown stops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def venv_path() -> str:
+    """PATH with this interpreter's bin first, so that job entrypoints find ``kaisa-ray``."""
+    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class RayHead:
+    gcs_address: str
+    dashboard_url: str
+    token: str
+    pid: int
+    log: str
+
+    def alive(self) -> bool:
+        """The head answers on its dashboard (with the token)."""
+        request = urllib.request.Request(
+            f"{self.dashboard_url}/api/version",
+            headers={"Authorization": f"Bearer {self.token}"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=2) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    def client_env(self, *, with_token: bool = True) -> dict[str, str]:
+        """Environment for a CLI/SDK client of this head (token auth, as on a cluster)."""
+        env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": venv_path()}
+        env.pop("RAY_AUTH_TOKEN", None)
+        env.pop("RAY_ADDRESS", None)
+        if with_token:
+            env["RAY_AUTH_TOKEN"] = self.token
+        return env
+
+    def stop(self, grace_s: float = 5) -> None:
+        """Stop this head and every process it started (its own process group).
+
+        A graceful stop waits about 30 s for the GCS to drain; nothing here needs that, so
+        after ``grace_s`` the group is killed.
+        """
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _running(self.pid):
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        # Like `ray stop`: forget this head as the machine's default cluster, so that a later
+        # local ray.init() starts its own instead of trying to reach this dead one.
+        address_file = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        with contextlib.suppress(OSError):
+            port = self.gcs_address.rsplit(":", 1)[1]
+            if address_file.read_text().strip().endswith(f":{port}"):
+                address_file.unlink()
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+        path.chmod(0o600)  # it holds the token
+
+    @classmethod
+    def load(cls, path: Path) -> RayHead | None:
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+def _running(pid: int) -> bool:
+    try:
+        reaped, _ = os.waitpid(pid, os.WNOHANG)  # our own child: reap it
+        return reaped == 0
+    except ChildProcessError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def start_head(
+    log_dir: Path,
+    *,
+    token: str | None = None,
+    num_cpus: int | None = None,
+    object_store_bytes: int | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 120,
+) -> RayHead:
+    """Start ``ray start --head --block`` (job server on, token auth on) on free ports."""
+    token = token or secrets.token_hex(16)
+    gcs, dashboard = free_port(), free_port()
+    head_env = {**os.environ, **(env or {}), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    head_env["PATH"] = venv_path()
+    head_env.pop("RAY_ADDRESS", None)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / "ray-head.log"
+    command = [
+        RAY,
+        "start",
+        "--head",
+        "--block",
+        f"--port={gcs}",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--ray-client-server-port={free_port()}",
+        "--disable-usage-stats",
+    ]
+    if num_cpus is not None:
+        command.append(f"--num-cpus={num_cpus}")
+    if object_store_bytes is not None:
+        command.append(f"--object-store-memory={object_store_bytes}")
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, env=head_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    head = RayHead(
+        gcs_address=f"127.0.0.1:{gcs}",
+        dashboard_url=f"http://127.0.0.1:{dashboard}",
+        token=token,
+        pid=process.pid,
+        log=str(log),
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"ray start exited with {process.returncode}:\n{log.read_text()}")
+        if head.alive():
+            logger.info("Ray head up at %s (dashboard %s)", head.gcs_address, head.dashboard_url)
+            return head
+        time.sleep(0.5)
+    head.stop()
+    raise RuntimeError(f"the Ray head did not come up in {timeout_s} s:\n{log.read_text()}")
+
+
+def adopt_or_start(data_dir: Path, *, num_cpus: int | None = None) -> tuple[RayHead, bool]:
+    """The embedded head of a service on ``data_dir``: the one an earlier service started
+    there, if it still runs (a restart after a crash), else a new one. Returns it and
+    whether it was adopted."""
+    record = data_dir / "ray" / "head.json"
+    head = RayHead.load(record)
+    if head is not None and head.alive():
+        logger.info("adopting the running Ray head at %s", head.gcs_address)
+        return head, True
+    token = os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(16)
+    head = start_head(data_dir / "ray", token=token, num_cpus=num_cpus)
+    head.save(record)
+    return head, False

@@ -1,0 +1,70 @@
+"""Prometheus metrics of one service (its own registry): jobs by state, submissions, request
+latency, and each running job's training throughput and progress."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from service.lifecycle import JobState
+from service.store import JobStore
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class _JobsCollector(Collector):
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        by_state = GaugeMetricFamily(
+            "kaisa_ray_jobs", "Jobs in the store by state", labels=["state"]
+        )
+        for state, n in self.store.counts().items():
+            by_state.add_metric([state.value], n)
+        yield by_state
+        throughput = GaugeMetricFamily(
+            "kaisa_ray_job_samples_per_second",
+            "Training throughput of each running job (all workers), from its last report",
+            labels=["job_id", "name"],
+        )
+        progress = GaugeMetricFamily(
+            "kaisa_ray_job_progress_ratio",
+            "Steps done over steps in all, for each running job",
+            labels=["job_id", "name"],
+        )
+        for job in self.store.active():
+            if job.state is not JobState.RUNNING:
+                continue
+            rate = job.latest.get("samples_per_s")
+            if isinstance(rate, int | float):
+                throughput.add_metric([job.id, job.name], float(rate))
+            if job.total_steps:
+                progress.add_metric([job.id, job.name], job.step / job.total_steps)
+        yield throughput
+        yield progress
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.submissions = Counter(
+            "kaisa_ray_job_submissions", "Jobs created by POST /v1/jobs", registry=self.registry
+        )
+        self.latency = Histogram(
+            "kaisa_ray_http_request_duration_seconds",
+            "Time to answer an HTTP request (to the end of streams)",
+            labelnames=["method", "route", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def observe(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.latency.labels(method, route, str(status)).observe(seconds)
+
+    def bind(self, store: JobStore) -> None:
+        """Report the jobs of ``store`` (once the lifespan has opened it)."""
+        self.registry.register(_JobsCollector(store))

@@ -1,0 +1,160 @@
+"""The service's one adapter to Ray: Ray Jobs (submit, status, stop, logs) through Ray's
+official ``JobSubmissionClient``, and the jobs' progress from the progress sink actor.
+
+``Runner`` is the seam: the API tests put a fake behind it; ``RayRunner`` is the real thing.
+Each service job runs as a Ray Job with the same entrypoint a user passes to
+``ray job submit``::
+
+    kaisa-ray train --spec '<the stored JobSpec as JSON>' --run-name <job id> --no-progress
+
+The submission id is derived from the job id, so a submission retried after a crash finds
+the first one instead of starting the job twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+
+class RayJobStatus(StrEnum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    MISSING = "MISSING"  # Ray has no job with this submission id (a new cluster?)
+
+
+@dataclass(frozen=True)
+class RayJobInfo:
+    status: RayJobStatus
+    message: str = ""
+
+
+def submission_id(job_id: str) -> str:
+    return f"kaisa-ray-{job_id}"
+
+
+def entrypoint(job_id: str, spec: dict[str, Any], storage_path: str | None) -> str:
+    """The Ray Job's shell command for a stored job: ``kaisa-ray train`` on its spec."""
+    words = ["kaisa-ray", "train", "--spec", json.dumps(spec, separators=(",", ":"))]
+    words += ["--run-name", job_id, "--no-progress"]
+    if storage_path:
+        words += ["--storage-path", storage_path]
+    return shlex.join(words)
+
+
+class Runner(Protocol):
+    """What the service needs from Ray."""
+
+    def submit(self, job_id: str, spec: dict[str, Any]) -> str:
+        """Start the job as a Ray Job; returns the submission id. Idempotent per job."""
+        ...
+
+    def statuses(self, submission_ids: list[str]) -> dict[str, RayJobInfo]:
+        """The status of each given submission (``MISSING`` when Ray does not know it)."""
+        ...
+
+    def stop(self, submission_id: str) -> None: ...
+
+    def logs(self, submission_id: str) -> str: ...
+
+    def progress(self, run: str, since: int) -> tuple[list[dict[str, Any]], int]:
+        """The progress sink's records of ``run`` from ``since``; and the next ``since``."""
+        ...
+
+    def reachable(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class RayRunner:
+    """``Runner`` on a real Ray cluster (this process is connected to it as a driver)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        dashboard_url: str | None = None,
+        storage_path: str | None = None,
+    ) -> None:
+        import ray
+        from ray.job_submission import JobSubmissionClient
+
+        context = ray.init(
+            address=address, namespace="kaisa-ray", log_to_driver=False, include_dashboard=False
+        )
+        if dashboard_url is None:
+            found = context.dashboard_url
+            if not found:
+                raise RuntimeError(
+                    f"the Ray cluster at {address} has no dashboard, so no job server: start it "
+                    "with --include-dashboard=true (needs ray[default]) or pass --dashboard-url"
+                )
+            dashboard_url = found if "://" in found else f"http://{found}"
+        self.address = address
+        self.dashboard_url = dashboard_url
+        self.storage_path = storage_path
+        self._client = JobSubmissionClient(dashboard_url)
+        self._sink: Any = None
+
+    def submit(self, job_id: str, spec: dict[str, Any]) -> str:
+        sid = submission_id(job_id)
+        try:
+            self._client.get_job_info(sid)
+            return sid  # submitted before (by an earlier life of this service)
+        except RuntimeError as err:
+            if "404" not in str(err) and "does not exist" not in str(err):
+                raise
+        self._client.submit_job(
+            entrypoint=entrypoint(job_id, spec, self.storage_path),
+            submission_id=sid,
+            metadata={"kaisa_ray_job": job_id},
+        )
+        return sid
+
+    def statuses(self, submission_ids: list[str]) -> dict[str, RayJobInfo]:
+        wanted = set(submission_ids)
+        found = {
+            details.submission_id: RayJobInfo(
+                RayJobStatus(str(details.status.value)), details.message or ""
+            )
+            for details in self._client.list_jobs()
+            if details.submission_id in wanted
+        }
+        return {sid: found.get(sid, RayJobInfo(RayJobStatus.MISSING)) for sid in submission_ids}
+
+    def stop(self, submission_id: str) -> None:
+        self._client.stop_job(submission_id)
+
+    def logs(self, submission_id: str) -> str:
+        return str(self._client.get_job_logs(submission_id))
+
+    def progress(self, run: str, since: int) -> tuple[list[dict[str, Any]], int]:
+        import ray
+
+        from kaisa_ray.train.progress import progress_sink
+
+        if self._sink is None:
+            self._sink = progress_sink()
+        page: dict[str, Any] = ray.get(self._sink.read.remote(run, since), timeout=30)
+        return list(page["records"]), int(page["next"])
+
+    def reachable(self) -> bool:
+        try:
+            self._client.list_jobs()
+        except Exception:  # any failure to reach the job server means "not ready"
+            return False
+        return True
+
+    def close(self) -> None:
+        import ray
+
+        ray.shutdown()

@@ -1,0 +1,389 @@
+"""The job store: jobs, their state transitions and their metric history, in a database.
+
+SQLite (a file in the data directory) by default; any SQLAlchemy URL works, e.g.
+``postgresql+psycopg://user@host/kaisa``. The schema is brought up to date with Alembic at
+open, so a newer service opens an older file. Every state change goes through
+``JobStore.apply``, which runs ``lifecycle.transition`` and writes the transition row in the
+same database transaction as the new state: the history can never disagree with the state.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, delete, event, func, select, text
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.errors import JobConflictError, JobNotFoundError
+from service.lifecycle import ACTIVE, FINISHED, JobEvent, JobState, transition
+from service.tables import JobRow, MetricRow, TransitionRow
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job as stored (an immutable snapshot)."""
+
+    id: str
+    name: str
+    state: JobState
+    spec: dict[str, Any]
+    idempotency_key: str | None
+    submission_id: str | None
+    created_at: float
+    updated_at: float
+    started_at: float | None
+    finished_at: float | None
+    failure_reason: str | None
+    step: int
+    total_steps: int | None
+    latest: dict[str, Any]
+    tuner: dict[str, Any] | None
+    cursor: int
+    attempts: int
+
+    @classmethod
+    def of(cls, row: JobRow) -> Job:
+        return cls(
+            id=row.id,
+            name=row.name,
+            state=JobState(row.state),
+            spec=dict(row.spec),
+            idempotency_key=row.idempotency_key,
+            submission_id=row.submission_id,
+            created_at=row.created_at,
+            updated_at=row.updated_at,
+            started_at=row.started_at,
+            finished_at=row.finished_at,
+            failure_reason=row.failure_reason,
+            step=row.step,
+            total_steps=row.total_steps,
+            latest=dict(row.latest or {}),
+            tuner=row.tuner,
+            cursor=row.cursor,
+            attempts=row.attempts,
+        )
+
+
+@dataclass(frozen=True)
+class Transition:
+    job_id: str
+    from_state: JobState | None  # None for the first, "submit"
+    to_state: JobState
+    event: str  # a JobEvent's value, or "submit"
+    reason: str | None
+    at: float
+
+
+@dataclass(frozen=True)
+class Metric:
+    seq: int
+    kind: str
+    step: int | None
+    at: float
+    values: dict[str, Any]
+
+
+@dataclass
+class Progress:
+    """What one batch of progress records changes on a job (see ``JobStore.add_progress``)."""
+
+    cursor: int
+    metrics: list[Metric] = field(default_factory=list)
+    step: int | None = None
+    total_steps: int | None = None
+    latest: dict[str, Any] = field(default_factory=dict)
+    tuner: dict[str, Any] | None = None
+    attempts: int | None = None
+
+
+def _sqlite_pragmas(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(connection: Any, _record: Any) -> None:
+        cursor = connection.cursor()
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer
+        cursor.execute("PRAGMA busy_timeout=10000")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+
+def migrate(engine: Engine) -> None:
+    """Bring the database's schema to the newest migration (Alembic ``upgrade head``)."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")
+
+
+def new_job_id() -> str:
+    """Sortable by creation time (hex milliseconds), then random."""
+    return f"{int(time.time() * 1000):011x}{secrets.token_hex(4)}"
+
+
+class JobStore:
+    """The service's database. Thread-safe: writes are serialised by a lock."""
+
+    def __init__(self, url: str) -> None:
+        if url.startswith("sqlite:///"):
+            path = url.removeprefix("sqlite:///")
+            if path and path != ":memory:":
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.url = url
+        sqlite = url.startswith("sqlite")
+        self.engine = create_engine(
+            url, connect_args={"check_same_thread": False} if sqlite else {}
+        )
+        if sqlite:
+            _sqlite_pragmas(self.engine)
+        migrate(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._write = threading.Lock()
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def _writing(self) -> Iterator[Session]:
+        with self._write, self._sessions.begin() as session:
+            yield session
+
+    def _row(self, session: Session, job_id: str) -> JobRow:
+        row = session.get(JobRow, job_id, with_for_update=True)
+        if row is None:
+            raise JobNotFoundError(job_id)
+        return row
+
+    # -- jobs ----------------------------------------------------------------------------
+
+    def create(
+        self, spec: Mapping[str, Any], *, idempotency_key: str | None = None
+    ) -> tuple[Job, bool]:
+        """Store a new QUEUED job; returns it and True, or, when ``idempotency_key`` was
+        used before for the same spec, that job and False (a retried POST). The same key
+        with a different spec is a ``JobConflictError``."""
+        spec = dict(spec)
+        with self._writing() as session:
+            if idempotency_key is not None:
+                found = session.scalars(
+                    select(JobRow).where(JobRow.idempotency_key == idempotency_key)
+                ).first()
+                if found is not None:
+                    if found.spec != spec:
+                        raise JobConflictError(
+                            f"idempotency key {idempotency_key!r} was used for job {found.id} "
+                            "with a different spec; use a new key for a new job"
+                        )
+                    return Job.of(found), False
+            now = time.time()
+            row = JobRow(
+                id=new_job_id(),
+                name=str(spec.get("name", "")),
+                state=JobState.QUEUED.value,
+                spec=spec,
+                idempotency_key=idempotency_key,
+                created_at=now,
+                updated_at=now,
+                step=0,
+                latest={},
+                cursor=0,
+                attempts=0,
+            )
+            session.add(row)
+            session.add(
+                TransitionRow(
+                    job_id=row.id,
+                    from_state="",
+                    to_state=JobState.QUEUED.value,
+                    event="submit",
+                    reason=None,
+                    at=now,
+                )
+            )
+            try:
+                session.flush()
+            except IntegrityError as err:  # pragma: no cover - the lock rules this out
+                raise JobConflictError(f"idempotency key {idempotency_key!r} is taken") from err
+            return Job.of(row), True
+
+    def get(self, job_id: str) -> Job:
+        with self._sessions() as session:
+            row = session.get(JobRow, job_id)
+            if row is None:
+                raise JobNotFoundError(job_id)
+            return Job.of(row)
+
+    def page(
+        self, *, states: Iterable[JobState] = (), limit: int = 50, offset: int = 0
+    ) -> tuple[list[Job], int]:
+        """Jobs newest first, filtered by state; and how many match in all."""
+        wanted = [s.value for s in states]
+        query = select(JobRow)
+        count = select(func.count()).select_from(JobRow)
+        if wanted:
+            query = query.where(JobRow.state.in_(wanted))
+            count = count.where(JobRow.state.in_(wanted))
+        query = query.order_by(JobRow.created_at.desc(), JobRow.id.desc())
+        with self._sessions() as session:
+            rows = session.scalars(query.limit(limit).offset(offset)).all()
+            total = session.scalar(count) or 0
+            return [Job.of(r) for r in rows], total
+
+    def active(self) -> list[Job]:
+        """Jobs that are not finished, oldest first (what the follower follows)."""
+        query = (
+            select(JobRow)
+            .where(JobRow.state.in_([s.value for s in ACTIVE]))
+            .order_by(JobRow.created_at)
+        )
+        with self._sessions() as session:
+            return [Job.of(r) for r in session.scalars(query).all()]
+
+    def counts(self) -> dict[JobState, int]:
+        with self._sessions() as session:
+            rows = session.execute(select(JobRow.state, func.count()).group_by(JobRow.state))
+            found = {JobState(state): n for state, n in rows}
+        return {state: found.get(state, 0) for state in JobState}
+
+    def delete(self, job_id: str) -> None:
+        """Delete a finished job and its history; a job that is not finished is a conflict."""
+        with self._writing() as session:
+            row = self._row(session, job_id)
+            if JobState(row.state) not in FINISHED:
+                raise JobConflictError(
+                    f"job {job_id} is {row.state}; only finished jobs can be deleted: cancel it "
+                    "first (POST /v1/jobs/{id}/cancel) and delete it once it is CANCELLED"
+                )
+            session.execute(delete(MetricRow).where(MetricRow.job_id == job_id))
+            session.execute(delete(TransitionRow).where(TransitionRow.job_id == job_id))
+            session.delete(row)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def apply(self, job_id: str, event: JobEvent, reason: str | None = None) -> Job:
+        """Move a job by ``event`` (``lifecycle.transition``) and record the transition."""
+        with self._writing() as session:
+            row = self._row(session, job_id)
+            old = JobState(row.state)
+            new = transition(old, event)
+            now = time.time()
+            row.state, row.updated_at = new.value, now
+            if new in (JobState.PROFILING, JobState.RUNNING) and row.started_at is None:
+                row.started_at = now
+            if new in FINISHED:
+                row.finished_at = now
+            if new is JobState.FAILED:
+                row.failure_reason = reason or "failed (no reason was given)"
+            session.add(
+                TransitionRow(
+                    job_id=job_id,
+                    from_state=old.value,
+                    to_state=new.value,
+                    event=event.value,
+                    reason=reason,
+                    at=now,
+                )
+            )
+            return Job.of(row)
+
+    def set_submission(self, job_id: str, submission_id: str) -> Job:
+        with self._writing() as session:
+            row = self._row(session, job_id)
+            row.submission_id, row.updated_at = submission_id, time.time()
+            return Job.of(row)
+
+    def transitions(self, job_id: str) -> list[Transition]:
+        self.get(job_id)
+        query = (
+            select(TransitionRow).where(TransitionRow.job_id == job_id).order_by(TransitionRow.id)
+        )
+        with self._sessions() as session:
+            return [
+                Transition(
+                    job_id=r.job_id,
+                    from_state=JobState(r.from_state) if r.from_state else None,
+                    to_state=JobState(r.to_state),
+                    event=r.event,
+                    reason=r.reason,
+                    at=r.at,
+                )
+                for r in session.scalars(query).all()
+            ]
+
+    # -- progress ------------------------------------------------------------------------
+
+    def add_progress(self, job_id: str, progress: Progress) -> Job:
+        """Store a batch of progress records and what they change on the job, at once."""
+        with self._writing() as session:
+            row = self._row(session, job_id)
+            if progress.cursor < row.cursor:
+                return Job.of(row)  # an older read than what is stored: nothing new
+            known = set(
+                session.scalars(
+                    select(MetricRow.seq).where(
+                        MetricRow.job_id == job_id,
+                        MetricRow.seq.in_([m.seq for m in progress.metrics]),
+                    )
+                ).all()
+            )
+            for metric in progress.metrics:
+                if metric.seq in known:
+                    continue
+                session.add(
+                    MetricRow(
+                        job_id=job_id,
+                        seq=metric.seq,
+                        kind=metric.kind,
+                        step=metric.step,
+                        at=metric.at,
+                        values=metric.values,
+                    )
+                )
+            row.cursor = progress.cursor
+            if progress.step is not None:
+                row.step = progress.step
+            if progress.total_steps is not None:
+                row.total_steps = progress.total_steps
+            if progress.latest:
+                row.latest = {**(row.latest or {}), **progress.latest}
+            if progress.tuner is not None:
+                row.tuner = progress.tuner
+            if progress.attempts is not None:
+                row.attempts = progress.attempts
+            row.updated_at = time.time()
+            return Job.of(row)
+
+    def metrics(
+        self, job_id: str, *, kinds: Iterable[str] = (), since: int = 0, limit: int = 10_000
+    ) -> list[Metric]:
+        self.get(job_id)
+        query = select(MetricRow).where(MetricRow.job_id == job_id, MetricRow.seq >= since)
+        wanted = list(kinds)
+        if wanted:
+            query = query.where(MetricRow.kind.in_(wanted))
+        query = query.order_by(MetricRow.seq).limit(limit)
+        with self._sessions() as session:
+            return [
+                Metric(seq=r.seq, kind=r.kind, step=r.step, at=r.at, values=dict(r.values))
+                for r in session.scalars(query).all()
+            ]
+
+    def writable(self) -> bool:
+        """Readiness: a write transaction commits (it writes nothing lasting)."""
+        with self._write, self.engine.begin() as connection:
+            connection.execute(text("CREATE TEMPORARY TABLE IF NOT EXISTS _probe (x INTEGER)"))
+            connection.execute(text("INSERT INTO _probe VALUES (1)"))
+            connection.execute(text("DELETE FROM _probe"))
+        return True

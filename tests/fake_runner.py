@@ -1,0 +1,66 @@
+"""A fake ``Runner`` for the API tests (the seam between the service and Ray): the test
+scripts what Ray and the progress sink say."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from service.runner import RayJobInfo, RayJobStatus, submission_id
+
+
+class FakeRunner:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.submitted: dict[str, dict[str, Any]] = {}  # submission id -> spec
+        self.status: dict[str, RayJobInfo] = {}
+        self.records: dict[str, list[dict[str, Any]]] = {}
+        self.stopped: list[str] = []
+        self.fail_submit: Exception | None = None
+        self.up = True
+
+    # -- what the test does ----------------------------------------------------------------
+
+    def push(self, job_id: str, *records: dict[str, Any]) -> None:
+        with self.lock:
+            log = self.records.setdefault(job_id, [])
+            for record in records:
+                log.append({"time": 1.8e9, **record, "seq": len(log)})
+
+    def finish(self, job_id: str, status: RayJobStatus, message: str = "") -> None:
+        with self.lock:
+            self.status[submission_id(job_id)] = RayJobInfo(status, message)
+
+    # -- Runner ----------------------------------------------------------------------------
+
+    def submit(self, job_id: str, spec: dict[str, Any]) -> str:
+        if self.fail_submit is not None:
+            raise self.fail_submit
+        sid = submission_id(job_id)
+        with self.lock:
+            self.submitted[sid] = spec
+            self.status.setdefault(sid, RayJobInfo(RayJobStatus.RUNNING))
+        return sid
+
+    def statuses(self, submission_ids: list[str]) -> dict[str, RayJobInfo]:
+        with self.lock:
+            return {s: self.status.get(s, RayJobInfo(RayJobStatus.MISSING)) for s in submission_ids}
+
+    def stop(self, sid: str) -> None:
+        with self.lock:
+            self.stopped.append(sid)
+            self.status[sid] = RayJobInfo(RayJobStatus.STOPPED, "stopped")
+
+    def logs(self, sid: str) -> str:
+        return f"log of {sid}\n"
+
+    def progress(self, run: str, since: int) -> tuple[list[dict[str, Any]], int]:
+        with self.lock:
+            log = self.records.get(run, [])
+            return [r for r in log if r["seq"] >= since], len(log)
+
+    def reachable(self) -> bool:
+        return self.up
+
+    def close(self) -> None:
+        pass
