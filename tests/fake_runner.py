@@ -17,6 +17,8 @@ class FakeRunner:
         self.records: dict[str, list[dict[str, Any]]] = {}
         self.stopped: list[str] = []
         self.fail_submit: Exception | None = None
+        self.fail_logs: Exception | None = None  # raised by logs()
+        self.stop_takes_effect = True  # False: stop() is recorded, the Ray Job runs on
         self.up = True
 
     # -- what the test does ----------------------------------------------------------------
@@ -49,9 +51,12 @@ class FakeRunner:
     def stop(self, sid: str) -> None:
         with self.lock:
             self.stopped.append(sid)
-            self.status[sid] = RayJobInfo(RayJobStatus.STOPPED, "stopped")
+            if self.stop_takes_effect:
+                self.status[sid] = RayJobInfo(RayJobStatus.STOPPED, "stopped")
 
     def logs(self, sid: str) -> str:
+        if self.fail_logs is not None:
+            raise self.fail_logs
         return f"log of {sid}\n"
 
     def progress(self, run: str, since: int) -> tuple[list[dict[str, Any]], int]:
