@@ -1,0 +1,91 @@
+"""The real service as a child process (``kaisa-ray serve``) for the end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from service.client import ServiceClient
+from service.head import free_port, venv_path
+
+KAISA_RAY = str(Path(sys.executable).with_name("kaisa-ray"))
+
+
+@dataclass
+class ServiceProcess:
+    process: subprocess.Popen[bytes]
+    url: str
+    token: str
+    log: Path
+
+    def client(self) -> ServiceClient:
+        return ServiceClient(self.url, self.token)
+
+    def kill(self) -> None:
+        """SIGKILL: the service dies without any clean-up (a crash)."""
+        self.process.kill()
+        self.process.wait(timeout=30)
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGINT, as Ctrl-C: uvicorn shuts down and the lifespan cleans up."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+                raise
+        return self.process.returncode
+
+
+def start_service(
+    data_dir: Path,
+    *,
+    token: str,
+    ray_address: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 120,
+    log_name: str = "service.log",
+) -> ServiceProcess:
+    """``kaisa-ray serve`` on a free loopback port; returns once ``/readyz`` says ready."""
+    port = free_port()
+    command = [
+        KAISA_RAY,
+        "serve",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+        "--token",
+        token,
+    ]
+    if ray_address is not None:
+        command += ["--ray-address", ray_address]
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log = data_dir / log_name
+    child_env = {**os.environ, **(env or {}), "PATH": venv_path()}
+    child_env.pop("RAY_ADDRESS", None)
+    with log.open("ab") as out:
+        process = subprocess.Popen(command, env=child_env, stdout=out, stderr=subprocess.STDOUT)
+    service = ServiceProcess(process, f"http://127.0.0.1:{port}", token, log)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"kaisa-ray serve exited with {process.returncode}:\n{log.read_text()}"
+            )
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{service.url}/readyz", timeout=2).status_code == 200:
+                return service
+        time.sleep(0.5)
+    service.stop()
+    raise RuntimeError(f"the service was not ready in {timeout_s} s:\n{log.read_text()}")

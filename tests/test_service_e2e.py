@@ -1,0 +1,181 @@
+"""The job service end to end: the real ``kaisa-ray serve`` process, a real Ray (the test
+head, or the service's own embedded head), a SQLite file, 2-worker K-FAC jobs on real
+Fashion-MNIST."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from ray.job_submission import JobStatus, JobSubmissionClient
+from ray.util.state import list_actors
+from ray_head import RayHead
+from service_process import ServiceProcess, start_service
+
+from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
+from service.client import ServiceClient
+from service.head import RayHead as EmbeddedHead
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
+    ),
+]
+
+TOKEN = "e2e-service-token"
+
+
+def small_job(name: str, steps: int, **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": name,
+        "model": {"name": "lenet"},
+        "dataset": {"name": "fashion-mnist", "batch_size": 64, "limit": 2048},
+        "kfac": {"strategy": "comm-opt", "factor_update_steps": 5, "inv_update_steps": 10},
+        "scaling": {"workers": 2},
+        "stop": {"max_steps": steps},
+        "eval_every": 20,
+        "checkpoint": {"every_steps": 20},
+        "seed": 1,
+    }
+    spec.update(overrides)
+    return spec
+
+
+def wait_for(
+    check: Callable[[], dict[str, Any] | None], what: str, timeout_s: float = 180
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found is not None:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def state_is(client: ServiceClient, job_id: str, *states: str, min_step: int = 0) -> Any:
+    def check() -> dict[str, Any] | None:
+        job = client.job(job_id)
+        return job if job["state"] in states and job["progress"]["step"] >= min_step else None
+
+    return check
+
+
+@pytest.fixture
+def service(ray_head: RayHead, tmp_path: Path) -> Iterator[ServiceProcess]:
+    """The service on the test head (as on a cluster: --ray-address)."""
+    started = start_service(tmp_path / "service", token=TOKEN, ray_address=ray_head.gcs_address)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def test_a_submitted_job_is_followed_to_success(service: ServiceProcess, ray_head: RayHead) -> None:
+    client = service.client()
+    job = client.submit(small_job("svc-e2e", 40), idempotency_key="e2e-once")
+    assert job["state"] == "QUEUED"
+    again = client.submit(small_job("svc-e2e", 40), idempotency_key="e2e-once")
+    assert again["id"] == job["id"]  # a retried POST: the same job, not a second one
+
+    events = list(client.events(job["id"]))  # ends when the job finishes
+    states = [data["state"] for kind, data in events if kind == "state"]
+    assert states[0] in ("QUEUED", "RUNNING")
+    assert states[-1] == "SUCCEEDED", events[-1]
+    assert "RUNNING" in states
+    steps = [data["step"] for kind, data in events if kind == "progress"]
+    assert steps == [10, 20, 30, 40]
+    evals = [data for kind, data in events if kind == "eval"]
+    assert [e["step"] for e in evals] == [20, 40]
+
+    final = client.job(job["id"])
+    assert final["state"] == "SUCCEEDED"
+    assert final["progress"] == {"step": 40, "total": 40, "percent": 100.0}
+    assert final["metrics"]["test_accuracy"] == pytest.approx(evals[-1]["test_accuracy"])
+    assert final["metrics"]["samples_per_s"] > 0
+    assert [t["to_state"] for t in final["transitions"]] == ["QUEUED", "RUNNING", "SUCCEEDED"]
+    assert final["started_at"] is not None
+    assert final["finished_at"] is not None
+
+    history = client.metrics(job["id"])
+    step_points = [p for p in history["points"] if p["kind"] == "step"]
+    assert [p["step"] for p in step_points] == [10, 20, 30, 40]
+    assert step_points[-1]["values"]["loss"] < step_points[0]["values"]["loss"]
+    assert [p["step"] for p in history["points"] if p["kind"] == "eval"] == [20, 40]
+    assert "finished at step 40" in client.logs(job["id"])
+
+    ray_client = JobSubmissionClient(ray_head.dashboard_url)
+    assert ray_client.get_job_status(final["submission_id"]) == JobStatus.SUCCEEDED
+    listed = client.jobs(["SUCCEEDED"])
+    assert job["id"] in [j["id"] for j in listed["jobs"]]
+    scrape = httpx.get(f"{service.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
+    assert 'kaisa_ray_jobs{state="SUCCEEDED"} 1.0' in scrape
+
+
+def _train_workers_alive() -> int:
+    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    return sum(1 for a in actors if "TrainWorker" in (a.class_name or ""))
+
+
+def test_cancel_stops_the_job_in_ray(service: ServiceProcess, ray_head: RayHead) -> None:
+    client = service.client()
+    job = client.submit(small_job("svc-cancel", 100_000))
+    wait_for(state_is(client, job["id"], "RUNNING", min_step=10), "the job to train")
+    assert _train_workers_alive() == 2
+
+    cancelling = client.cancel(job["id"])
+    assert cancelling["state"] in ("CANCELLING", "CANCELLED")
+    assert client.cancel(job["id"])["state"] in ("CANCELLING", "CANCELLED")  # idempotent
+    done = wait_for(state_is(client, job["id"], "CANCELLED"), "CANCELLED", timeout_s=60)
+    assert [t["to_state"] for t in done["transitions"]][-2:] == ["CANCELLING", "CANCELLED"]
+
+    ray_client = JobSubmissionClient(ray_head.dashboard_url)
+    assert ray_client.get_job_status(done["submission_id"]) == JobStatus.STOPPED
+    wait_for(lambda: {} if _train_workers_alive() == 0 else None, "the train workers to go", 60)
+    step = client.job(job["id"])["progress"]["step"]
+    time.sleep(1)
+    assert client.job(job["id"])["progress"]["step"] == step  # nothing trains any more
+
+
+def test_a_restarted_service_loses_nothing_and_follows_its_job_to_the_end(tmp_path: Path) -> None:
+    """Kill -9 the service (its embedded Ray head and the job live on), start it again on the
+    same data directory: it adopts the head, keeps the job's history, and follows the job
+    to SUCCEEDED. A graceful stop then stops the embedded head."""
+    data = tmp_path / "service"
+    first = start_service(data, token=TOKEN)  # no --ray-address: the embedded head
+    head = EmbeddedHead.load(data / "ray" / "head.json")
+    assert head is not None
+    assert head.alive()
+    second: ServiceProcess | None = None
+    try:
+        client = first.client()
+        job = client.submit(small_job("svc-restart", 160, checkpoint={"every_steps": 80}))
+        wait_for(state_is(client, job["id"], "RUNNING", min_step=20), "the job to train")
+        before = client.job(job["id"])
+        points_before = client.metrics(job["id"])["points"]
+        first.kill()
+        assert head.alive()  # a crashed service leaves the head, and the job, running
+
+        second = start_service(data, token=TOKEN, log_name="service-2.log")
+        client = second.client()
+        again = client.job(job["id"])
+        assert again["transitions"][: len(before["transitions"])] == before["transitions"]
+        assert client.metrics(job["id"])["points"][: len(points_before)] == points_before
+        final = wait_for(state_is(client, job["id"], "SUCCEEDED", "FAILED"), "the end")
+        assert final["state"] == "SUCCEEDED", final["failure_reason"]
+        assert final["progress"]["step"] == 160
+        steps = [p["step"] for p in client.metrics(job["id"], ["step"])["points"]]
+        assert steps == list(range(10, 161, 10))  # nothing lost while no service watched
+        assert second.stop() == 0
+        assert not head.alive()  # the graceful stop took the embedded head down
+    finally:
+        if first.process.poll() is None:
+            first.kill()
+        if second is not None and second.process.poll() is None:
+            second.kill()
+        head.stop(grace_s=1)
