@@ -8,8 +8,9 @@ PACKAGES := kaisa_ray tuner service
 setup:
 	@bash scripts/setup.sh
 
+# The service with an embedded local Ray head, and the example job submitted to it.
 run: setup
-	$(BIN)/kaisa-ray train --config examples/fashion_mnist.yaml
+	$(BIN)/kaisa-ray serve --submit examples/fashion_mnist.yaml
 
 lint: setup
 	$(BIN)/ruff check .

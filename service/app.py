@@ -32,7 +32,7 @@ from service.hub import Hub
 from service.jobs import Follower, Jobs
 from service.lifecycle import JobState
 from service.metrics import ServiceMetrics
-from service.middleware import BodyLimit, Timing
+from service.middleware import BearerAuth, BodyLimit, Timing
 from service.runner import RayRunner, Runner
 from service.schemas import (
     ErrorBody,
@@ -58,6 +58,19 @@ _bearer = HTTPBearer(auto_error=False, description="the service's token (kaisa-r
 
 def _error(code: int, what: str) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorBody, "description": what}}
+
+
+def _json_error(code: int, what: str, model: str = "ErrorBody") -> dict[int | str, dict[str, Any]]:
+    """An error of a route whose success is not JSON: FastAPI would document a ``model`` under
+    the route's media type (text/plain), but errors are always JSON."""
+    schema = {"$ref": f"#/components/schemas/{model}"}
+    return {code: {"description": what, "content": {"application/json": {"schema": schema}}}}
+
+
+PLAIN_ROUTE_ERRORS = {
+    **_json_error(401, "no token, or a wrong one"),
+    **_json_error(500, "an internal error (see the log)"),
+}
 
 
 UNAUTHORIZED = _error(401, "no token, or a wrong one")
@@ -135,6 +148,11 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     app.include_router(_api(settings), prefix=f"/{API_VERSION}")
     app.include_router(_health(settings))
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BearerAuth,
+        token=settings.token.get_secret_value() if settings.token else None,
+        prefixes=(f"/{API_VERSION}", "/metrics"),
+    )
     app.add_middleware(Timing, observe=metrics.observe, prefixes=(f"/{API_VERSION}",))
     return app
 
@@ -276,9 +294,10 @@ def _api(settings: Settings) -> APIRouter:
         response_class=PlainTextResponse,
         responses={
             200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
-            **NOT_FOUND,
-            **_error(503, "Ray cannot be reached"),
-            **INVALID,
+            **PLAIN_ROUTE_ERRORS,
+            **_json_error(404, "no such job"),
+            **_json_error(503, "Ray cannot be reached"),
+            **_json_error(422, "bad parameters or body", "ValidationErrorBody"),
         },
         tags=["jobs"],
     )
@@ -349,7 +368,7 @@ def _health(settings: Settings) -> APIRouter:
         response_class=PlainTextResponse,
         responses={
             200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
-            **UNAUTHORIZED,
+            **PLAIN_ROUTE_ERRORS,
         },
         dependencies=[Depends(_authorizer(settings))],
     )
@@ -392,6 +411,12 @@ def _handlers(app: FastAPI) -> None:
         body_items = []
         for item in err.errors():
             loc = tuple(item.get("loc", ()))
+            if item.get("type") == "json_invalid":
+                reason = (item.get("ctx") or {}).get("error") or item.get("msg", "invalid")
+                problems.append(
+                    FieldProblem(field="body", message=f"not valid JSON: {reason} at {loc[-1]}")
+                )
+                continue
             if len(loc) > 1 and loc[0] == "body":
                 body_items.append({**item, "loc": loc[1:]})  # a field of the JobSpec
                 continue

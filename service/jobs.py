@@ -39,12 +39,12 @@ class Jobs:
         job, created = self.store.create(spec, idempotency_key=idempotency_key)
         if created:
             self.submitted += 1
-            self._publish_state(job)
+            self.publish_state(job)
         return job, created
 
     def apply(self, job_id: str, event: JobEvent, reason: str | None = None) -> Job:
         job = self.store.apply(job_id, event, reason)
-        self._publish_state(job)
+        self.publish_state(job)
         return job
 
     def cancel(self, job_id: str) -> Job:
@@ -63,7 +63,7 @@ class Jobs:
     def delete(self, job_id: str) -> None:
         self.store.delete(job_id)
 
-    def _publish_state(self, job: Job) -> None:
+    def publish_state(self, job: Job) -> None:
         self.hub.publish(Update(job.id, "state", {"id": job.id, "state": job.state.value}))
 
 
@@ -227,11 +227,12 @@ class Follower(threading.Thread):
         if not records and cursor == job.cursor:
             return job
         reading = interpret(job, records, cursor)
+        reading.progress.events = list(reading.events)
         job = self.jobs.store.add_progress(job.id, reading.progress)
         for kind, data in reading.updates:
             self.jobs.hub.publish(Update(job.id, kind, data))
-        for event in reading.events:
-            job = self._apply(job, event, None)
+        if reading.events:
+            self.jobs.publish_state(job)
         return job
 
     def _apply(self, job: Job, event: JobEvent, reason: str | None) -> Job:

@@ -25,7 +25,14 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.errors import JobConflictError, JobNotFoundError
-from service.lifecycle import ACTIVE, FINISHED, JobEvent, JobState, transition
+from service.lifecycle import (
+    ACTIVE,
+    FINISHED,
+    IllegalTransitionError,
+    JobEvent,
+    JobState,
+    transition,
+)
 from service.tables import JobRow, MetricRow, TransitionRow
 
 MIGRATIONS = Path(__file__).with_name("migrations")
@@ -106,6 +113,31 @@ class Progress:
     latest: dict[str, Any] = field(default_factory=dict)
     tuner: dict[str, Any] | None = None
     attempts: int | None = None
+    events: list[JobEvent] = field(default_factory=list)  # state changes, in order
+
+
+def _move(session: Session, row: JobRow, event: JobEvent, reason: str | None) -> None:
+    """Move ``row`` by ``event`` and add its transition row, in ``session``."""
+    old = JobState(row.state)
+    new = transition(old, event)
+    now = time.time()
+    row.state, row.updated_at = new.value, now
+    if new in (JobState.PROFILING, JobState.RUNNING) and row.started_at is None:
+        row.started_at = now
+    if new in FINISHED:
+        row.finished_at = now
+    if new is JobState.FAILED:
+        row.failure_reason = reason or "failed (no reason was given)"
+    session.add(
+        TransitionRow(
+            job_id=row.id,
+            from_state=old.value,
+            to_state=new.value,
+            event=event.value,
+            reason=reason,
+            at=now,
+        )
+    )
 
 
 def _sqlite_pragmas(engine: Engine) -> None:
@@ -276,26 +308,7 @@ class JobStore:
         """Move a job by ``event`` (``lifecycle.transition``) and record the transition."""
         with self._writing() as session:
             row = self._row(session, job_id)
-            old = JobState(row.state)
-            new = transition(old, event)
-            now = time.time()
-            row.state, row.updated_at = new.value, now
-            if new in (JobState.PROFILING, JobState.RUNNING) and row.started_at is None:
-                row.started_at = now
-            if new in FINISHED:
-                row.finished_at = now
-            if new is JobState.FAILED:
-                row.failure_reason = reason or "failed (no reason was given)"
-            session.add(
-                TransitionRow(
-                    job_id=job_id,
-                    from_state=old.value,
-                    to_state=new.value,
-                    event=event.value,
-                    reason=reason,
-                    at=now,
-                )
-            )
+            _move(session, row, event, reason)
             return Job.of(row)
 
     def set_submission(self, job_id: str, submission_id: str) -> Job:
@@ -325,7 +338,10 @@ class JobStore:
     # -- progress ------------------------------------------------------------------------
 
     def add_progress(self, job_id: str, progress: Progress) -> Job:
-        """Store a batch of progress records and what they change on the job, at once."""
+        """Store a batch of progress records and what they change on the job, at once: its
+        metrics, fields and the state changes the records mean (``progress.events``; one that
+        no longer applies, say after a cancel, is skipped), in one transaction, so the cursor
+        never moves past a record whose state change was not written."""
         with self._writing() as session:
             row = self._row(session, job_id)
             if progress.cursor < row.cursor:
@@ -363,6 +379,11 @@ class JobStore:
             if progress.attempts is not None:
                 row.attempts = progress.attempts
             row.updated_at = time.time()
+            for event in progress.events:
+                try:
+                    _move(session, row, event, None)
+                except IllegalTransitionError:
+                    continue
             return Job.of(row)
 
     def metrics(
