@@ -73,6 +73,17 @@ PLAIN_ROUTE_ERRORS = {
 }
 
 
+# One server-sent event, as OpenAPI tools read a stream: each event's fields.
+SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string", "enum": ["state", "progress", "eval", "tuner"]},
+        "data": {"type": "string", "description": "JSON: a JobView for state, else a record"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+    "required": ["data"],
+}
 UNAUTHORIZED = _error(401, "no token, or a wrong one")
 NOT_FOUND = _error(404, "no such job")
 INVALID: dict[int | str, dict[str, Any]] = {
@@ -277,7 +288,7 @@ def _api(settings: Settings) -> APIRouter:
             200: {
                 "description": "server-sent events: state (the job, on connect and on every "
                 "change), progress, eval and tuner; the stream ends when the job finishes",
-                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                "content": {"text/event-stream": {"schema": SSE_EVENT}},
             },
             **NOT_FOUND,
             **INVALID,
@@ -436,6 +447,13 @@ def _handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        if err.status_code == 400 and "parsing the body" in str(err.detail):
+            # FastAPI's answer to a body it cannot decode (not UTF-8): a bad body, like bad JSON.
+            problem = FieldProblem(field="body", message="not valid JSON (is it UTF-8 text?)")
+            body = ValidationErrorBody(
+                detail=f"1 problem(s): body: {problem.message}", problems=[problem]
+            )
+            return JSONResponse(body.model_dump(), status_code=422)
         return JSONResponse(
             ErrorBody(detail=str(err.detail)).model_dump(),
             status_code=err.status_code,

@@ -76,12 +76,23 @@ def service(ray_head: RayHead, tmp_path: Path) -> Iterator[ServiceProcess]:
         started.stop()
 
 
-def test_a_submitted_job_is_followed_to_success(service: ServiceProcess, ray_head: RayHead) -> None:
+def _train_workers_alive() -> int:
+    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    return sum(1 for a in actors if "TrainWorker" in (a.class_name or ""))
+
+
+def test_two_jobs_side_by_side_one_followed_to_success_one_cancelled(
+    service: ServiceProcess, ray_head: RayHead
+) -> None:
+    """Two jobs at once on the head's 4 CPUs: one is followed by its event stream to
+    SUCCEEDED (metrics, log, Ray's own status); the other, cancelled while it trains,
+    stops in Ray (its Ray Job STOPPED, its train workers gone)."""
     client = service.client()
     job = client.submit(small_job("svc-e2e", 40), idempotency_key="e2e-once")
     assert job["state"] == "QUEUED"
     again = client.submit(small_job("svc-e2e", 40), idempotency_key="e2e-once")
     assert again["id"] == job["id"]  # a retried POST: the same job, not a second one
+    endless = client.submit(small_job("svc-cancel", 100_000))
 
     events = list(client.events(job["id"]))  # ends when the job finishes
     states = [data["state"] for kind, data in events if kind == "state"]
@@ -112,34 +123,23 @@ def test_a_submitted_job_is_followed_to_success(service: ServiceProcess, ray_hea
     ray_client = JobSubmissionClient(ray_head.dashboard_url)
     assert ray_client.get_job_status(final["submission_id"]) == JobStatus.SUCCEEDED
     listed = client.jobs(["SUCCEEDED"])
-    assert job["id"] in [j["id"] for j in listed["jobs"]]
+    assert [j["id"] for j in listed["jobs"]] == [job["id"]]
     scrape = httpx.get(f"{service.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert 'kaisa_ray_jobs{state="SUCCEEDED"} 1.0' in scrape
 
-
-def _train_workers_alive() -> int:
-    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-    return sum(1 for a in actors if "TrainWorker" in (a.class_name or ""))
-
-
-def test_cancel_stops_the_job_in_ray(service: ServiceProcess, ray_head: RayHead) -> None:
-    client = service.client()
-    job = client.submit(small_job("svc-cancel", 100_000))
-    wait_for(state_is(client, job["id"], "RUNNING", min_step=10), "the job to train")
-    assert _train_workers_alive() == 2
-
-    cancelling = client.cancel(job["id"])
+    # The other job trains meanwhile; cancel it.
+    wait_for(state_is(client, endless["id"], "RUNNING", min_step=10), "the second job to train")
+    wait_for(lambda: {} if _train_workers_alive() == 2 else None, "one job's workers", 60)
+    cancelling = client.cancel(endless["id"])
     assert cancelling["state"] in ("CANCELLING", "CANCELLED")
-    assert client.cancel(job["id"])["state"] in ("CANCELLING", "CANCELLED")  # idempotent
-    done = wait_for(state_is(client, job["id"], "CANCELLED"), "CANCELLED", timeout_s=60)
+    assert client.cancel(endless["id"])["state"] in ("CANCELLING", "CANCELLED")  # idempotent
+    done = wait_for(state_is(client, endless["id"], "CANCELLED"), "CANCELLED", timeout_s=60)
     assert [t["to_state"] for t in done["transitions"]][-2:] == ["CANCELLING", "CANCELLED"]
-
-    ray_client = JobSubmissionClient(ray_head.dashboard_url)
     assert ray_client.get_job_status(done["submission_id"]) == JobStatus.STOPPED
     wait_for(lambda: {} if _train_workers_alive() == 0 else None, "the train workers to go", 60)
-    step = client.job(job["id"])["progress"]["step"]
+    step = client.job(endless["id"])["progress"]["step"]
     time.sleep(1)
-    assert client.job(job["id"])["progress"]["step"] == step  # nothing trains any more
+    assert client.job(endless["id"])["progress"]["step"] == step  # nothing trains any more
 
 
 def test_a_restarted_service_loses_nothing_and_follows_its_job_to_the_end(tmp_path: Path) -> None:
