@@ -65,7 +65,7 @@ CHECKS = [
     ignored_auth,
 ]
 FUZZ = settings(
-    max_examples=30,
+    max_examples=25,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
