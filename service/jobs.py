@@ -128,6 +128,7 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
             )
         elif kind == "checkpoint":
             progress.latest["checkpoint_step"] = record.get("step")
+    progress.events = list(reading.events)  # stored with the records, in one transaction
     return reading
 
 
@@ -207,6 +208,7 @@ class Follower(threading.Thread):
                 self._apply(job, event, reason)
 
     def _start(self, job: Job) -> None:
+        job = self.jobs.store.get(job.id)  # fresh: a cancel may have come since the pass began
         if job.state is JobState.CANCELLING:  # cancelled before it reached Ray
             self._apply(job, JobEvent.CANCELLED, None)
             return
@@ -227,7 +229,6 @@ class Follower(threading.Thread):
         if not records and cursor == job.cursor:
             return job
         reading = interpret(job, records, cursor)
-        reading.progress.events = list(reading.events)
         job = self.jobs.store.add_progress(job.id, reading.progress)
         for kind, data in reading.updates:
             self.jobs.hub.publish(Update(job.id, kind, data))

@@ -102,8 +102,6 @@ class Health(BaseModel):
 def job_view(job: Job) -> JobView:
     total = job.total_steps
     percent = round(100 * job.step / total, 2) if total else None
-    if job.state.value == "SUCCEEDED" and total:
-        percent = max(percent or 0.0, round(100 * job.step / total, 2))
     tuner = job.tuner
     return JobView(
         id=job.id,
