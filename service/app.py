@@ -14,7 +14,7 @@ import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
@@ -49,6 +49,7 @@ from service.schemas import (
 )
 from service.settings import Settings
 from service.store import JobStore
+from service.views import ViewCache
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class Runtime:
     jobs: Jobs
     follower: Follower
     metrics: ServiceMetrics
+    views: ViewCache
     head: RayHead | None = None
 
 
@@ -133,8 +135,14 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
         else:
             active, head = await run_in_threadpool(_connect, settings)
         jobs = Jobs(store, active, Hub())
-        follower = Follower(jobs, interval_s=settings.poll_interval_s)
-        runtime = Runtime(settings, store, jobs, follower, metrics, head)
+        follower = Follower(
+            jobs,
+            interval_s=settings.poll_interval_s,
+            status_interval_s=settings.status_interval_s,
+        )
+        runtime = Runtime(
+            settings, store, jobs, follower, metrics, ViewCache(store.version_now), head
+        )
         metrics.bind(store)
         app.state.runtime = runtime
         follower.start()
@@ -168,7 +176,7 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     return app
 
 
-def _runtime(request: Request) -> Runtime:
+async def _runtime(request: Request) -> Runtime:
     runtime: Runtime = request.app.state.runtime
     return runtime
 
@@ -176,7 +184,7 @@ def _runtime(request: Request) -> Runtime:
 def _authorizer(settings: Settings) -> Any:
     expected = settings.token.get_secret_value() if settings.token else None
 
-    def authorize(
+    async def authorize(
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     ) -> None:
         if expected is None:
@@ -233,22 +241,32 @@ def _api(settings: Settings) -> APIRouter:
         return job_view(job)
 
     @router.get("/jobs", response_model=JobList, responses=INVALID, tags=["jobs"])
-    def list_jobs(
+    async def list_jobs(
         runtime: RuntimeDep,
         state: Annotated[list[JobState] | None, Query(description="only these states")] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
         offset: Annotated[int, Query(ge=0, le=2**31)] = 0,
-    ) -> JobList:
+    ) -> Response:
         """Jobs, newest first."""
-        jobs, total = runtime.store.page(states=state or (), limit=limit, offset=offset)
-        more = offset + len(jobs) < total
-        return JobList(
-            jobs=[job_view(j) for j in jobs],
-            total=total,
-            limit=limit,
-            offset=offset,
-            next_offset=offset + len(jobs) if more else None,
-        )
+        wanted = tuple(sorted(set(state or ())))
+
+        def read() -> bytes:
+            jobs, total = runtime.store.page(states=wanted, limit=limit, offset=offset)
+            more = offset + len(jobs) < total
+            return (
+                JobList(
+                    jobs=[job_view(j) for j in jobs],
+                    total=total,
+                    limit=limit,
+                    offset=offset,
+                    next_offset=offset + len(jobs) if more else None,
+                )
+                .model_dump_json()
+                .encode()
+            )
+
+        body = await runtime.views.get(("list", wanted, limit, offset), read)
+        return Response(body, media_type="application/json")
 
     @router.get(
         "/jobs/{job_id}",
@@ -256,9 +274,14 @@ def _api(settings: Settings) -> APIRouter:
         responses={**NOT_FOUND, **INVALID},
         tags=["jobs"],
     )
-    def get_job(job_id: str, runtime: RuntimeDep) -> JobDetail:
+    async def get_job(job_id: str, runtime: RuntimeDep) -> Response:
         """A job: state, progress, latest metrics, the tuner's decision and table, history."""
-        return job_detail(runtime.store.get(job_id), runtime.store.transitions(job_id))
+
+        def read() -> bytes:
+            return job_detail(*runtime.store.detail(job_id)).model_dump_json().encode()
+
+        body = await runtime.views.get(("job", job_id), read)
+        return Response(body, media_type="application/json")
 
     @router.get(
         "/jobs/{job_id}/metrics",
@@ -269,7 +292,10 @@ def _api(settings: Settings) -> APIRouter:
     def get_metrics(
         job_id: str,
         runtime: RuntimeDep,
-        kind: Annotated[list[str] | None, Query(description="step, eval")] = None,
+        kind: Annotated[
+            list[Literal["step", "eval"]] | None,
+            Query(description="only these kinds: step (a progress report), eval"),
+        ] = None,
         since: Annotated[int, Query(ge=0, le=2**31)] = 0,
         limit: Annotated[int, Query(ge=1, le=20_000)] = 10_000,
     ) -> MetricHistory:

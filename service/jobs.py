@@ -156,13 +156,24 @@ class Follower(threading.Thread):
     """Submits queued jobs, follows running ones to the end, stops cancelled ones.
 
     One pass (``tick``) every ``interval_s``; a pass that fails is logged and retried, and
-    a failure that concerns one job (its submission) lands on that job as FAILED.
+    a failure that concerns one job (its submission) lands on that job as FAILED. Progress
+    is read on every pass (it drives the event streams); Ray's job statuses, a request to
+    Ray's dashboard, at most every ``status_interval_s``.
     """
 
-    def __init__(self, jobs: Jobs, *, interval_s: float = 0.25, submit_tries: int = 3) -> None:
+    def __init__(
+        self,
+        jobs: Jobs,
+        *,
+        interval_s: float = 0.25,
+        status_interval_s: float = 1.0,
+        submit_tries: int = 3,
+    ) -> None:
         super().__init__(name="kaisa-ray-follower", daemon=True)
         self.jobs = jobs
         self.interval_s = interval_s
+        self.status_interval_s = status_interval_s
+        self._status_read_at = -float("inf")
         self.submit_tries = submit_tries
         self._stop_event = threading.Event()
         self._stopped: set[str] = set()  # submissions this process asked Ray to stop
@@ -198,10 +209,16 @@ class Follower(threading.Thread):
                 self._stopped.add(sid)
         if not submitted:
             return
-        statuses = runner.statuses([j.submission_id for j in submitted if j.submission_id])
+        statuses: dict[str, RayJobInfo] = {}
+        now = time.monotonic()
+        if now - self._status_read_at >= self.status_interval_s:
+            statuses = runner.statuses([j.submission_id for j in submitted if j.submission_id])
+            self._status_read_at = now
         for job in submitted:
             sid = job.submission_id or ""
             job = self._read_progress(job)
+            if sid not in statuses:
+                continue
             outcome = ray_outcome(job.state, statuses[sid])
             if outcome is not None:
                 event, reason = outcome

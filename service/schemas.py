@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -68,7 +68,7 @@ class JobList(BaseModel):
 
 class MetricPoint(BaseModel):
     seq: int
-    kind: str
+    kind: Literal["step", "eval"]
     step: int | None
     at: datetime
     values: dict[str, Any]
@@ -140,7 +140,7 @@ def job_detail(job: Job, transitions: list[Transition]) -> JobDetail:
 def metric_point(metric: Metric) -> MetricPoint:
     return MetricPoint(
         seq=metric.seq,
-        kind=metric.kind,
+        kind=metric.kind,  # type: ignore[arg-type]  # the store holds only these (validated)
         step=metric.step,
         at=_when(metric.at) or datetime.now(UTC),
         values=metric.values,

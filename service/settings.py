@@ -32,7 +32,12 @@ class Settings(BaseSettings):
     )
     token: SecretStr | None = None
     max_body_bytes: int = Field(default=256 * 1024, gt=0)
-    poll_interval_s: float = Field(default=0.25, gt=0)
+    poll_interval_s: float = Field(
+        default=0.25, gt=0, description="how often the follower reads the jobs' progress"
+    )
+    status_interval_s: float = Field(
+        default=1.0, gt=0, description="how often the follower asks Ray for the jobs' status"
+    )
     embedded_cpus: int | None = Field(default=None, gt=0)
 
     @field_validator("token")

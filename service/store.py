@@ -183,14 +183,27 @@ class JobStore:
         migrate(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._write = threading.Lock()
+        self.version = 0
+        """Goes up after every write transaction (committed or not): what this process
+        read from the store at an older version may be out of date. The service is the
+        database's only writer, so this is all a read cache has to watch."""
 
     def close(self) -> None:
         self.engine.dispose()
 
+    def version_now(self) -> int:
+        return self.version
+
     @contextmanager
     def _writing(self) -> Iterator[Session]:
-        with self._write, self._sessions.begin() as session:
-            yield session
+        with self._write:
+            try:
+                with self._sessions.begin() as session:
+                    yield session
+            finally:
+                # After the commit, so a reader that saw the old version cannot have read
+                # anything older than what that version stands for.
+                self.version += 1
 
     def _row(self, session: Session, job_id: str) -> JobRow:
         row = session.get(JobRow, job_id, with_for_update=True)
@@ -318,12 +331,18 @@ class JobStore:
             return Job.of(row)
 
     def transitions(self, job_id: str) -> list[Transition]:
-        self.get(job_id)
+        return self.detail(job_id)[1]
+
+    def detail(self, job_id: str) -> tuple[Job, list[Transition]]:
+        """A job and its transitions, oldest first, read at once."""
         query = (
             select(TransitionRow).where(TransitionRow.job_id == job_id).order_by(TransitionRow.id)
         )
         with self._sessions() as session:
-            return [
+            row = session.get(JobRow, job_id)
+            if row is None:
+                raise JobNotFoundError(job_id)
+            return Job.of(row), [
                 Transition(
                     job_id=r.job_id,
                     from_state=JobState(r.from_state) if r.from_state else None,

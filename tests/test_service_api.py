@@ -123,7 +123,12 @@ class Service:
 def start(
     tmp_path: Path, fake: FakeRunner, *, raise_server_exceptions: bool = True, **settings: Any
 ) -> tuple[FastAPI, TestClient]:
-    options: dict[str, Any] = {"data_dir": tmp_path, "token": TOKEN, "poll_interval_s": 0.02}
+    options: dict[str, Any] = {
+        "data_dir": tmp_path,
+        "token": TOKEN,
+        "poll_interval_s": 0.02,
+        "status_interval_s": 0.02,
+    }
     options.update(settings)
     app = create_app(Settings(**options), runner=fake)
     return app, make_client(app, raise_server_exceptions=raise_server_exceptions)
@@ -730,6 +735,9 @@ def test_the_metric_history(service: Service) -> None:
     assert ([p["seq"] for p in page["points"]], page["next_since"]) == ([2, 4], 5)
     rest = read(f"?since={page['next_since']}")
     assert [p["seq"] for p in rest["points"]] == [5, 6]
+    unknown = service.client.get(f"/v1/jobs/{job['id']}/metrics?kind=steps")
+    assert unknown.status_code == 422
+    assert [p["field"] for p in unknown.json()["problems"]] == ["query.kind.0"]
 
 
 def test_metrics_of_an_unknown_job_is_404(service: Service) -> None:

@@ -168,7 +168,9 @@ class Service:
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     data_dir: Path = tmp_path_factory.mktemp("fuzz-service")
     runner = FakeRunner()
-    settings = Settings(data_dir=data_dir, token=SecretStr(TOKEN), poll_interval_s=0.05)
+    settings = Settings(
+        data_dir=data_dir, token=SecretStr(TOKEN), poll_interval_s=0.05, status_interval_s=0.05
+    )
     app = create_app(settings, runner=runner)
     try:
         with asgi.get_client(app) as client:  # type: ignore[arg-type]  # starts the lifespan
