@@ -1,9 +1,12 @@
 """A local Ray head with the job server: ``ray start --head --block`` in its own process group.
 
 The service starts one when no Ray address is configured (the embedded head), and the tests
-start one per pytest run. The head runs in its own session, so a killed service leaves it (and
-the jobs on it) running; the next service on the same data directory finds it through
-``head.json`` and adopts it, and a graceful shutdown stops it.
+start one per pytest run. The head runs in its own process group, so a killed service (or a
+Ctrl-C to the terminal's group) leaves it and the jobs on it running; the next service on the
+same data directory finds it through ``head.json`` and adopts it, and a graceful shutdown
+stops it. It stays in the service's session: with the kernel's autogroup scheduling, a new
+session would be a scheduling group of its own, sharing the CPU equally with the service, and
+the nice level Ray gives its workers (15) would no longer make them yield to the service.
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ def start_head(
         command.append(f"--object-store-memory={object_store_bytes}")
     with log.open("wb") as out:
         process = subprocess.Popen(
-            command, env=head_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command, env=head_env, stdout=out, stderr=subprocess.STDOUT, process_group=0
         )
     head = RayHead(
         gcs_address=f"127.0.0.1:{gcs}",

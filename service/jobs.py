@@ -174,6 +174,8 @@ class Follower(threading.Thread):
         self.interval_s = interval_s
         self.status_interval_s = status_interval_s
         self._status_read_at = -float("inf")
+        self._active_jobs: list[Job] = []
+        self._active_version = -1
         self.submit_tries = submit_tries
         self._stop_event = threading.Event()
         self._stopped: set[str] = set()  # submissions this process asked Ray to stop
@@ -194,13 +196,21 @@ class Follower(threading.Thread):
             self.passes += 1
             self._stop_event.wait(self.interval_s)
 
+    def _active(self) -> list[Job]:
+        """``store.active()``, read again only after a write to the store (most passes
+        find nothing new: the query would hold the GIL the requests need)."""
+        version = self.jobs.store.version_now()
+        if version != self._active_version:
+            self._active_jobs = self.jobs.store.active()
+            self._active_version = version
+        return self._active_jobs
+
     def tick(self) -> None:
-        store, runner = self.jobs.store, self.jobs.runner
-        active = store.active()
-        for job in active:
+        runner = self.jobs.runner
+        for job in self._active():
             if job.submission_id is None:
                 self._start(job)
-        active = store.active()
+        active = self._active()
         submitted = [j for j in active if j.submission_id is not None]
         for job in submitted:
             sid = job.submission_id or ""
