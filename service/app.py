@@ -49,7 +49,7 @@ from service.schemas import (
     metric_point,
 )
 from service.settings import Settings
-from service.store import JobStore
+from service.store import JobStore, sole_writer
 from service.views import ViewCache
 
 logger = logging.getLogger(__name__)
@@ -129,37 +129,38 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = await run_in_threadpool(JobStore, settings.database)
-        head = None
-        if runner is not None:
-            active: Runner = runner
-        else:
-            active, head = await run_in_threadpool(_connect, settings)
-        jobs = Jobs(store, active, Hub())
-        follower = Follower(
-            jobs,
-            interval_s=settings.poll_interval_s,
-            status_interval_s=settings.status_interval_s,
-        )
-        runtime = Runtime(
-            settings, store, jobs, follower, metrics, ViewCache(store.version_now), head
-        )
-        metrics.bind(store)
-        app.state.runtime = runtime
-        follower.start()
-        # What start-up loaded (Ray, torch, pydantic's schemas: some 300 000 objects) lives
-        # as long as the process; left to the collector, every full collection walks it all
-        # (150 ms here), a pause every request in flight waits for. Freeze it.
-        gc.collect()
-        gc.freeze()
-        try:
-            yield
-        finally:
-            follower.stop()
-            await run_in_threadpool(active.close)
-            if head is not None:
-                await run_in_threadpool(head.stop)
-            store.close()
+        with sole_writer(settings.database):  # a second service on the database: refused
+            store = await run_in_threadpool(JobStore, settings.database)
+            head = None
+            if runner is not None:
+                active: Runner = runner
+            else:
+                active, head = await run_in_threadpool(_connect, settings)
+            jobs = Jobs(store, active, Hub())
+            follower = Follower(
+                jobs,
+                interval_s=settings.poll_interval_s,
+                status_interval_s=settings.status_interval_s,
+            )
+            runtime = Runtime(
+                settings, store, jobs, follower, metrics, ViewCache(store.version_now), head
+            )
+            metrics.bind(store)
+            app.state.runtime = runtime
+            follower.start()
+            # What start-up loaded (Ray, torch, pydantic's schemas: some 300 000 objects) lives
+            # as long as the process; left to the collector, every full collection walks it all
+            # (150 ms here), a pause every request in flight waits for. Freeze it.
+            gc.collect()
+            gc.freeze()
+            try:
+                yield
+            finally:
+                follower.stop()
+                await run_in_threadpool(active.close)
+                if head is not None:
+                    await run_in_threadpool(head.stop)
+                store.close()
 
     metrics = ServiceMetrics()
     app = FastAPI(

@@ -66,11 +66,17 @@ def serve(submit_file: Path | None, **flags: Any) -> None:
 
     from service.app import create_app
     from service.settings import Settings
+    from service.store import DatabaseInUseError, sole_writer
 
     try:
         settings = Settings(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as err:
         raise click.ClickException(f"bad service settings: {err}") from err
+    try:  # the lifespan takes the lock for good; this says it plainly, before uvicorn
+        with sole_writer(settings.database):
+            pass
+    except DatabaseInUseError as err:
+        raise click.ClickException(str(err)) from err
     app = create_app(settings)
     base = f"http://{settings.host}:{settings.port}"
     token = settings.token.get_secret_value() if settings.token else None

@@ -9,6 +9,8 @@ same database transaction as the new state: the history can never disagree with 
 
 from __future__ import annotations
 
+import fcntl
+import os
 import secrets
 import threading
 import time
@@ -158,6 +160,44 @@ def migrate(engine: Engine) -> None:
     with engine.begin() as connection:
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
+
+
+class DatabaseInUseError(RuntimeError):
+    """Another service process has this SQLite database open."""
+
+
+@contextmanager
+def sole_writer(url: str) -> Iterator[None]:
+    """Hold an exclusive lock beside a SQLite database (``<file>.lock``) while the block
+    runs, so that a second service on the same file refuses to start: the service is the
+    database's only writer (its follower submits each queued job once, and its read cache
+    trusts that no one else writes). The kernel drops the lock when the process dies, so a
+    killed service never blocks its restart. Other databases are not locked: run one
+    service per database."""
+    path = url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else ""
+    if not path or path == ":memory:":
+        yield
+        return
+    lock = Path(path + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise DatabaseInUseError(
+                f"another kaisa-ray service (pid {holder}) uses the database {path}; stop it, "
+                "or give this one its own --data-dir or --database-url"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def new_job_id() -> str:

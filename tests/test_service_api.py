@@ -5,6 +5,7 @@ Ray, so each test scripts what Ray and the progress sink say and watches the API
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import warnings
@@ -23,7 +24,7 @@ from service.app import create_app
 from service.lifecycle import JobEvent
 from service.runner import RayJobStatus, submission_id
 from service.settings import Settings
-from service.store import Job, JobStore
+from service.store import DatabaseInUseError, Job, JobStore, sole_writer
 
 if TYPE_CHECKING:
     import httpx
@@ -1233,3 +1234,35 @@ def test_the_openapi_schema_documents_errors_as_the_json_they_are(service: Servi
             if response.get("content") != expected:
                 wrong.append(f"{method} {path} {code}: {sorted(response.get('content', {}))}")
     assert not wrong, "errors documented as other than JSON:\n" + "\n".join(wrong)
+
+
+def test_a_second_service_on_the_same_database_is_refused(tmp_path: Path) -> None:
+    """The service is its database's only writer: a second one on the same SQLite file
+    refuses to start, naming the first's pid and the fix; the first is unaffected, and once
+    it stops, a new one starts on the same file and finds its jobs."""
+    _, first = start(tmp_path, FakeRunner())
+    with first:
+        job = first.post("/v1/jobs", json=spec("kept")).json()
+        _, second = start(tmp_path, FakeRunner())
+        with pytest.raises(DatabaseInUseError) as refused:
+            second.__enter__()
+        message = str(refused.value)
+        assert f"pid {os.getpid()}" in message
+        assert str(tmp_path / "jobs.db") in message
+        assert "--data-dir or --database-url" in message
+        assert first.get(f"/v1/jobs/{job['id']}").status_code == 200
+    _, third = start(tmp_path, FakeRunner())
+    with third:
+        assert third.get(f"/v1/jobs/{job['id']}").json()["name"] == "kept"
+
+
+def test_serve_refuses_a_database_another_service_holds(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from service.cli import main
+
+    with sole_writer(f"sqlite:///{tmp_path / 'jobs.db'}"):
+        result = CliRunner().invoke(main, ["serve", "--data-dir", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "another kaisa-ray service" in result.output
+    assert "Traceback" not in result.output
