@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh machine of the project's kind (Debian, Python 3.11, CPU only):
-# the Fashion-MNIST Debian package, a virtual environment in .venv, torch pinned to the local
-# CPU build through constraints.txt, and the project with its dev extras. Never downloads CUDA.
+# Debian's Fashion-MNIST, Chromium and ChromeDriver packages, a virtual environment in .venv,
+# torch pinned to the local CPU build through constraints.txt, and the project with its dev
+# extras. Never downloads CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KAISA_VENV:-.venv}
 PY=${PYTHON:-python3}
 
-if ! dpkg -s dataset-fashion-mnist >/dev/null 2>&1; then
-    echo "setup: installing Debian's dataset-fashion-mnist"
+# Debian's packages: the data, and the browser and its driver for the dashboard's test.
+DEBS="dataset-fashion-mnist chromium chromium-driver"
+missing=""
+for deb in $DEBS; do
+    dpkg -s "$deb" >/dev/null 2>&1 || missing="$missing $deb"
+done
+if [ -n "$missing" ]; then
+    echo "setup: installing Debian's$missing"
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null
+    # shellcheck disable=SC2086
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
 fi
 
 stamp="$VENV/.kaisa-setup-stamp"

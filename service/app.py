@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import json
 import logging
 import os
@@ -15,21 +16,24 @@ import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kaisa_ray.train.registry import dataset_names, model_names
 from kaisa_ray.train.spec import JobSpec, field_problems
 from service.errors import JobNotFoundError, RayUnavailableError, ServiceError
 from service.head import RayHead
-from service.hub import Hub
+from service.hub import EVERY_JOB, Hub
 from service.jobs import Follower, Jobs
 from service.lifecycle import JobState
 from service.metrics import ServiceMetrics
@@ -43,6 +47,7 @@ from service.schemas import (
     JobList,
     JobView,
     MetricHistory,
+    Registry,
     ValidationErrorBody,
     job_detail,
     job_view,
@@ -79,7 +84,10 @@ PLAIN_ROUTE_ERRORS = {
 SSE_EVENT: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "event": {"type": "string", "enum": ["state", "progress", "eval", "tuner"]},
+        "event": {
+            "type": "string",
+            "enum": ["state", "progress", "eval", "tuner", "ready", "deleted"],
+        },
         "data": {"type": "string", "description": "JSON: a JobView for state, else a record"},
         "id": {"type": "string"},
         "retry": {"type": "integer"},
@@ -173,6 +181,8 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     _handlers(app)
     app.include_router(_api(settings), prefix=f"/{API_VERSION}")
     app.include_router(_health(settings))
+    app.include_router(_pages())
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(
         BearerAuth,
@@ -334,6 +344,28 @@ def _api(settings: Settings) -> APIRouter:
         return EventSourceResponse(_stream(runtime, job_id), ping=15)
 
     @router.get(
+        "/events",
+        response_class=EventSourceResponse,
+        responses={
+            200: {
+                "description": "server-sent events of every job: ready (once subscribed: "
+                "what happens from then on is sent), state (a JobView, on every change), "
+                "progress, eval and tuner (records with job_id), deleted",
+                "content": {"text/event-stream": {"schema": SSE_EVENT}},
+            },
+        },
+        tags=["jobs"],
+    )
+    async def all_events(runtime: RuntimeDep) -> EventSourceResponse:
+        """Follow every job live (the dashboard's job list)."""
+        return EventSourceResponse(_stream_all(runtime), ping=15)
+
+    @router.get("/registry", response_model=Registry, tags=["jobs"])
+    async def registry() -> Registry:
+        """The models and datasets a JobSpec may name (built in, and installed plugins)."""
+        return Registry(models=model_names(), datasets=dataset_names())
+
+    @router.get(
         "/jobs/{job_id}/logs",
         response_class=PlainTextResponse,
         responses={
@@ -439,6 +471,73 @@ async def _stream(runtime: Runtime, job_id: str) -> AsyncIterator[ServerSentEven
             else:
                 yield ServerSentEvent(json.dumps(update.data), event=update.kind)
     await asyncio.sleep(0)
+
+
+async def _stream_all(runtime: Runtime) -> AsyncIterator[ServerSentEvent]:
+    """``ready`` once subscribed, then every job's updates."""
+    async with runtime.jobs.hub.subscribe(EVERY_JOB) as queue:
+        yield ServerSentEvent(json.dumps({"subscribed": True}), event="ready")
+        while True:
+            update = await queue.get()
+            if update.kind == "state":
+                try:
+                    job = await run_in_threadpool(runtime.store.get, update.job_id)
+                except JobNotFoundError:
+                    continue
+                yield ServerSentEvent(job_view(job).model_dump_json(), event="state")
+            else:
+                data = {"job_id": update.job_id, **update.data}
+                yield ServerSentEvent(json.dumps(data), event=update.kind)
+
+
+STATIC = Path(__file__).with_name("static")
+PAGE_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+    "form-action 'self'"
+)
+"""The dashboard's Content-Security-Policy: nothing from another origin (Plotly's inline
+styles aside, which it sets on its own elements)."""
+
+
+def plotly_js() -> Path:
+    """The plotly.js bundle that the plotly package ships in its wheel."""
+    spec = importlib.util.find_spec("plotly")
+    bundle = (
+        Path(spec.origin).parent / "package_data" / "plotly.min.js"
+        if spec and spec.origin
+        else None
+    )
+    if bundle is None or not bundle.is_file():
+        raise StarletteHTTPException(
+            404,
+            "plotly.js is not installed here: the dashboard's charts need the plotly "
+            "package (pip install plotly; kaisa-ray depends on it)",
+        )
+    return bundle
+
+
+def _pages() -> APIRouter:
+    """The dashboard: one page and its files, served by the service itself (no token: they
+    hold no data; the page asks for the token the API wants)."""
+    router = APIRouter(include_in_schema=False)
+
+    @router.get("/")
+    async def index() -> FileResponse:
+        return FileResponse(
+            STATIC / "index.html",
+            headers={"Content-Security-Policy": PAGE_POLICY, "Cache-Control": "no-cache"},
+        )
+
+    @router.get("/static/vendor/plotly.min.js")
+    async def plotly() -> FileResponse:
+        return FileResponse(
+            plotly_js(),
+            media_type="text/javascript",
+            headers={"Cache-Control": "public, max-age=86400"},
+        )
+
+    return router
 
 
 def _handlers(app: FastAPI) -> None:

@@ -15,8 +15,12 @@ from typing import Any
 @dataclass(frozen=True)
 class Update:
     job_id: str
-    kind: str  # "state", "progress", "eval", "tuner"
+    kind: str  # "state", "progress", "eval", "tuner", "deleted"
     data: dict[str, Any]
+
+
+EVERY_JOB = "*"
+"""Subscribe to this to get the updates of every job (the dashboard's job list)."""
 
 
 class Hub:
@@ -29,7 +33,10 @@ class Hub:
     def publish(self, update: Update) -> None:
         """Hand ``update`` to every subscriber of its job; safe from any thread."""
         with self._lock:
-            targets = list(self._subscribers.get(update.job_id, ()))
+            targets = [
+                *self._subscribers.get(update.job_id, ()),
+                *self._subscribers.get(EVERY_JOB, ()),
+            ]
         for loop, queue in targets:
             try:
                 loop.call_soon_threadsafe(_offer, queue, update)

@@ -62,6 +62,7 @@ class Jobs:
 
     def delete(self, job_id: str) -> None:
         self.store.delete(job_id)
+        self.hub.publish(Update(job_id, "deleted", {"id": job_id}))
 
     def publish_state(self, job: Job) -> None:
         self.hub.publish(Update(job.id, "state", {"id": job.id, "state": job.state.value}))

@@ -80,6 +80,11 @@ class MetricHistory(BaseModel):
     next_since: int = Field(description="pass as since to read only newer points")
 
 
+class Registry(BaseModel):
+    models: list[str] = Field(description="what a JobSpec's model.name may be")
+    datasets: list[str] = Field(description="what a JobSpec's dataset.name may be")
+
+
 class ErrorBody(BaseModel):
     detail: str
 

@@ -854,6 +854,94 @@ def test_events_of_an_unknown_job_is_404(service: Service) -> None:
     assert response.json()["detail"].startswith("no job 'no-such-job'")
 
 
+# -- GET /v1/events (every job) ----------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_the_stream_of_every_job_follows_two_jobs_and_a_deletion(service: Service) -> None:
+    first = service.running("first")
+    received: list[tuple[str, Any]] = []
+    with service.client.stream("GET", "/v1/events") as stream:
+        assert stream.status_code == 200
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        for kind, data in events(stream.iter_lines()):
+            received.append((kind, json.loads(data)))
+            if kind == "ready":  # subscribed: now things happen
+                second = service.client.post("/v1/jobs", json=spec("second")).json()
+                service.fake.push(first["id"], {"kind": "step", "step": 10, "loss": 2.0})
+                service.fake.push(first["id"], {"kind": "eval", "step": 10, "test_accuracy": 0.4})
+                service.fake.finish(first["id"], RayJobStatus.SUCCEEDED)
+            if kind == "state" and json.loads(data)["state"] == "SUCCEEDED":
+                assert service.client.delete(f"/v1/jobs/{first['id']}").status_code == 204
+            if kind == "deleted":
+                break
+    assert received[0] == ("ready", {"subscribed": True})
+    ids = {data.get("id") or data.get("job_id") for _, data in received[1:]}
+    assert ids == {first["id"], second["id"]}
+    assert ("progress", {"job_id": first["id"], "step": 10, "loss": 2.0, "time": 1.8e9}) in received
+    assert ("eval", {"job_id": first["id"], "step": 10, "test_accuracy": 0.4, "time": 1.8e9}) in (
+        received
+    )
+    states = [(d["id"], d["state"]) for k, d in received if k == "state"]
+    assert (second["id"], "QUEUED") in states  # a whole JobView, as GET /v1/jobs/{id} has it
+    assert states.index((first["id"], "SUCCEEDED")) > 0
+    assert received[-1] == ("deleted", {"job_id": first["id"], "id": first["id"]})
+
+
+def test_the_stream_of_every_job_needs_the_token(service: Service) -> None:
+    response = service.client.get("/v1/events", headers={"Authorization": "Bearer wrong"})
+    assert response.status_code == 401
+
+
+# -- GET /v1/registry --------------------------------------------------------------------
+
+
+def test_the_registry_lists_what_a_spec_may_name(service: Service) -> None:
+    response = service.client.get("/v1/registry")
+    assert response.status_code == 200
+    body = response.json()
+    assert {"lenet", "mlp", "resnet20"} <= set(body["models"])
+    assert {"fashion-mnist", "mnist", "synthetic"} <= set(body["datasets"])
+    assert service.client.get("/v1/registry", headers={"Authorization": ""}).status_code == 401
+
+
+# -- the dashboard's files ---------------------------------------------------------------
+
+
+def test_the_dashboard_page_and_its_files_are_served_without_a_token(service: Service) -> None:
+    bare = {"Authorization": ""}
+    page = service.client.get("/", headers=bare)
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'self'" in policy
+    assert "script-src 'self';" in policy  # no inline or outside scripts
+    for src in re.findall(r'(?:src|href)="([^"#]+)"', page.text):
+        assert src.startswith("/static/"), f"{src}: the page loads only the service's files"
+        asset = service.client.get(src, headers=bare)
+        assert asset.status_code == 200, src
+    plotly = service.client.get("/static/vendor/plotly.min.js", headers=bare)
+    assert plotly.headers["content-type"].startswith("text/javascript")
+    assert len(plotly.content) > 1_000_000
+    assert b"plotly" in plotly.content[:2000].lower()
+    assert service.client.get("/static/nothing.js").status_code == 404
+    assert "/" not in service.client.get("/openapi.json").json()["paths"]
+
+
+def test_without_plotly_the_charts_bundle_is_a_clear_404(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "plotly" else real(name, *a)
+    )
+    response = service.client.get("/static/vendor/plotly.min.js")
+    assert response.status_code == 404
+    assert "pip install plotly" in response.json()["detail"]
+
+
 # -- GET /v1/jobs/{id}/logs --------------------------------------------------------------
 
 

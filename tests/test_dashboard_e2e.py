@@ -1,0 +1,230 @@
+"""The dashboard end to end in a real browser: the real ``kaisa-ray serve`` with its embedded
+Ray head, Debian's Chromium driven by Selenium through Debian's ChromeDriver (no download).
+
+The test asks for the token as a first-time user would meet it, submits a ``kfac: auto`` job
+through the form (first with a bad damping, which must be named next to its field), sees the
+job in the list, follows its page until the job has succeeded with its curves drawn and the
+tuner's candidate table shown, and saves a screenshot of the page under the test's output
+(``tmp_path``; also to ``$KAISA_RAY_SCREENSHOT`` when set, which is how the README's is made).
+The browser's console must show no error but the HTTP ones the test causes (the 401 before
+the token, the 422 of the bad spec): a script error or a blocked outside request (the page's
+Content-Security-Policy allows its own origin only) fails it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from service_process import ServiceProcess, start_service
+
+from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+TOKEN = "dashboard-e2e-token"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
+    ),
+    pytest.mark.skipif(
+        not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+        reason="needs Debian's chromium and chromium-driver (make setup installs them)",
+    ),
+]
+
+T = TypeVar("T")
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[ServiceProcess]:
+    """The service as the README's main command runs it: its own embedded Ray head."""
+    started = start_service(tmp_path / "service", token=TOKEN)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[Any]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'chromium'}",
+        "--window-size=1440,1000",  # a laptop screen
+    ):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait(check: Callable[[], T | None], what: str, timeout_s: float = 30) -> T:
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            found = check()
+        except Exception as err:  # the page is changing under us: try again
+            last = err
+            found = None
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last error: {last})")
+
+
+def text_of(driver: Any, css: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    found = driver.find_elements(By.CSS_SELECTOR, css)
+    return str(found[0].text) if found else ""
+
+
+def points(driver: Any, chart: str) -> int:
+    from selenium.webdriver.common.by import By
+
+    found = driver.find_elements(By.CSS_SELECTOR, f"#{chart}")
+    value = found[0].get_attribute("data-points") if found else None
+    return int(value or 0)
+
+
+def console_errors(driver: Any) -> list[str]:
+    """SEVERE console entries, but for the HTTP errors the test causes on purpose."""
+    expected = re.compile(r"status of (401|422) ")
+    return [
+        entry["message"]
+        for entry in driver.get_log("browser")
+        if entry["level"] == "SEVERE" and not expected.search(entry["message"])
+    ]
+
+
+def test_submit_through_the_form_and_watch_the_job_to_the_end(
+    service: ServiceProcess, browser: Any, tmp_path: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    driver = browser
+    driver.get(service.url + "/")
+
+    # The API wants a token: the page asks for it once.
+    dialog = wait(lambda: driver.find_element(By.ID, "token-dialog"), "the token dialog")
+    wait(lambda: dialog.get_attribute("open") is not None, "the token dialog to open")
+    driver.find_element(By.ID, "token-input").send_keys(TOKEN)
+    driver.find_element(By.ID, "token-submit").click()
+    wait(lambda: text_of(driver, "#live") == "live", "the event stream to connect")
+    assert driver.execute_script("return localStorage.getItem('kaisa-ray-token')") == TOKEN
+
+    # The form: a bad damping is refused, named next to its field.
+    driver.find_element(By.ID, "nav-new").click()
+    form = wait(lambda: driver.find_element(By.ID, "submit-form"), "the form")
+    models = [o.text for o in Select(form.find_element(By.NAME, "model.name")).options]
+    assert "lenet" in models
+
+    def fill(name: str, value: str) -> None:
+        field = form.find_element(By.NAME, name)
+        field.clear()
+        field.send_keys(value)
+
+    fill("name", "dashboard-e2e")
+    fill("dataset.batch_size", "64")
+    fill("dataset.limit", "2048")
+    Select(form.find_element(By.NAME, "kfac.strategy")).select_by_value("auto")
+    fill("kfac.damping", "-1")
+    # Between the tuner's predicted peaks for f=1/2 (20.56 MiB) and f=1 (20.80 MiB) here: the
+    # budget rules out the f=1 candidates, and the page must say so.
+    fill("memory_budget", "20.68MiB")
+    fill("scaling.workers", "2")
+    fill("stop.max_steps", "60")
+    fill("eval_every", "20")
+    driver.find_element(By.ID, "submit").click()
+    damping_error = wait(
+        lambda: text_of(driver, '[data-field="kfac.damping"] .field-error'),
+        "the damping's error next to its field",
+    )
+    assert "greater than 0" in damping_error
+    assert driver.find_elements(By.CSS_SELECTOR, '[data-field="kfac.damping"].invalid')
+    assert not text_of(driver, '[data-field="name"] .field-error')
+
+    fill("kfac.damping", "0.1")
+    driver.find_element(By.ID, "submit").click()
+    job_id = wait(
+        lambda: (re.fullmatch(r".*#/jobs/([0-9a-f]+)", driver.current_url) or [None, None])[1],
+        "the job's page",
+    )
+
+    # The list shows it.
+    driver.find_element(By.ID, "nav-jobs").click()
+    row = f'tr[data-job="{job_id}"]'
+    wait(lambda: text_of(driver, f"{row} .job-link") == "dashboard-e2e", "the job in the list")
+    assert text_of(driver, f"{row} .badge") in {
+        "QUEUED",
+        "PROFILING",
+        "RUNNING",
+        "SUCCEEDED",
+    }
+
+    # Its page: live curves, the tuner's table, and the end.
+    driver.find_element(By.CSS_SELECTOR, f"{row} .job-link").click()
+    wait(lambda: points(driver, "chart-loss") >= 3, "the loss curve to draw", timeout_s=240)
+    wait(
+        lambda: driver.find_elements(By.CSS_SELECTOR, '.job-head .badge[data-state="SUCCEEDED"]'),
+        "the job to succeed",
+        timeout_s=240,
+    )
+    wait(lambda: points(driver, "chart-accuracy") >= 3, "the accuracy curve (3 evaluations)")
+    assert points(driver, "chart-throughput") >= 3
+    assert driver.find_elements(By.CSS_SELECTOR, "#chart-loss .main-svg"), "Plotly drew nothing"
+    candidates = driver.find_elements(By.CSS_SELECTOR, ".candidates tbody tr")
+    assert len(candidates) >= 2
+    assert len(driver.find_elements(By.CSS_SELECTOR, ".candidates tr.chosen")) == 1
+    ruled_out = driver.find_elements(By.CSS_SELECTOR, ".candidates tr.rejected")
+    assert ruled_out, "the budget ruled nothing out"
+    assert all("ruled out" in row.text and "budget" in row.text for row in ruled_out)
+    assert '"strategy": "auto"' in text_of(driver, "#spec")
+    wait(lambda: "finished at step 60" in text_of(driver, "#log") or None, "the log's end")
+    assert "\x1b[" not in text_of(driver, "#log")
+    assert not driver.find_element(By.ID, "cancel").is_enabled()
+
+    # The whole page, as on a laptop's width.
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(1440, max(1000, int(height) + 150))
+    time.sleep(1)  # the charts are responsive: let them redraw at the new size
+    shot = tmp_path / "dashboard-job.png"
+    assert driver.save_screenshot(str(shot))
+    assert shot.stat().st_size > 50_000
+    if os.environ.get("KAISA_RAY_SCREENSHOT"):
+        shutil.copyfile(shot, os.environ["KAISA_RAY_SCREENSHOT"])
+
+    # Back on the list, the job is finished there too (the list followed the event stream).
+    driver.find_element(By.ID, "nav-jobs").click()
+    wait(lambda: text_of(driver, f"{row} .badge") == "SUCCEEDED", "the list to show SUCCEEDED")
+    assert text_of(driver, f'{row} [data-col="accuracy"]').endswith("%")
+    driver.set_window_size(1440, 1000)
+    driver.save_screenshot(str(tmp_path / "dashboard-list.png"))
+    assert console_errors(driver) == []
