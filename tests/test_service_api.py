@@ -1263,6 +1263,8 @@ API_RESPONSES = {
     ("GET", "/v1/jobs/{job_id}/events"): {"200", "401", "404", "422"},
     ("GET", "/v1/jobs/{job_id}/logs"): {"200", "401", "404", "422", "503"},
     ("POST", "/v1/jobs/{job_id}/cancel"): {"200", "401", "404", "409", "422"},
+    ("GET", "/v1/events"): {"200", "401"},
+    ("GET", "/v1/registry"): {"200", "401"},
 }
 SERVICE_RESPONSES = {
     ("GET", "/healthz"): {"200"},
