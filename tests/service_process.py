@@ -55,9 +55,11 @@ def start_service(
     env: dict[str, str] | None = None,
     timeout_s: float = 120,
     log_name: str = "service.log",
+    port: int | None = None,
 ) -> ServiceProcess:
-    """``kaisa-ray serve`` on a free loopback port; returns once ``/readyz`` says ready."""
-    port = free_port()
+    """``kaisa-ray serve`` on ``port`` (a free loopback one by default); returns once
+    ``/readyz`` says ready."""
+    port = port or free_port()
     command = [
         KAISA_RAY,
         "serve",

@@ -1,11 +1,16 @@
-"""The dashboard end to end in a real browser: the real ``kaisa-ray serve`` with its embedded
-Ray head, Debian's Chromium driven by Selenium through Debian's ChromeDriver (no download).
+"""The service and its dashboard end to end: the real ``kaisa-ray serve`` with its embedded
+Ray head, a SQLite file, and Debian's Chromium driven by Selenium through Debian's
+ChromeDriver (no download).
 
 The test asks for the token as a first-time user would meet it, submits a ``kfac: auto`` job
 through the form (first with a bad damping, which must be named next to its field), sees the
-job in the list, follows its page until the job has succeeded with its curves drawn and the
-tuner's candidate table shown, and saves a screenshot of the page under the test's output
-(``tmp_path``; also to ``$KAISA_RAY_SCREENSHOT`` when set, which is how the README's is made).
+job in the list and opens its page. Then the service is killed (``kill -9``) while the job
+trains and started again on the same data directory: it adopts its Ray head, keeps the job's
+history, and follows the job to SUCCEEDED, and the open page reconnects and draws the whole
+run (with what happened while no service watched). The page is checked (curves, the tuner's
+table with what the budget ruled out, spec, log) and saved as a screenshot under the test's
+output (``tmp_path``; also to ``$KAISA_RAY_SCREENSHOT`` when set, which is how the README's is
+made). A graceful stop then takes the embedded head down.
 The browser's console must show no error but the HTTP ones the test causes (the 401 before
 the token, the 422 of the bad spec): a script error or a blocked outside request (the page's
 Content-Security-Policy allows its own origin only) fails it.
@@ -25,6 +30,7 @@ import pytest
 from service_process import ServiceProcess, start_service
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
+from service.head import RayHead, free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -42,16 +48,6 @@ pytestmark = [
 ]
 
 T = TypeVar("T")
-
-
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[ServiceProcess]:
-    """The service as the README's main command runs it: its own embedded Ray head."""
-    started = start_service(tmp_path / "service", token=TOKEN)
-    try:
-        yield started
-    finally:
-        started.stop()
 
 
 @pytest.fixture
@@ -114,8 +110,12 @@ def points(driver: Any, chart: str) -> int:
 
 
 def console_errors(driver: Any) -> list[str]:
-    """SEVERE console entries, but for the HTTP errors the test causes on purpose."""
-    expected = re.compile(r"status of (401|422) ")
+    """SEVERE console entries, but for the errors the test causes on purpose: the 401 before
+    the token, the 422 of the bad spec, and the broken stream and refused connections while
+    the killed service is down."""
+    expected = re.compile(
+        r"status of (401|422) |net::ERR_INCOMPLETE_CHUNKED_ENCODING|net::ERR_CONNECTION_REFUSED"
+    )
     return [
         entry["message"]
         for entry in driver.get_log("browser")
@@ -123,14 +123,39 @@ def console_errors(driver: Any) -> list[str]:
     ]
 
 
-def test_submit_through_the_form_and_watch_the_job_to_the_end(
-    service: ServiceProcess, browser: Any, tmp_path: Path
+def test_a_job_from_the_form_survives_a_service_crash_and_is_watched_to_the_end(
+    browser: Any, tmp_path: Path
+) -> None:
+    data = tmp_path / "service"
+    port = free_port()  # the restarted service takes the same one: the open page reconnects
+    first = start_service(data, token=TOKEN, port=port)  # no --ray-address: the embedded head
+    head = RayHead.load(data / "ray" / "head.json")
+    assert head is not None
+    assert head.alive()
+    started = [first]
+
+    def restart() -> ServiceProcess:
+        started.append(start_service(data, token=TOKEN, port=port, log_name="service-2.log"))
+        return started[-1]
+
+    try:
+        watch(browser, first, restart, tmp_path)
+        assert started[-1].stop() == 0
+        assert not head.alive()  # the graceful stop took the embedded head down
+    finally:
+        for service in started:
+            if service.process.poll() is None:
+                service.kill()
+        head.stop(grace_s=1)
+
+
+def watch(
+    driver: Any, first: ServiceProcess, restart: Callable[[], ServiceProcess], tmp_path: Path
 ) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    driver = browser
-    driver.get(service.url + "/")
+    driver.get(first.url + "/")
 
     # The API wants a token: the page asks for it once.
     dialog = wait(lambda: driver.find_element(By.ID, "token-dialog"), "the token dialog")
@@ -160,7 +185,7 @@ def test_submit_through_the_form_and_watch_the_job_to_the_end(
     # budget rules out the f=1 candidates, and the page must say so.
     fill("memory_budget", "20.68MiB")
     fill("scaling.workers", "2")
-    fill("stop.max_steps", "60")
+    fill("stop.max_steps", "160")
     fill("eval_every", "20")
     driver.find_element(By.ID, "submit").click()
     damping_error = wait(
@@ -189,16 +214,32 @@ def test_submit_through_the_form_and_watch_the_job_to_the_end(
         "SUCCEEDED",
     }
 
-    # Its page: live curves, the tuner's table, and the end.
+    # Its page draws live; then the service dies under it while the job trains.
     driver.find_element(By.CSS_SELECTOR, f"{row} .job-link").click()
-    wait(lambda: points(driver, "chart-loss") >= 3, "the loss curve to draw", timeout_s=240)
+    wait(lambda: points(driver, "chart-loss") >= 2, "the loss curve to draw", timeout_s=240)
+    client = first.client()
+    before = client.job(job_id)
+    points_before = client.metrics(job_id)["points"]
+    first.kill()
+    wait(lambda: text_of(driver, "#live") == "reconnecting…", "the page to see the loss")
+
+    client = restart().client()
+    again = client.job(job_id)
+    assert again["transitions"][: len(before["transitions"])] == before["transitions"]
+    assert client.metrics(job_id)["points"][: len(points_before)] == points_before
+    wait(lambda: text_of(driver, "#live") == "live", "the page to reconnect", timeout_s=60)
     wait(
         lambda: driver.find_elements(By.CSS_SELECTOR, '.job-head .badge[data-state="SUCCEEDED"]'),
         "the job to succeed",
         timeout_s=240,
     )
-    wait(lambda: points(driver, "chart-accuracy") >= 3, "the accuracy curve (3 evaluations)")
-    assert points(driver, "chart-throughput") >= 3
+    final = client.job(job_id)
+    assert final["progress"]["step"] == 160
+    steps = [p["step"] for p in client.metrics(job_id, ["step"])["points"]]
+    assert steps == list(range(10, 161, 10))  # nothing lost while no service watched
+    # The page has it all too: 16 step points, 8 evaluations (each with 2 series).
+    wait(lambda: points(driver, "chart-throughput") == 16, "every step point on the page")
+    wait(lambda: points(driver, "chart-accuracy") == 16 + 8, "every evaluation on the page")
     assert driver.find_elements(By.CSS_SELECTOR, "#chart-loss .main-svg"), "Plotly drew nothing"
     candidates = driver.find_elements(By.CSS_SELECTOR, ".candidates tbody tr")
     assert len(candidates) >= 2
@@ -207,7 +248,7 @@ def test_submit_through_the_form_and_watch_the_job_to_the_end(
     assert ruled_out, "the budget ruled nothing out"
     assert all("ruled out" in row.text and "budget" in row.text for row in ruled_out)
     assert '"strategy": "auto"' in text_of(driver, "#spec")
-    wait(lambda: "finished at step 60" in text_of(driver, "#log") or None, "the log's end")
+    wait(lambda: "finished at step 160" in text_of(driver, "#log") or None, "the log's end")
     assert "\x1b[" not in text_of(driver, "#log")
     assert not driver.find_element(By.ID, "cancel").is_enabled()
 

@@ -1,6 +1,7 @@
-"""The job service end to end: the real ``kaisa-ray serve`` process, a real Ray (the test
-head, or the service's own embedded head), a SQLite file, 2-worker K-FAC jobs on real
-Fashion-MNIST."""
+"""The job service end to end: the real ``kaisa-ray serve`` process on the test's Ray head
+(as on a cluster), a SQLite file, 2-worker K-FAC jobs on real Fashion-MNIST. The service with
+its embedded head, killed and restarted under a running job, is in ``test_dashboard_e2e.py``
+(with the browser that watches it)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from service_process import ServiceProcess, start_service
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
 from service.client import ServiceClient
-from service.head import RayHead as EmbeddedHead
 
 pytestmark = [
     pytest.mark.slow,
@@ -140,42 +140,3 @@ def test_two_jobs_side_by_side_one_followed_to_success_one_cancelled(
     step = client.job(endless["id"])["progress"]["step"]
     time.sleep(1)
     assert client.job(endless["id"])["progress"]["step"] == step  # nothing trains any more
-
-
-def test_a_restarted_service_loses_nothing_and_follows_its_job_to_the_end(tmp_path: Path) -> None:
-    """Kill -9 the service (its embedded Ray head and the job live on), start it again on the
-    same data directory: it adopts the head, keeps the job's history, and follows the job
-    to SUCCEEDED. A graceful stop then stops the embedded head."""
-    data = tmp_path / "service"
-    first = start_service(data, token=TOKEN)  # no --ray-address: the embedded head
-    head = EmbeddedHead.load(data / "ray" / "head.json")
-    assert head is not None
-    assert head.alive()
-    second: ServiceProcess | None = None
-    try:
-        client = first.client()
-        job = client.submit(small_job("svc-restart", 160, checkpoint={"every_steps": 80}))
-        wait_for(state_is(client, job["id"], "RUNNING", min_step=20), "the job to train")
-        before = client.job(job["id"])
-        points_before = client.metrics(job["id"])["points"]
-        first.kill()
-        assert head.alive()  # a crashed service leaves the head, and the job, running
-
-        second = start_service(data, token=TOKEN, log_name="service-2.log")
-        client = second.client()
-        again = client.job(job["id"])
-        assert again["transitions"][: len(before["transitions"])] == before["transitions"]
-        assert client.metrics(job["id"])["points"][: len(points_before)] == points_before
-        final = wait_for(state_is(client, job["id"], "SUCCEEDED", "FAILED"), "the end")
-        assert final["state"] == "SUCCEEDED", final["failure_reason"]
-        assert final["progress"]["step"] == 160
-        steps = [p["step"] for p in client.metrics(job["id"], ["step"])["points"]]
-        assert steps == list(range(10, 161, 10))  # nothing lost while no service watched
-        assert second.stop() == 0
-        assert not head.alive()  # the graceful stop took the embedded head down
-    finally:
-        if first.process.poll() is None:
-            first.kill()
-        if second is not None and second.process.poll() is None:
-            second.kill()
-        head.stop(grace_s=1)

@@ -161,7 +161,7 @@ async function api(path, { method = "GET", json, signal } = {}) {
 /** Follow a server-sent event stream (fetch, so that it can carry the token). Calls
  *  onEvent(name, data) for each event; reconnects after a network error; returns when the
  *  stream ends (a job's stream ends with the job) or the signal aborts. */
-async function follow(path, onEvent, signal) {
+async function follow(path, onEvent, signal, onOpen) {
   let wait = 500;
   while (!signal.aborted) {
     try {
@@ -173,6 +173,7 @@ async function follow(path, onEvent, signal) {
       if (!response.ok) throw new ApiError(response.status, await response.text());
       live(true);
       wait = 500;
+      if (onOpen) onOpen();
       const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
       let buffer = "";
       for (;;) {
@@ -531,14 +532,49 @@ async function jobPage(view, id, signal) {
     if (node && !FINISHED.has(job.state)) node.textContent = duration(elapsed(job));
   });
 
-  // The stream first; its first event (the job's state, sent once subscribed) starts the
-  // history's read, and events that come while it loads are kept and merged after it.
-  const early = [];
+  // The history is read once the stream is subscribed (on its first event, the job's state)
+  // and again on every reconnection (what happened while the stream was down, a restart of
+  // the service say); events that come while it loads are kept and merged after it.
+  let early = [];
   let historyLoaded = false;
-  let subscribed;
-  const ready = new Promise((resolve) => { subscribed = resolve; });
+  let opened = false;
+  let loading = null;
+
+  async function loadHistory() {
+    historyLoaded = false;
+    early = [];
+    const fresh = { step: [], eval: [] };
+    let last = 0;
+    let since = 0;
+    for (;;) {
+      const page = await api(`/v1/jobs/${id}/metrics?since=${since}&limit=10000`, { signal });
+      for (const p of page.points) {
+        const point = { step: p.step, time: Date.parse(p.at) / 1000, values: p.values };
+        fresh[p.kind].push(point);
+        if (p.kind === "step") last = Math.max(last, point.time);
+      }
+      if (page.points.length < 10000) break;
+      since = page.next_since;
+    }
+    points.step = fresh.step;
+    points.eval = fresh.eval;
+    lastTime = last;
+    const lastEval = points.eval.length ? points.eval[points.eval.length - 1].time : 0;
+    for (const [kind, point] of early) {
+      if (kind === "eval" && point.time <= lastEval) continue;
+      add(kind, point);
+    }
+    historyLoaded = true;
+    drawCharts(true);
+  }
+
   const streamed = follow(`/v1/jobs/${id}/events`, (name, data) => {
-    subscribed();
+    if (opened) {
+      opened = false;
+      loading = loadHistory().catch((err) => {
+        if (!signal.aborted) header.append(h("p", { class: "error", role: "alert" }, err.message));
+      });
+    }
     if (name === "state") {
       const was = job.state;
       job = { ...job, ...data };
@@ -556,28 +592,10 @@ async function jobPage(view, id, signal) {
     add(kind, point);
     if (kind === "step") job.progress = { ...job.progress, step: data.step };
     drawCharts(false);
-  }, signal);
+  }, signal, () => { opened = true; });
 
-  await Promise.race([ready, streamed]);
-  let since = 0;
-  for (;;) {
-    const page = await api(`/v1/jobs/${id}/metrics?since=${since}&limit=10000`, { signal });
-    for (const p of page.points) {
-      const point = { step: p.step, time: Date.parse(p.at) / 1000, values: p.values };
-      points[p.kind].push(point);
-      if (p.kind === "step") lastTime = Math.max(lastTime, point.time);
-    }
-    if (page.points.length < 10000) break;
-    since = page.next_since;
-  }
-  const lastEval = points.eval.length ? points.eval[points.eval.length - 1].time : 0;
-  for (const [kind, point] of early) {
-    if (kind === "eval" && point.time <= lastEval) continue;
-    add(kind, point);
-  }
-  historyLoaded = true;
-  drawCharts(true);
   await streamed;
+  if (loading) await loading;
   return drawn;
 }
 
