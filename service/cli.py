@@ -101,6 +101,7 @@ def _submit_when_up(base: str, token: str | None, file: Path) -> None:
         job = client.submit(_read(file))
         click.echo(
             f"submitted {file} as job {job['id']} ({job['state']}). Watch it:\n"
+            f"  {base}/#/jobs/{job['id']}   (the dashboard, in a browser)\n"
             f"  kaisa-ray submit --follow-id {job['id']}   (a live progress bar)\n"
             f"  kaisa-ray jobs                         (every job)\n"
             f"  curl {base}/v1/jobs/{job['id']}\n"
