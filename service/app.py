@@ -164,6 +164,7 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
             try:
                 yield
             finally:
+                gc.unfreeze()  # collectable again (a process may build more than one app)
                 follower.stop()
                 await run_in_threadpool(active.close)
                 if head is not None:

@@ -58,7 +58,13 @@ token_option = click.option(
     default=None,
     help="Once the service is up, submit this job file to it (the README's main command).",
 )
-def serve(submit_file: Path | None, **flags: Any) -> None:
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Check the settings, print them as JSON (the token hidden), and exit without "
+    "serving or touching the database.",
+)
+def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
     """Run the job service (REST API, event streams, metrics). Flags override the
     KAISA_RAY_* environment (KAISA_RAY_TOKEN, KAISA_RAY_DATABASE_URL, ...)."""
     import uvicorn
@@ -72,6 +78,12 @@ def serve(submit_file: Path | None, **flags: Any) -> None:
         settings = Settings(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as err:
         raise click.ClickException(f"bad service settings: {err}") from err
+    if dry_run:
+        shown = settings.model_dump(mode="json")
+        shown["token"] = "<set>" if settings.token else None
+        shown["database"], shown["storage"] = settings.database, settings.storage
+        click.echo(json.dumps(shown, indent=2))
+        return
     try:  # the lifespan takes the lock for good; this says it plainly, before uvicorn
         with sole_writer(settings.database):
             pass

@@ -47,12 +47,7 @@ class ServiceClient:
                 "Set --url or $KAISA_RAY_URL"
             ) from err
         if response.status_code >= 400:
-            try:
-                body = response.json()
-                detail = body.get("detail", body)
-            except ValueError:
-                detail = response.text
-            raise ServiceClientError(f"{response.status_code}: {detail}", response.status_code)
+            raise _refused(response)
         return response
 
     def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
@@ -93,9 +88,7 @@ class ServiceClient:
             ) as response:
                 if response.status_code >= 400:
                     response.read()
-                    raise ServiceClientError(
-                        f"{response.status_code}: {response.text}", response.status_code
-                    )
+                    raise _refused(response)
                 event, data = "message", list[str]()
                 for line in response.iter_lines():
                     if not line:
@@ -110,3 +103,13 @@ class ServiceClient:
                         data.append(line[5:].strip())
         except httpx.HTTPError as err:
             raise ServiceClientError(f"the event stream from {self.url} broke: {err}") from err
+
+
+def _refused(response: httpx.Response) -> ServiceClientError:
+    """The error for a refused request: its status and the body's ``detail``."""
+    try:
+        body = response.json()
+        detail = body.get("detail", body) if isinstance(body, dict) else body
+    except ValueError:
+        detail = response.text
+    return ServiceClientError(f"{response.status_code}: {detail}", response.status_code)

@@ -40,6 +40,13 @@ class Settings(BaseSettings):
     )
     embedded_cpus: int | None = Field(default=None, gt=0)
 
+    @field_validator("storage_path")
+    @classmethod
+    def _storage(cls, storage: str | None) -> str | None:
+        from kaisa_ray.train.storage import resolve_storage
+
+        return None if not storage else resolve_storage(storage, create=False)
+
     @field_validator("token")
     @classmethod
     def _not_empty(cls, token: SecretStr | None) -> SecretStr | None:

@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from kaisa_ray.amp import MixedPrecision, optimizer_step
 from kaisa_ray.assignment import LayerShape
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.registration import registered_layers
@@ -72,15 +73,23 @@ class _Trainee:
     batch: Batch
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     device: torch.device
+    precision: MixedPrecision = field(default_factory=MixedPrecision)
+
+    def __post_init__(self) -> None:
+        self.scaler = self.precision.grad_scaler()
 
     def step(self, preconditioner: KFACPreconditioner | None, i: int) -> None:
+        """One training step, as the train loop takes it (autocast, GradScaler)."""
         x, y = self.batch(i)
         x, y = x.to(self.device), y.to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        self.loss_fn(self.model(x), y).backward()  # type: ignore[no-untyped-call]
-        if preconditioner is not None:
-            preconditioner.step()
-        self.optimizer.step()
+        with self.precision.autocast():
+            loss = self.loss_fn(self.model(x), y)
+        optimizer_step(loss, self.optimizer, preconditioner, self.scaler)
+
+    def kfac(self, **options: Any) -> KFACPreconditioner:
+        """A preconditioner on this model that unscales fp16 gradients like training's."""
+        return KFACPreconditioner(self.model, grad_scaler=self.scaler, **options)
 
     def held(self) -> list[torch.Tensor]:
         """What training holds between steps: parameters, buffers, gradients, optimizer state."""
@@ -123,6 +132,7 @@ def profile_job(
     steps: int = 4,
     compute_method: str = "eigen",
     kfac_options: dict[str, Any] | None = None,
+    precision: MixedPrecision | None = None,
 ) -> ProfileResult:
     """Measure a job on this rank (collective: every rank calls it with its own batches).
 
@@ -136,10 +146,11 @@ def profile_job(
         compute_method: K-FAC's ``compute_method`` (``eigen`` or ``inverse``).
         kfac_options: other ``KFACPreconditioner`` arguments that change which layers are
             registered (``skip_layers``, ``kfac_approx``).
+        precision: autocast and gradient scaling, as training uses them (default fp32).
     """
     began = time.perf_counter()
     options = dict(kfac_options or {})
-    trainee = _Trainee(model, optimizer, batch, loss_fn, device)
+    trainee = _Trainee(model, optimizer, batch, loss_fn, device, precision or MixedPrecision())
     restore = trainee.save()
 
     # Plain steps: the peak of two (the first creates the optimizer state), then timed ones
@@ -163,8 +174,7 @@ def profile_job(
         LayerShape(name=layer.name, a_dim=layer.a_dim, g_dim=layer.g_dim, groups=layer.groups)
         for layer in registered_layers(unwrapped, **options)
     )
-    preconditioner = KFACPreconditioner(
-        model,
+    preconditioner = trainee.kfac(
         factor_update_steps=1,
         inv_update_steps=lambda step: 1 if step < 2 else 10**6,  # decompose at steps 0 and 1
         compute_method=compute_method,
@@ -249,6 +259,7 @@ def measure_candidate(
     min_steps: int = 50,
     count_memory: bool = True,
     kfac_options: dict[str, Any] | None = None,
+    precision: MixedPrecision | None = None,
 ) -> Measurement:
     """Train with one candidate strategy and measure it (collective, like ``profile_job``).
 
@@ -260,12 +271,11 @@ def measure_candidate(
     counted ones: any ``inv_update_steps`` consecutive steps hold one decomposition. The
     model, optimizer and RNG are put back afterwards.
     """
-    trainee = _Trainee(model, optimizer, batch, loss_fn, device)
+    trainee = _Trainee(model, optimizer, batch, loss_fn, device, precision or MixedPrecision())
     restore = trainee.save()
     first = inv_update_steps + 1 if count_memory else 1
     with TensorMemory(device, existing=trainee.held()) if count_memory else nullcontext() as memory:
-        preconditioner = KFACPreconditioner(
-            model,
+        preconditioner = trainee.kfac(
             factor_update_steps=factor_update_steps,
             inv_update_steps=inv_update_steps,
             grad_worker_fraction=grad_worker_fraction,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -179,10 +180,10 @@ config_option = click.option(
 
 storage_option = click.option(
     "--storage-path",
-    type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Where runs keep their files and checkpoints [default: $KAISA_RAY_STORAGE or "
-    "~/kaisa-ray/runs]; on a multi-node cluster, storage every node can reach.",
+    help="Where runs keep their files and checkpoints: a directory, or a URI such as "
+    "s3://bucket/prefix [default: $KAISA_RAY_STORAGE or ~/kaisa-ray/runs]; on a multi-node "
+    "cluster, storage every node can reach.",
 )
 
 
@@ -198,8 +199,6 @@ def _load(config: Path) -> JobSpec:
 
 def _parse(text: str) -> JobSpec:
     """A JSON job given on the command line, or exit 1 naming every bad field."""
-    import json
-
     from kaisa_ray.train.spec import JobSpecError, parse_job_spec
 
     try:
@@ -234,9 +233,9 @@ def validate(config: Path) -> None:
 @storage_option
 @click.option(
     "--resume-from",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
-    help="Start from this checkpoint directory (a run's checkpoint_*) instead of from scratch.",
+    help="Start from this checkpoint (a run's checkpoint_* directory, a path or a URI) "
+    "instead of from scratch.",
 )
 @click.option(
     "--run-name",
@@ -249,21 +248,35 @@ def validate(config: Path) -> None:
     show_default=True,
     help="Show a progress bar (on a terminal) and log each evaluation.",
 )
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Check the job and its storage, print how it would run (workers, resources, "
+    "placement, storage) as JSON, and exit without starting Ray.",
+)
 def train(
     config: Path | None,
     spec_json: str | None,
-    storage_path: Path | None,
-    resume_from: Path | None,
+    storage_path: str | None,
+    resume_from: str | None,
     run_name: str | None,
     progress: bool,
+    dry_run: bool,
 ) -> None:
     """Train a job on Ray Train: locally, or on the cluster when run by `ray job submit`."""
     from kaisa_ray.errors import ConfigurationError
-    from kaisa_ray.train.job import run_job
+    from kaisa_ray.train.job import describe_run, run_job
 
     if (config is None) == (spec_json is None):
         raise click.UsageError("give the job as --config FILE or as --spec JSON (one of them)")
     spec = _load(config) if config is not None else _parse(spec_json or "")
+    if dry_run:
+        try:
+            plan = describe_run(spec, storage_path=storage_path, run_name=run_name)
+        except ConfigurationError as err:
+            raise click.ClickException(str(err)) from err
+        click.echo(json.dumps(plan, indent=2))
+        return
     try:
         result = run_job(
             spec,
@@ -295,7 +308,7 @@ def train(
     help="Measure the K best predicted candidates in short Ray Tune trials "
     "[default: the job's kfac.verify].",
 )
-def tune(config: Path, storage_path: Path | None, verify: int | None) -> None:
+def tune(config: Path, storage_path: str | None, verify: int | None) -> None:
     """Choose K-FAC's strategy for a `kfac: auto` job without training: profile the job on its
     own workers, print the candidate table and the decision."""
     from kaisa_ray.errors import ConfigurationError

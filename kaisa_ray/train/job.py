@@ -28,6 +28,7 @@ from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.loop import CHECKPOINT_FILE, train_worker
 from kaisa_ray.train.progress import progress_sink, read_progress
 from kaisa_ray.train.spec import JobSpec, KFACSpec
+from kaisa_ray.train.storage import checkpoint_file_exists, checkpoint_location, resolve_storage
 from tuner.cost import NoFeasibleCandidateError
 
 __all__ = [
@@ -35,7 +36,7 @@ __all__ = [
     "TuningOutcome",
     "build_trainer",
     "decision_line",
-    "default_storage_path",
+    "describe_run",
     "ensure_ray",
     "measure_candidates",
     "run_job",
@@ -45,24 +46,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-STORAGE_ENV = "KAISA_RAY_STORAGE"
-
-
-def default_storage_path() -> Path:
-    """Where runs keep their checkpoints: ``$KAISA_RAY_STORAGE`` or ``~/kaisa-ray/runs``.
-
-    On a multi-node cluster this must be storage every node can reach (NFS, or a URI such as
-    ``s3://bucket/prefix``), so that a restarted worker group finds the checkpoints.
-    """
-    return Path(os.environ.get(STORAGE_ENV) or Path.home() / "kaisa-ray" / "runs")
-
-
-def _storage(storage_path: str | Path | None) -> Path:
-    """``storage_path`` or ``default_storage_path()``, created if missing."""
-    storage = Path(storage_path) if storage_path is not None else default_storage_path()
-    storage.mkdir(parents=True, exist_ok=True)
-    return storage
 
 
 def unique_run_name(job_name: str) -> str:
@@ -171,10 +154,12 @@ def build_trainer(
     config: dict[str, Any],
     *,
     name: str,
-    storage: Path,
+    storage: str,
     max_failures: int | None = None,
 ) -> TorchTrainer:
-    """The job's ``TorchTrainer``: ``train_worker`` with ``config`` on the job's workers."""
+    """The job's ``TorchTrainer``: ``train_worker`` with ``config`` on the job's workers,
+    placed on Ray's nodes as ``scaling.placement`` says, checkpointing to ``storage`` (a local
+    directory or a URI, from ``resolve_storage``)."""
     scaling = spec.scaling
     resources: dict[str, float] = {"CPU": scaling.cpus_per_worker}
     if scaling.gpus_per_worker > 0:
@@ -187,14 +172,41 @@ def build_trainer(
             num_workers=scaling.workers,
             use_gpu=scaling.gpus_per_worker > 0,
             resources_per_worker=resources,
+            placement_strategy=scaling.placement_strategy,
         ),
         run_config=ray.train.RunConfig(
             name=name,
-            storage_path=str(storage.resolve()),
+            storage_path=storage,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.checkpoint.keep),
             failure_config=ray.train.FailureConfig(max_failures=failures),
         ),
     )
+
+
+def describe_run(
+    spec: JobSpec, *, storage_path: str | Path | None = None, run_name: str | None = None
+) -> dict[str, Any]:
+    """How ``run_job`` would run ``spec``, without starting anything (``--dry-run``): the
+    cluster it would connect to, its workers and their resources and placement, and its
+    storage (checked, not created)."""
+    scaling = spec.scaling
+    resources: dict[str, float] = {"CPU": scaling.cpus_per_worker}
+    if scaling.gpus_per_worker > 0:
+        resources["GPU"] = scaling.gpus_per_worker
+    kfac = spec.kfac
+    return {
+        "job": spec.name,
+        "run_name": run_name or f"{spec.name}-<UTC time>-<8 hex>",
+        "ray_address": os.environ.get("RAY_ADDRESS") or "local (a Ray started for this job)",
+        "workers": scaling.workers,
+        "resources_per_worker": resources,
+        "placement_strategy": scaling.placement_strategy,
+        "backend": "nccl" if scaling.gpus_per_worker > 0 else "gloo",
+        "precision": spec.precision,
+        "kfac": kfac if isinstance(kfac, str) else kfac.strategy,
+        "storage": resolve_storage(storage_path, create=False),
+        "max_failures": spec.max_failures,
+    }
 
 
 def decision_line(record: dict[str, Any]) -> str:
@@ -300,7 +312,7 @@ def tune_job(
             f"kfac to {kfac if isinstance(kfac, str) else kfac.strategy!r}"
         )
     name = run_name or unique_run_name(spec.name)
-    storage = _storage(storage_path)
+    storage = resolve_storage(storage_path)
     ensure_ray()
     profile_run = f"{name}.profile"
     began = time.perf_counter()
@@ -348,7 +360,7 @@ def measure_candidates(
     per worker and the time per step over whole inverse-update periods (about
     ``min_steps`` steps; the median of ``rounds`` interleaved rounds), from the same starting
     weights. Returns one record per candidate."""
-    storage = _storage(storage_path)
+    storage = resolve_storage(storage_path)
     ensure_ray()
     config = {
         "spec": spec.model_dump(mode="json"),
@@ -380,7 +392,7 @@ def _measure_trial(config: dict[str, Any]) -> None:
 
 
 def _verify(
-    spec: JobSpec, record: dict[str, Any], *, name: str, storage: Path, min_steps: int
+    spec: JobSpec, record: dict[str, Any], *, name: str, storage: str, min_steps: int
 ) -> dict[str, Any]:
     """Measure the ``verify`` best predicted candidates; the fastest measured one that fits
     the budget wins. Trials run one at a time, so they do not slow each other down."""
@@ -397,14 +409,12 @@ def _verify(
         param_space={
             "spec": spec.model_dump(mode="json"),
             "run": f"{name}.verify",
-            "storage": str(storage.resolve()),
+            "storage": storage,
             "min_steps": min_steps,
             "candidate": ray.tune.grid_search(candidates),
         },
         tune_config=ray.tune.TuneConfig(max_concurrent_trials=1),
-        run_config=ray.tune.RunConfig(
-            name=f"{name}.verify", storage_path=str(storage.resolve()), verbose=0
-        ),
+        run_config=ray.tune.RunConfig(name=f"{name}.verify", storage_path=storage, verbose=0),
     )
     results = tuner.fit()
     measured: list[tuple[dict[str, Any], dict[str, Any]]] = []
@@ -472,11 +482,14 @@ def run_job(
 
     Args:
         spec: The validated job.
-        storage_path: Where the run's checkpoints go (default ``default_storage_path()``).
+        storage_path: Where the run's checkpoints go: a local directory or a URI that every
+            node can reach (``kaisa_ray.train.storage``; default ``$KAISA_RAY_STORAGE`` or
+            ``~/kaisa-ray/runs``).
         run_name: The run's name; default ``unique_run_name(spec.name)``. An existing run's name
             resumes that run (Ray Train's behaviour), so pass one only to do that on purpose.
-        resume_from: A checkpoint directory (``.../checkpoint_*``) of an earlier run to start
-            from: weights, optimizer, K-FAC state, step, sampler position and RNG.
+        resume_from: A checkpoint directory (``.../checkpoint_*``, a path or a URI) of an
+            earlier run to start from: weights, optimizer, K-FAC state, step, sampler
+            position and RNG.
         progress: Draw a progress bar on stderr (when it is a terminal) and log evaluations.
         progress_every: Steps between the step records rank 0 sends to the progress sink.
 
@@ -492,12 +505,12 @@ def run_job(
         )
     if progress_every < 1:
         raise ConfigurationError(f"progress_every must be at least 1, got {progress_every}")
-    if resume_from is not None and not (Path(resume_from) / CHECKPOINT_FILE).is_file():
+    if resume_from is not None and not checkpoint_file_exists(resume_from, CHECKPOINT_FILE):
         raise ConfigurationError(
             f"resume_from={resume_from} is not a kaisa-ray checkpoint (no {CHECKPOINT_FILE} "
             "in it); pass a run's checkpoint_* directory"
         )
-    storage = _storage(storage_path)
+    storage = resolve_storage(storage_path)
     ensure_ray()
 
     config: dict[str, Any] = {
@@ -532,7 +545,11 @@ def run_job(
         )
     finally:
         follower.stop()  # before the result is read: its final poll has every evaluation
-    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    checkpoint = (
+        checkpoint_location(result.checkpoint.path, storage)
+        if result.checkpoint is not None
+        else None
+    )
     return JobResult(
         run_name=name,
         succeeded=result.error is None,

@@ -38,12 +38,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.amp import MixedPrecision, optimizer_step
+from kaisa_ray.errors import ConfigurationError, KaisaRayError
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.timing import PHASES
 from kaisa_ray.train.progress import progress_sink
 from kaisa_ray.train.registry import DatasetRequest, dataset_entry, model_factory
 from kaisa_ray.train.spec import JobSpec, KFACSpec, OptimizerSpec, ScheduleSpec
+from kaisa_ray.train.storage import local_checkpoint
 from tuner.actor import profile_key, tuner_actor
 from tuner.cost import DEFAULT_INTERVALS, Decision, Profile
 from tuner.profile import measure_candidate, profile_job
@@ -90,17 +92,27 @@ def lr_factor(schedule: ScheduleSpec, total_steps: int) -> Callable[[int], float
     return factor
 
 
+class TrainingDivergedError(KaisaRayError):
+    """The training loss stopped being a finite number: the run diverged."""
+
+
 def build_preconditioner(
-    spec: KFACSpec, model: nn.Module, optimizer: torch.optim.Optimizer
+    spec: KFACSpec,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> KFACPreconditioner:
-    """K-FAC as the job asks for it; KL clipping follows the lr schedule."""
+    """K-FAC as the job asks for it; KL clipping follows the lr schedule; with fp16, the
+    GradScaler's scale is taken out of the output gradients."""
     group = optimizer.param_groups[0]
     return KFACPreconditioner(
         model,
         factor_update_steps=spec.factor_update_steps,
         inv_update_steps=spec.inv_update_steps,
         damping=spec.damping,
+        factor_decay=spec.factor_decay,
         kl_clip=spec.kl_clip,
+        grad_scaler=scaler,
         lr=lambda _step: float(group["lr"]),
         compute_method=spec.compute_method,
         kfac_approx=spec.kfac_approx,
@@ -140,6 +152,7 @@ def tune(
     optimizer: torch.optim.Optimizer,
     shard: Shard,
     device: torch.device,
+    precision: MixedPrecision,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``kfac: auto``: profile on these workers (collective), then ask the tuner to choose.
 
@@ -149,7 +162,11 @@ def tune(
     the record for the progress sink (the decision and the whole candidate table, with the
     reason for each rejection).
     """
-    options = {"compute_method": kfac.compute_method, "kfac_approx": kfac.kfac_approx}
+    options = {
+        "compute_method": kfac.compute_method,
+        "kfac_approx": kfac.kfac_approx,
+        "precision": spec.precision,
+    }
     model = net.module if isinstance(net, DistributedDataParallel) else net
     key = profile_key(model, shard.batch(1)[0], device, options)
     rank = dist.get_rank() if _distributed() else 0
@@ -166,6 +183,7 @@ def tune(
             device,
             compute_method=kfac.compute_method,
             kfac_options={"kfac_approx": kfac.kfac_approx},
+            precision=precision,
         )
         profile, seconds = result.profile, result.seconds
     budget = int(spec.memory_budget) if spec.memory_budget is not None else None
@@ -310,16 +328,22 @@ def _distributed() -> bool:
 
 @torch.no_grad()
 def evaluate_shard(
-    model: nn.Module, shard: Shard, device: torch.device, batch_size: int = 1000
+    model: nn.Module,
+    shard: Shard,
+    device: torch.device,
+    batch_size: int = 1000,
+    precision: MixedPrecision | None = None,
 ) -> tuple[float, float]:
     """(test loss, test accuracy) over the whole test split, summed over every rank's slice."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64)
+    autocast = precision or MixedPrecision(device_type=device.type)
     for start in range(0, shard.test_x.shape[0], batch_size):
         x = shard.test_x[start : start + batch_size].to(device)
         y = shard.test_y[start : start + batch_size].to(device)
-        logits = model(x)
+        with autocast.autocast():
+            logits = model(x).float()
         totals[0] += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
         totals[1] += int((logits.argmax(dim=1) == y).sum())
         totals[2] += y.shape[0]
@@ -371,6 +395,8 @@ class Job:
     preconditioner: KFACPreconditioner | None
     shard: Shard
     max_steps: int
+    precision: MixedPrecision
+    scaler: torch.amp.GradScaler  # enabled for fp16 only
     kfac_decision: dict[str, Any] | None = None  # what kfac: auto chose (kept in checkpoints)
     tuning: dict[str, Any] | None = None  # the tuner's record, when it ran in this attempt
     step: int = 0
@@ -397,16 +423,20 @@ class Job:
                 model, device_ids=[device.index] if device.type == "cuda" else None
             )
         optimizer = build_optimizer(spec.optimizer, model.parameters())
+        precision = MixedPrecision(mode=spec.precision, device_type=device.type)
+        scaler = precision.grad_scaler()
         kfac = spec.kfac if isinstance(spec.kfac, KFACSpec) else None
         tuning = None
         if kfac is not None and kfac.strategy == "auto":
             if decided is None:
-                decided, tuning = tune(spec, kfac, net, optimizer, shard, device)
+                decided, tuning = tune(spec, kfac, net, optimizer, shard, device, precision)
             kfac = kfac.model_copy(update=decided)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_factor(spec.optimizer.schedule, max_steps)
         )
-        preconditioner = build_preconditioner(kfac, net, optimizer) if kfac is not None else None
+        preconditioner = (
+            build_preconditioner(kfac, net, optimizer, scaler) if kfac is not None else None
+        )
         return cls(
             spec=spec,
             rank=rank,
@@ -419,6 +449,8 @@ class Job:
             preconditioner=preconditioner,
             shard=shard,
             max_steps=max_steps,
+            precision=precision,
+            scaler=scaler,
             kfac_decision=decided,
             tuning=tuning,
         )
@@ -440,6 +472,7 @@ class Job:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
             "preconditioner": kfac,
             "rng": rngs,
             "best": dict(self.best),
@@ -462,6 +495,8 @@ class Job:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):  # empty for a disabled scaler (fp32, bf16)
+            self.scaler.load_state_dict(state["scaler"])
         if self.preconditioner is not None:
             self.preconditioner.load_state_dict(state["preconditioner"])
         self.step = int(state["step"])
@@ -546,10 +581,12 @@ def _measure_worker(
             inv_update_steps=candidate["inv_update_steps"],
             min_steps=min_steps,
             count_memory=round_ == 0,
+            precision=job.precision,
             kfac_options={
                 "compute_method": kfac.compute_method,
                 "kfac_approx": kfac.kfac_approx,
                 "damping": kfac.damping,
+                "factor_decay": kfac.factor_decay,
                 "kl_clip": kfac.kl_clip,
             },
         )
@@ -604,7 +641,8 @@ def train_worker(config: dict[str, Any]) -> None:
         with checkpoint.as_directory() as directory:
             state = load_checkpoint_file(directory)
     elif source is not None:
-        state = load_checkpoint_file(source)
+        with local_checkpoint(source) as directory:
+            state = load_checkpoint_file(directory)
     # Before anything slow (data, tuning): the service sees the workers start.
     context = ray.train.get_context()
     sink = progress_sink()
@@ -651,17 +689,22 @@ def train_worker(config: dict[str, Any]) -> None:
         x, y = job.shard.batch(step)
         x, y = x.to(job.device, non_blocking=True), y.to(job.device, non_blocking=True)
         job.optimizer.zero_grad(set_to_none=True)
-        logits = job.net(x)
-        loss = criterion(logits, y)
-        loss.backward()
+        with job.precision.autocast():
+            logits = job.net(x)
+            loss = criterion(logits, y)
+        loss_value = float(loss.detach())
+        if not math.isfinite(loss_value):
+            raise TrainingDivergedError(
+                f"the training loss is {loss_value} at step {step} on rank {job.rank}: the run "
+                "diverged. Lower optimizer.lr, raise kfac.damping or tighten kfac.kl_clip"
+            )
+        optimizer_step(loss, job.optimizer, job.preconditioner, job.scaler)
         if job.preconditioner is not None:
-            job.preconditioner.step()
             window.add_kfac(job.preconditioner.times.reset())
-        job.optimizer.step()
         job.scheduler.step()
         job.step = step
         window.steps += 1
-        window.loss += float(loss.detach())
+        window.loss += loss_value
         window.correct += int((logits.detach().argmax(dim=1) == y).sum())
         window.samples += y.shape[0]
         took = time.perf_counter() - tick
@@ -678,7 +721,7 @@ def train_worker(config: dict[str, Any]) -> None:
             window = Window()
 
         if step % spec.eval_every == 0 or done:
-            last_eval = evaluate_shard(job.net, job.shard, job.device)
+            last_eval = evaluate_shard(job.net, job.shard, job.device, precision=job.precision)
             test_loss, test_accuracy = last_eval
             job.best["test_accuracy"] = max(job.best.get("test_accuracy", 0.0), test_accuracy)
             if job.rank == 0:

@@ -121,6 +121,7 @@ class KFACSpec(_Strict):
     factor_update_steps: PositiveInt = 5
     inv_update_steps: PositiveInt = 50
     damping: PositiveFloat = 0.1
+    factor_decay: Annotated[float, Field(ge=0, lt=1)] = 0.95
     kl_clip: PositiveFloat | None = 0.001
     compute_method: Literal["eigen", "inverse"] = "eigen"
     kfac_approx: Literal["expand", "reduce"] = "reduce"
@@ -160,9 +161,19 @@ class KFACSpec(_Strict):
 
 
 class ScalingSpec(_Strict):
+    """The job's workers. ``placement`` spreads them over Ray's nodes: ``pack`` (fill a node
+    first, the default), ``spread`` (one per node where possible), ``strict-pack`` (all on
+    one node) or ``strict-spread`` (one per node, or wait for enough nodes)."""
+
     workers: PositiveInt = 1
     gpus_per_worker: Annotated[float, Field(ge=0)] = 0
     cpus_per_worker: PositiveFloat = 1
+    placement: Literal["pack", "spread", "strict-pack", "strict-spread"] = "pack"
+
+    @property
+    def placement_strategy(self) -> str:
+        """Ray's name for ``placement`` (``STRICT_SPREAD``...)."""
+        return self.placement.upper().replace("-", "_")
 
 
 class TargetSpec(_Strict):
@@ -195,6 +206,7 @@ class JobSpec(_Strict):
     dataset: DatasetSpec
     optimizer: OptimizerSpec = OptimizerSpec()
     kfac: KFACSpec | Literal["off"] = KFACSpec()
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     memory_budget: ByteSize | None = None
     scaling: ScalingSpec = ScalingSpec()
     stop: StopSpec
