@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -27,8 +27,14 @@ class Settings(BaseSettings):
     )
     storage_path: str | None = Field(
         default=None,
-        description="where jobs keep checkpoints [default: <data_dir>/runs]; on a multi-node "
-        "cluster, storage every node reaches",
+        # KAISA_RAY_STORAGE is what `kaisa-ray train` reads: one name for both works.
+        validation_alias=AliasChoices(
+            "storage_path", "KAISA_RAY_STORAGE_PATH", "KAISA_RAY_STORAGE"
+        ),
+        description="where jobs keep checkpoints, a directory or a URI (s3://bucket/prefix) "
+        "[default: <data_dir>/runs with the embedded head; on a cluster, the jobs' own "
+        "default, $KAISA_RAY_STORAGE on the cluster's nodes]; on a multi-node cluster, storage "
+        "every node reaches",
     )
     token: SecretStr | None = None
     max_body_bytes: int = Field(default=256 * 1024, gt=0)
@@ -59,5 +65,10 @@ class Settings(BaseSettings):
         return self.database_url or f"sqlite:///{self.data_dir / 'jobs.db'}"
 
     @property
-    def storage(self) -> str:
-        return self.storage_path or str(self.data_dir / "runs")
+    def storage(self) -> str | None:
+        """What jobs get as --storage-path: with the embedded head a folder of the data
+        directory by default; on a cluster only what was configured (the service's own disk
+        is not the cluster's)."""
+        if self.storage_path or self.ray_address:
+            return self.storage_path
+        return str(self.data_dir / "runs")

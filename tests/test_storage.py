@@ -149,3 +149,19 @@ def test_train_dry_run_refuses_bad_storage_and_bad_jobs(tmp_path: Path) -> None:
     refused = runner.invoke(main, ["train", "--config", str(bad_job), "--dry-run"])
     assert refused.exit_code == 1
     assert "scaling.workers" in refused.output
+
+
+def test_the_service_gives_jobs_its_storage_and_never_its_own_disk_to_a_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.settings import Settings
+
+    monkeypatch.delenv("KAISA_RAY_STORAGE", raising=False)
+    assert Settings(data_dir=tmp_path).storage == str(tmp_path / "runs")  # embedded head
+    assert Settings(data_dir=tmp_path, ray_address="head:6379").storage is None
+    monkeypatch.setenv("KAISA_RAY_STORAGE", "s3://bucket/runs")  # `kaisa-ray train`'s name
+    assert Settings(ray_address="head:6379").storage == "s3://bucket/runs"
+    monkeypatch.setenv("KAISA_RAY_STORAGE_PATH", "/mnt/shared")  # the flag's own name wins
+    assert Settings().storage == "/mnt/shared"
+    with pytest.raises(ValueError, match="scheme 'ftp'"):
+        Settings(storage_path="ftp://host/runs")

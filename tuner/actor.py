@@ -138,7 +138,8 @@ class TunerState:
         return {"profiles": len(self._profiles), "hits": self.hits, "misses": self.misses}
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
+# On the head node: a worker node can leave the cluster (and with it the actor's state).
+@ray.remote(num_cpus=0, max_restarts=-1, resources={"node:__internal_head__": 0.001})
 class Tuner(TunerState):
     """``TunerState`` as a named Ray actor (no CPU reserved: it must never block a job)."""
 

@@ -14,6 +14,8 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,12 @@ from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.loop import CHECKPOINT_FILE, train_worker
 from kaisa_ray.train.progress import progress_sink, read_progress
 from kaisa_ray.train.spec import JobSpec, KFACSpec
-from kaisa_ray.train.storage import checkpoint_file_exists, checkpoint_location, resolve_storage
+from kaisa_ray.train.storage import (
+    checkpoint_file_exists,
+    checkpoint_location,
+    latest_checkpoint,
+    resolve_storage,
+)
 from tuner.cost import NoFeasibleCandidateError
 
 __all__ = [
@@ -46,6 +53,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# Read by Ray Train's controller, which takes it from the driver's environment.
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 
 
 def unique_run_name(job_name: str) -> str:
@@ -178,8 +188,58 @@ def build_trainer(
             name=name,
             storage_path=storage,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.checkpoint.keep),
-            failure_config=ray.train.FailureConfig(max_failures=failures),
+            failure_config=ray.train.FailureConfig(  # type: ignore[call-arg]  # v2's (mypy: v1's)
+                max_failures=failures,
+                # Waiting for resources that do not come is a controller error, retried
+                # without end by default; with a timeout the first one fails the job.
+                controller_failure_limit=-1 if scaling.resource_timeout_s is None else 0,
+            ),
         ),
+    )
+
+
+@contextmanager
+def _resource_timeout(spec: JobSpec) -> Iterator[None]:
+    """Ray Train's worker-group start timeout set to ``scaling.resource_timeout_s`` while a
+    trainer of this job starts (its controller reads it from the driver's environment)."""
+    timeout = spec.scaling.resource_timeout_s
+    if timeout is None:
+        yield
+        return
+    old = os.environ.get(START_TIMEOUT_ENV)
+    os.environ[START_TIMEOUT_ENV] = str(timeout)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(START_TIMEOUT_ENV, None)
+        else:
+            os.environ[START_TIMEOUT_ENV] = old
+
+
+def _failure(spec: JobSpec, error: Exception, storage: str, run: str) -> str:
+    """Why a run failed, in words a user can act on; Ray's own message otherwise."""
+    text = f"{type(error).__name__}: {error}"
+    if "worker group startup timed out" not in text:
+        return text
+    scaling = spec.scaling
+    per_worker = f"{scaling.cpus_per_worker:g} CPU" + (
+        f", {scaling.gpus_per_worker:g} GPU" if scaling.gpus_per_worker else ""
+    )
+    latest = latest_checkpoint(storage, run, CHECKPOINT_FILE)
+    return (
+        f"the job's {scaling.workers} workers ({per_worker} each, placement "
+        f"{scaling.placement}) did not get their resources within "
+        f"scaling.resource_timeout_s={scaling.resource_timeout_s:g} s: the cluster is too small "
+        "for them, or a node left and none came back. Add nodes, lower scaling.workers or "
+        "relax scaling.placement, or raise scaling.resource_timeout_s (unset: wait as long as "
+        "it takes). "
+        + (
+            f"The latest checkpoint is {latest}: continue from it with "
+            f"`kaisa-ray train --resume-from {latest}`."
+            if latest
+            else "No checkpoint was written."
+        )
     )
 
 
@@ -533,7 +593,8 @@ def run_job(
     follower = _Follower(name, show_bar=progress)
     follower.start()
     try:
-        result = trainer.fit()
+        with _resource_timeout(spec):
+            result = trainer.fit()
     except Exception as err:  # Ray raises when the workers failed beyond max_failures
         return JobResult(
             run_name=name,
@@ -541,7 +602,7 @@ def run_job(
             metrics={},
             checkpoint=None,
             evals=follower.evals,
-            error=f"{type(err).__name__}: {err}",
+            error=_failure(spec, err, storage, name),
         )
     finally:
         follower.stop()  # before the result is read: its final poll has every evaluation

@@ -69,7 +69,8 @@ class ProgressStore:
         return self._runs.pop(run, None) is not None
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
+# On the head node: a worker node can leave the cluster (and with it the actor's state).
+@ray.remote(num_cpus=0, max_restarts=-1, resources={"node:__internal_head__": 0.001})
 class ProgressSink(ProgressStore):
     """``ProgressStore`` as a named Ray actor (no CPU reserved: it must never block a job)."""
 

@@ -163,12 +163,16 @@ class KFACSpec(_Strict):
 class ScalingSpec(_Strict):
     """The job's workers. ``placement`` spreads them over Ray's nodes: ``pack`` (fill a node
     first, the default), ``spread`` (one per node where possible), ``strict-pack`` (all on
-    one node) or ``strict-spread`` (one per node, or wait for enough nodes)."""
+    one node) or ``strict-spread`` (one per node, or wait for enough nodes).
+    ``resource_timeout_s``: how long the worker group may wait for its resources, at the start
+    and after losing a node, before the job fails saying so; unset, it waits as long as it
+    takes (an autoscaling cluster adds nodes)."""
 
     workers: PositiveInt = 1
     gpus_per_worker: Annotated[float, Field(ge=0)] = 0
     cpus_per_worker: PositiveFloat = 1
     placement: Literal["pack", "spread", "strict-pack", "strict-spread"] = "pack"
+    resource_timeout_s: PositiveFloat | None = None
 
     @property
     def placement_strategy(self) -> str:

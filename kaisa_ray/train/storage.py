@@ -30,6 +30,7 @@ __all__ = [
     "checkpoint_location",
     "default_storage",
     "is_uri",
+    "latest_checkpoint",
     "local_checkpoint",
     "resolve_storage",
 ]
@@ -111,6 +112,26 @@ def checkpoint_location(path: str, storage: str) -> str:
         return path
     scheme = urlparse(storage).scheme.lower()
     return path if scheme == "file" else f"{scheme}://{path.lstrip('/')}"
+
+
+def latest_checkpoint(storage: str, run: str, name: str) -> str | None:
+    """The newest ``checkpoint_*`` directory of ``run`` in ``storage`` that holds ``name``
+    (Ray Train names them by time), as a user passes it back; None if there is none."""
+    import pyarrow.fs
+
+    if is_uri(storage):
+        filesystem, root = pyarrow.fs.FileSystem.from_uri(storage)
+    else:
+        filesystem, root = pyarrow.fs.LocalFileSystem(), storage
+    selector = pyarrow.fs.FileSelector(f"{root.rstrip('/')}/{run}", allow_not_found=True)
+    found = sorted(
+        info.path
+        for info in filesystem.get_file_info(selector)
+        if info.type == pyarrow.fs.FileType.Directory
+        and info.base_name.startswith("checkpoint_")
+        and filesystem.get_file_info(f"{info.path}/{name}").type == pyarrow.fs.FileType.File
+    )
+    return checkpoint_location(found[-1], storage) if found else None
 
 
 @contextmanager
