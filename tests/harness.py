@@ -21,13 +21,21 @@ import torch.multiprocessing as mp
 
 
 def _child(
-    fn: Callable[..., Any], rank: int, world_size: int, store: str, out: str, kwargs: dict[str, Any]
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store: str,
+    out: str,
+    kwargs: dict[str, Any],
+    backend: str,
 ) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # NCCL: one GPU per rank
         dist.init_process_group(
-            "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size
+            backend, init_method=f"file://{store}", rank=rank, world_size=world_size
         )
         result = fn(rank, world_size, **kwargs)
         dist.barrier()
@@ -47,15 +55,23 @@ def _write(out: str, payload: tuple[str, Any]) -> None:
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *, timeout: float = 240.0, **kwargs: Any
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    timeout: float = 240.0,
+    backend: str = "gloo",
+    **kwargs: Any,
 ) -> list[Any]:
-    """``fn(rank, world_size, **kwargs)`` on every rank; returns the results by rank."""
+    """``fn(rank, world_size, **kwargs)`` on every rank (``backend`` gloo on the CPU, or nccl
+    with rank r on GPU r); returns the results by rank."""
     context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         store = str(Path(tmp) / "store")
         outs = [str(Path(tmp) / f"rank{r}.pkl") for r in range(world_size)]
         procs = [
-            context.Process(target=_child, args=(fn, r, world_size, store, outs[r], kwargs))
+            context.Process(
+                target=_child, args=(fn, r, world_size, store, outs[r], kwargs, backend)
+            )
             for r in range(world_size)
         ]
         try:

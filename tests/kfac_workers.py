@@ -122,7 +122,14 @@ def make(
     combo: dict[str, Any], distributed: bool
 ) -> tuple[nn.Module, nn.Module, KFACPreconditioner, torch.optim.Optimizer]:
     model = build_model(combo["model"])
-    wrapped = DistributedDataParallel(model) if distributed and combo.get("ddp", True) else model
+    if combo.get("device", "cpu") == "cuda":  # the rank's own GPU (the harness set it)
+        model = model.to(torch.device("cuda", torch.cuda.current_device()))
+    cuda = next(model.parameters()).device.type == "cuda"
+    wrapped = (
+        DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if cuda else None)
+        if distributed and combo.get("ddp", True)
+        else model
+    )
     preconditioner = KFACPreconditioner(wrapped, **kfac_options(combo))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return model, wrapped, preconditioner, optimizer
@@ -142,9 +149,11 @@ def train_steps(
     counter: Counter | None = None,
 ) -> None:
     shard = GLOBAL_BATCH // world_size
+    device = next(model.parameters()).device
     for step in steps:
         x, y = global_batch(step)
         x, y = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
+        x, y = x.to(device), y.to(device)
         optimizer.zero_grad()
         F.cross_entropy(wrapped(x), y).backward()
         if average_by_hand:
@@ -217,7 +226,7 @@ def equivalence_worker(
             )
         results.append(
             {
-                "params": [p.detach().clone() for p in model.parameters()],
+                "params": [p.detach().cpu().clone() for p in model.parameters()],
                 "memory": preconditioner.memory_usage(),
                 "planned_memory": preconditioner.plan.ranks[rank].memory,
                 "mismatches": mismatches,

@@ -1,13 +1,23 @@
-"""The CUDA path of the core: state on the device, fp16 autocast with a GradScaler."""
+"""The CUDA path: the core's state on the device, autocast with a GradScaler, NCCL for every
+KAISA strategy, and the tuner's memory profile from the CUDA allocator. Skipped without CUDA
+(``conftest.py``); run wherever a GPU is available."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import run_distributed
+from kfac_workers import equivalence_worker, reference_params
 from torch import nn
 
 from kaisa_ray import KFACPreconditioner
+from kaisa_ray.amp import MixedPrecision
+from kaisa_ray.plan import plan
+from kaisa_ray.train.models import LeNetCNN
+from tuner.cost import choose
+from tuner.memory import TensorMemory, tensor_bytes
+from tuner.profile import profile_job
 
 pytestmark = pytest.mark.gpu
 
@@ -61,3 +71,78 @@ def test_cuda_matches_cpu_in_float64() -> None:
         grads.append([p.grad.cpu() for p in model.parameters()])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-12)
+
+
+# -- NCCL: every KAISA strategy on real GPUs, one rank per GPU ----------------------------
+
+
+@pytest.mark.parametrize("strategy", ["comm-opt", "hybrid-opt", "mem-opt"])
+def test_nccl_strategies_equal_single_process_kfac(strategy: str) -> None:
+    world_size = min(torch.cuda.device_count(), 4)
+    if world_size < 2:
+        pytest.skip("needs 2 GPUs: NCCL will not put two ranks on one GPU")
+    combos = [
+        {"model": model, "method": method, "strategy": strategy, "device": "cuda"}
+        for model in ("mlp", "cnn")
+        for method in ("eigen", "inverse")
+    ]
+    per_rank = run_distributed(
+        equivalence_worker, world_size, combos=combos, backend="nccl", timeout=400
+    )
+    for index, combo in enumerate(combos):
+        results = [per_rank[rank][index] for rank in range(world_size)]
+        for rank, result in enumerate(results):
+            # Every collective is the one the plan predicted, state is the plan's to the byte.
+            assert result["mismatches"] == [], f"{combo}, rank {rank}: {result['mismatches']}"
+            assert result["memory"] == result["planned_memory"], f"{combo}, rank {rank}"
+            for a, b in zip(result["params"], results[0]["params"], strict=True):
+                assert torch.equal(a, b), f"{combo}: rank {rank} differs from rank 0"
+        expected = reference_params({**combo, "device": "cpu"})
+        for a, e in zip(results[0]["params"], expected, strict=True):
+            assert (a - e).abs().max().item() <= 1e-5 * e.abs().max().item(), combo
+
+
+# -- the tuner's memory profile reads the CUDA allocator ----------------------------------
+
+
+def test_cuda_memory_counts_known_allocations_from_the_allocator() -> None:
+    torch.cuda.synchronize()
+    with TensorMemory("cuda") as memory:
+        big = torch.empty(2**20, dtype=torch.uint8, device="cuda")
+        kept = torch.zeros(1024, device="cuda")  # 4 KiB: a multiple of the allocator's 512 B
+        del big
+    assert memory.peak_bytes == 2**20 + 4096
+    assert memory.live_bytes == 4096
+    assert kept.device.type == "cuda"
+
+
+def test_cuda_profile_of_the_example_model_prices_exactly_the_plans_state() -> None:
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    model = LeNetCNN().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(i)
+        x = torch.randn(64, 1, 28, 28, generator=generator)
+        return x, torch.randint(0, 10, (64,), generator=generator)
+
+    for precision in ("fp32", "bf16"):
+        result = profile_job(
+            model,
+            optimizer,
+            batch,
+            F.cross_entropy,
+            device,
+            steps=2,
+            precision=MixedPrecision(mode=precision, device_type="cuda"),
+        )
+        profile = result.profile
+        # Parameters, gradients and momentum at least, read from the CUDA allocator's peak.
+        assert profile.base_memory_bytes > 3 * tensor_bytes(model.parameters())
+        assert profile.kfac_transient_bytes >= 0
+        assert profile.step_s > 0
+        decision = choose(profile, budget_bytes=None)
+        for candidate in decision.candidates:
+            state = plan(model, 1, grad_worker_fraction=candidate.grad_worker_fraction)
+            assert candidate.kfac_state_bytes == state.ranks[0].memory["total"]

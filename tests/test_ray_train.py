@@ -303,6 +303,32 @@ def test_gpu_job_trains_on_cuda(ray_head: RayHead, tmp_path: Path, workers: int)
     assert load_checkpoint_file(result.checkpoint)["step"] == 30
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_gpu_mixed_precision_job_with_kfac_auto(
+    ray_head: RayHead, tmp_path: Path, precision: str
+) -> None:
+    spec = job(
+        name=f"gpu-{precision}",
+        dataset={"name": "fashion-mnist", "batch_size": 64, "limit": 2048},
+        kfac={"strategy": "auto", "kfac_approx": "reduce"},
+        precision=precision,
+        memory_budget="4GiB",
+        scaling={"workers": 1, "gpus_per_worker": 1},
+        stop={"max_steps": 40},
+        eval_every=20,
+    )
+    result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
+    assert result.succeeded, result.error
+    (tuning,) = records(result.run_name, "tuner")
+    assert tuning["base_memory_bytes"] > 0  # the CUDA allocator's peak
+    steps = records(result.run_name, "step")
+    assert steps[-1]["loss"] < 0.8 * steps[0]["loss"]
+    assert result.checkpoint is not None
+    state = load_checkpoint_file(result.checkpoint)
+    assert ("scale" in state["scaler"]) == (precision == "fp16")  # fp16 trains with a scaler
+
+
 def test_ray_job_submit_runs_the_train_command(ray_head: RayHead, tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job(name="submitted", stop={"max_steps": 20})))
