@@ -65,7 +65,7 @@ def test_two_worker_kfac_job_end_to_end(ray_head: RayHead, tmp_path: Path) -> No
     result = run_job(parse_job_spec(job()), storage_path=tmp_path, progress=False)
     assert result.succeeded, result.error
     assert result.metrics["step"] == 40
-    assert result.metrics["done"] is True
+    assert result.metrics["finished"] is True
 
     # The progress sink saw both workers, every 10th step, and the evaluations.
     workers = records(result.run_name, "worker")

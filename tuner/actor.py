@@ -22,6 +22,7 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torch import nn
 
 from tuner.cost import DEFAULT_INTERVALS, Decision, Profile, choose
@@ -138,8 +139,22 @@ class TunerState:
         return {"profiles": len(self._profiles), "hits": self.hits, "misses": self.misses}
 
 
-# On the head node: a worker node can leave the cluster (and with it the actor's state).
-@ray.remote(num_cpus=0, max_restarts=-1, resources={"node:__internal_head__": 0.001})
+def cluster_singleton() -> dict[str, Any]:
+    """Actor options for the cluster's long-lived named actors (the tuner, the progress
+    sink): no CPU (they must never block a job), on the head node (a worker node can leave the
+    cluster, and the actor's state with it), and outside any placement group (created from a
+    Ray Train worker, an actor would otherwise join the job's group and die with it)."""
+    return {
+        "num_cpus": 0,
+        "resources": {"node:__internal_head__": 0.001},
+        # Ray's way out of a captured placement group (its stubs want a group).
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=None),  # type: ignore[arg-type]
+        "lifetime": "detached",
+        "get_if_exists": True,
+    }
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
 class Tuner(TunerState):
     """``TunerState`` as a named Ray actor (no CPU reserved: it must never block a job)."""
 
@@ -148,9 +163,6 @@ def tuner_actor() -> Any:
     """The cluster's tuner (an actor handle), created on first use; needs Ray."""
     # Typed Any: Ray's stubs give actor method calls the result type Never.
     handle: Any = Tuner.options(  # type: ignore[attr-defined]
-        name=TUNER_NAME,
-        namespace=TUNER_NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
+        name=TUNER_NAME, namespace=TUNER_NAMESPACE, **cluster_singleton()
     ).remote()
     return handle

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -323,3 +324,129 @@ def tune(config: Path, storage_path: str | None, verify: int | None) -> None:
     except ConfigurationError as err:
         raise click.ClickException(str(err)) from err
     click.echo(tuning_table(outcome.record))
+
+
+@main.command()
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Job file with a sweep section (YAML or JSON); see examples/fashion_mnist_sweep.yaml.",
+)
+@click.option("--spec", "spec_json", default=None, help="The job as one JSON object instead.")
+@storage_option
+@click.option("--run-name", default=None, help="Name of the sweep [default: unique].")
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the best trial's spec here, a ready-to-run job file [default: print it only].",
+)
+@click.option(
+    "--progress/--no-progress",
+    default=True,
+    show_default=True,
+    help="Show the live table of trials.",
+)
+@click.option("--dry-run", is_flag=True, help="Check the sweep, print its plan as JSON, and exit.")
+def sweep(
+    config: Path | None,
+    spec_json: str | None,
+    storage_path: str | None,
+    run_name: str | None,
+    output: Path | None,
+    progress: bool,
+    dry_run: bool,
+) -> None:
+    """Run a job's hyperparameter sweep on Ray Tune; print its trials and the best spec."""
+    import threading
+    import time
+
+    import yaml
+
+    from kaisa_ray.errors import ConfigurationError
+    from kaisa_ray.train.sweep import TrialTable, run_sweep
+
+    if (config is None) == (spec_json is None):
+        raise click.UsageError("give the job as --config FILE or as --spec JSON (one of them)")
+    spec = _load(config) if config is not None else _parse(spec_json or "")
+    if spec.sweep is None:
+        raise click.ClickException(
+            f"job {spec.name!r} has no sweep section; add one, or train it with `kaisa-ray train`"
+        )
+    if dry_run:
+        plan = spec.sweep.model_dump(mode="json", exclude_none=True)
+        plan["direction"] = spec.sweep.direction
+        click.echo(json.dumps(plan, indent=2))
+        return
+    table = TrialTable(list(spec.sweep.space))
+    stop = threading.Event()
+    name_box: dict[str, str] = {}
+    live = progress and sys.stdout.isatty()  # a table redrawn in place; else a line a change
+
+    def follow() -> None:
+        from kaisa_ray.train.progress import read_progress
+
+        since, drawn = 0, 0
+        while not stop.wait(0.5):
+            if "run" not in name_box:
+                continue
+            try:
+                page = read_progress(name_box["run"], since, kinds=["trial"])
+            except Exception:  # the sink is best effort
+                continue
+            since = page["next"]
+            lines = [line for r in page["records"] if (line := table.update(r))]
+            if live and page["records"]:
+                text = table.render()
+                click.echo((f"\x1b[{drawn}F\x1b[J" if drawn else "") + text)
+                drawn = text.count("\n") + 1
+            elif progress:
+                for line in lines:
+                    click.echo(line)
+
+    from kaisa_ray.train.job import unique_run_name
+
+    name_box["run"] = run_name or unique_run_name(spec.name)
+    watcher = threading.Thread(target=follow, daemon=True)
+    watcher.start()
+    try:
+        result = run_sweep(spec, storage_path=storage_path, run_name=name_box["run"])
+    except ConfigurationError as err:
+        raise click.ClickException(str(err)) from err
+    finally:
+        time.sleep(0.6)  # the last trial records
+        stop.set()
+        watcher.join(timeout=5)
+    click.echo(f"\nsweep {result.run_name}: {len(result.trials)} trials in {result.seconds:.0f} s")
+    for trial in result.trials:
+        table.update(
+            {
+                "kind": "trial",
+                "trial": trial.trial_id,
+                "params": trial.params,
+                "state": trial.state,
+                "error": trial.error,
+                **trial.metrics,
+            }
+        )
+    click.echo(table.render())
+    if result.best is None or result.best_spec is None:
+        raise click.ClickException(
+            f"no trial reported {result.metric}; see each trial's state and error above"
+        )
+    best = result.best
+    header = (
+        f"# The best trial of sweep {result.run_name}: {best.trial_id}, {result.metric} "
+        f"{best.value:.4g} ({result.mode}); its checkpoint: {best.checkpoint}\n"
+    )
+    text = header + yaml.safe_dump(
+        result.best_spec.model_dump(mode="json", exclude={"sweep"}), sort_keys=False
+    )
+    click.echo("\n" + text)
+    if output is not None:
+        output.write_text(text)
+        click.echo(
+            f"best spec written to {output}; run it with `kaisa-ray train --config {output}`"
+        )

@@ -166,6 +166,7 @@ def build_trainer(
     name: str,
     storage: str,
     max_failures: int | None = None,
+    callbacks: list[Any] | None = None,
 ) -> TorchTrainer:
     """The job's ``TorchTrainer``: ``train_worker`` with ``config`` on the job's workers,
     placed on Ray's nodes as ``scaling.placement`` says, checkpointing to ``storage`` (a local
@@ -188,6 +189,7 @@ def build_trainer(
             name=name,
             storage_path=storage,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.checkpoint.keep),
+            callbacks=callbacks,
             failure_config=ray.train.FailureConfig(  # type: ignore[call-arg]  # v2's (mypy: v1's)
                 max_failures=failures,
                 # Waiting for resources that do not come is a controller error, retried

@@ -616,7 +616,9 @@ def train_worker(config: dict[str, Any]) -> None:
       then stops) or ``measure`` (measure each of ``candidates`` for ``min_steps``);
     - ``resume_from``: a checkpoint to start from;
     - ``decided`` and ``tuning``: what ``kfac: auto`` chose before the job started (with
-      ``verify``), and the tuner's record of it.
+      ``verify``), and the tuner's record of it;
+    - ``report_evals``: report every evaluation through ``ray.train.report`` (a sweep's
+      trials), not only those with checkpoints.
     """
     spec = JobSpec.model_validate(config["spec"])
     mode = config.get("mode", "train")
@@ -634,6 +636,10 @@ def train_worker(config: dict[str, Any]) -> None:
         return
     run: str = config["run"]
     progress_every: int = config.get("progress_every", 10)
+    # A sweep's trials report every evaluation (Tune's schedulers judge them by it); a job
+    # reports only with its checkpoints (each report waits for Ray Train's controller).
+    report_evals: bool = config.get("report_evals", False)
+    reached = False  # the stop target was met
     checkpoint = ray.train.get_checkpoint()
     source = checkpoint.path if checkpoint is not None else config.get("resume_from")
     state: dict[str, Any] | None = None
@@ -720,7 +726,8 @@ def train_worker(config: dict[str, Any]) -> None:
                 sink.push.remote(run, [record])
             window = Window()
 
-        if step % spec.eval_every == 0 or done:
+        evaluated = step % spec.eval_every == 0 or done
+        if evaluated:
             last_eval = evaluate_shard(job.net, job.shard, job.device, precision=job.precision)
             test_loss, test_accuracy = last_eval
             job.best["test_accuracy"] = max(job.best.get("test_accuracy", 0.0), test_accuracy)
@@ -739,14 +746,18 @@ def train_worker(config: dict[str, Any]) -> None:
                     ],
                 )
             if _target_met(spec, test_loss, test_accuracy):
-                done = True
+                done = reached = True
 
-        if done or step % spec.checkpoint.every_steps == 0:
-            metrics: dict[str, Any] = {"step": step, "done": done}
+        checkpoint_due = done or step % spec.checkpoint.every_steps == 0
+        if checkpoint_due or (report_evals and evaluated):
+            # "finished": the job met its stop condition ("done" is Ray Tune's own key).
+            metrics: dict[str, Any] = {"step": step, "finished": done, "train_s": train_s}
             if last_eval is not None:
                 metrics["test_loss"], metrics["test_accuracy"] = last_eval
-            _report(job, metrics, with_checkpoint=True)
-            if job.rank == 0:
+            if reached:
+                metrics["time_to_target_s"] = train_s
+            _report(job, metrics, with_checkpoint=checkpoint_due)
+            if job.rank == 0 and checkpoint_due:
                 sink.push.remote(run, [{"kind": "checkpoint", "step": step}])
         if done:
             break

@@ -21,6 +21,8 @@ from typing import Any
 
 import ray
 
+from tuner.actor import cluster_singleton
+
 SINK_NAME = "kaisa-ray-progress"
 SINK_NAMESPACE = "kaisa-ray"
 
@@ -69,8 +71,7 @@ class ProgressStore:
         return self._runs.pop(run, None) is not None
 
 
-# On the head node: a worker node can leave the cluster (and with it the actor's state).
-@ray.remote(num_cpus=0, max_restarts=-1, resources={"node:__internal_head__": 0.001})
+@ray.remote(num_cpus=0, max_restarts=-1)
 class ProgressSink(ProgressStore):
     """``ProgressStore`` as a named Ray actor (no CPU reserved: it must never block a job)."""
 
@@ -79,10 +80,7 @@ def progress_sink() -> Any:
     """The cluster's progress sink (an actor handle), created on first use; needs Ray."""
     # Typed Any: Ray's stubs give actor method calls the result type Never.
     handle: Any = ProgressSink.options(  # type: ignore[attr-defined]
-        name=SINK_NAME,
-        namespace=SINK_NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
+        name=SINK_NAME, namespace=SINK_NAMESPACE, **cluster_singleton()
     ).remote()
     return handle
 

@@ -18,7 +18,10 @@ Example (YAML)::
 
 from __future__ import annotations
 
+import copy
 import json
+import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -33,6 +36,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.strategy import resolve_grad_worker_fraction
@@ -202,6 +206,90 @@ class CheckpointSpec(_Strict):
     keep: PositiveInt = 2
 
 
+class Distribution(_Strict):
+    """Where a sweep draws one field from: exactly one of ``loguniform: [low, high]``,
+    ``uniform: [low, high]``, ``randint: [low, high]`` (integers, both ends included) or
+    ``choice: [v1, v2, ...]``."""
+
+    loguniform: tuple[float, float] | None = None
+    uniform: tuple[float, float] | None = None
+    randint: tuple[int, int] | None = None
+    choice: Annotated[list[int | float], Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _one_nonempty_range(self) -> Distribution:
+        given = [name for name in DISTRIBUTIONS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"give exactly one of {', '.join(DISTRIBUTIONS)} (got "
+                f"{', '.join(given) or 'none'}), e.g. {{loguniform: [0.001, 0.1]}}"
+            )
+        if self.kind != "choice":
+            low, high = self.ends
+            if not low < high:
+                raise ValueError(
+                    f"the range [{low:g}, {high:g}] of {self.kind} is empty: its low end must be "
+                    "below its high end (for one value, leave the field out of the sweep)"
+                )
+            if self.kind == "loguniform" and low <= 0:
+                raise ValueError(f"loguniform needs a positive low end, got {low:g}")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in DISTRIBUTIONS if getattr(self, name) is not None)
+
+    @property
+    def ends(self) -> tuple[float, float]:
+        """The range's low and high end (a choice's smallest and largest value)."""
+        values = getattr(self, self.kind)
+        return (min(values), max(values))
+
+    def extremes(self) -> list[int | float]:
+        """The values a trial can take at the edges: every choice, or the two ends."""
+        return list(self.choice) if self.choice is not None else list(self.ends)
+
+
+DISTRIBUTIONS = ("loguniform", "uniform", "randint", "choice")
+
+
+class AshaSpec(_Strict):
+    """ASHA's rungs: the first at ``grace_steps`` (default: an eighth of the stop's steps, at
+    least ``eval_every``), each next one ``reduction_factor`` times further; at each rung a trial
+    continues only if it is in the best 1/``reduction_factor`` of the trials that reached it."""
+
+    grace_steps: PositiveInt | None = None
+    reduction_factor: Annotated[float, Field(gt=1)] = 2
+
+
+class SweepSpec(_Strict):
+    """A hyperparameter sweep over the job's own fields, run on Ray Tune.
+
+    ``space`` maps dotted fields of the job (``optimizer.lr``, ``kfac.damping``,
+    ``kfac.kl_clip``, ``kfac.factor_decay``, any numeric field) to a ``Distribution``. Each of
+    ``trials`` trials trains the job with one draw (``concurrent`` at once). ``metric``: the
+    final ``test_accuracy`` (max), ``test_loss`` (min) or ``time_to_target`` (min: training
+    seconds until ``stop.target`` is met; a trial that never meets it ranks last). With
+    ``scheduler: asha`` weak trials stop early, judged at each evaluation on the test metric.
+    """
+
+    space: Annotated[dict[str, Distribution], Field(min_length=1)]
+    metric: Literal["test_accuracy", "test_loss", "time_to_target"] = "test_accuracy"
+    mode: Literal["max", "min"] | None = None
+    trials: Annotated[int, Field(gt=0, le=1024)] = 8
+    concurrent: PositiveInt = 1
+    scheduler: Literal["asha", "none"] = "asha"
+    asha: AshaSpec = AshaSpec()
+    seed: int = 0
+
+    @property
+    def direction(self) -> Literal["max", "min"]:
+        """``mode``, or the metric's own: max for accuracy, min for loss and time."""
+        if self.mode is not None:
+            return self.mode
+        return "max" if self.metric == "test_accuracy" else "min"
+
+
 class JobSpec(_Strict):
     """A training job, validated as a whole before anything starts."""
 
@@ -218,6 +306,7 @@ class JobSpec(_Strict):
     checkpoint: CheckpointSpec = CheckpointSpec()
     max_failures: Annotated[int, Field(ge=0)] = 0
     seed: int = 0
+    sweep: SweepSpec | None = None
 
     @field_validator("kfac", mode="before")
     @classmethod
@@ -232,6 +321,141 @@ class JobSpec(_Strict):
             except ConfigurationError as exc:
                 raise ValueError(f"kfac.strategy does not fit scaling.workers: {exc}") from None
         return self
+
+    @model_validator(mode="after")
+    def _sweep_fits_the_job(self) -> JobSpec:
+        if self.sweep is None:
+            return self
+        problems = sweep_problems(self)
+        if problems:
+            raise ValidationError.from_exception_data(
+                "JobSpec",
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError("sweep", message),
+                        loc=where,
+                        input=None,
+                    )
+                    for where, message in problems
+                ],
+            )
+        return self
+
+    def without_sweep(self) -> JobSpec:
+        """This job as one run (what each trial, and the best trial's spec, is)."""
+        return self.model_copy(update={"sweep": None})
+
+
+# Fields a sweep may not draw: the tuner decides them under kfac: auto, or they are not
+# numbers that change training.
+_NOT_SWEPT = {
+    "kfac.factor_update_steps": "the tuner chooses the intervals under kfac: auto",
+    "kfac.inv_update_steps": "the tuner chooses the intervals under kfac: auto",
+    "kfac.verify": "verification trials cannot run inside sweep trials",
+    "kfac.max_overhead": "it is the tuner's limit, not a hyperparameter",
+    "max_failures": "it is a retry policy, not a hyperparameter",
+}
+
+
+def _numeric_kind(path: str) -> type | str:
+    """``int`` or ``float`` for a dotted numeric field of JobSpec; else why it is not one."""
+    model: Any = JobSpec
+    parts = path.split(".")
+    for depth, part in enumerate(parts):
+        fields = getattr(model, "model_fields", None)
+        if fields is None or part not in fields:
+            where = ".".join(parts[:depth]) or "the job"
+            known = ", ".join(sorted(fields)) if fields else "none"
+            return f"{where} has no field {part!r} (its fields: {known})"
+        annotation = fields[part].annotation
+        options = typing.get_args(annotation) if typing.get_origin(annotation) in _UNIONS else ()
+        found = [
+            typing.get_args(a)[0] if typing.get_origin(a) is Annotated else a
+            for a in (options or (annotation,))
+            if a is not type(None)
+        ]
+        models = [a for a in found if isinstance(a, type) and issubclass(a, BaseModel)]
+        if depth < len(parts) - 1:
+            if not models:
+                return f"{'.'.join(parts[: depth + 1])} has no fields"
+            model = models[0]
+            continue
+        numbers = [a for a in found if a in (int, float)]
+        if not numbers or models or any(a is bool for a in found):
+            return f"{path} is not a number (a sweep draws numbers)"
+        return float if float in numbers else int
+    raise AssertionError("unreachable")
+
+
+_UNIONS = (typing.Union, types.UnionType)
+
+
+def sweep_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
+    """Where (the field's path) and why the sweep does not fit ``spec``; empty if it does."""
+    sweep = spec.sweep
+    assert sweep is not None
+    problems: list[tuple[tuple[str, ...], str]] = []
+    if isinstance(spec.kfac, KFACSpec) and spec.kfac.strategy != "auto":
+        problems.append(
+            (
+                ("kfac", "strategy"),
+                "a sweep runs every trial with kfac.strategy: auto, so that each trial's K-FAC "
+                f"strategy is chosen under memory_budget; set it instead of {spec.kfac.strategy!r}",
+            )
+        )
+    if isinstance(spec.kfac, KFACSpec) and spec.kfac.verify:
+        problems.append((("kfac", "verify"), "verification cannot run inside sweep trials"))
+    if sweep.metric == "time_to_target" and spec.stop.target is None:
+        problems.append(
+            (
+                ("sweep", "metric"),
+                "time_to_target needs stop.target (the accuracy or loss to reach)",
+            )
+        )
+    base = spec.without_sweep().model_dump(mode="json")
+    for path, distribution in sweep.space.items():
+        where = ("sweep", "space", path)
+        if path in _NOT_SWEPT:
+            problems.append((where, f"{path} cannot be swept: {_NOT_SWEPT[path]}"))
+            continue
+        kind = _numeric_kind(path)
+        if isinstance(kind, str):
+            problems.append((where, f"unknown or unusable field: {kind}"))
+            continue
+        if path.startswith("kfac.") and not isinstance(spec.kfac, KFACSpec):
+            problems.append((where, f"{path}: kfac is off in this job"))
+            continue
+        values = distribution.extremes()
+        if kind is int and (
+            distribution.kind in ("loguniform", "uniform")
+            or any(not float(v).is_integer() for v in values)
+        ):
+            problems.append(
+                (where, f"{path} is an integer: draw it with randint or a choice of integers")
+            )
+            continue
+        for value in values:
+            try:
+                trial_spec(base, {path: value})
+            except JobSpecError as err:
+                reasons = "; ".join(p for p in err.problems)
+                problems.append((where, f"{value:g} is not a valid {path}: {reasons}"))
+                break
+    return problems
+
+
+def trial_spec(base: dict[str, Any], values: dict[str, Any]) -> JobSpec:
+    """The job ``base`` (a JobSpec as JSON, without its sweep) with the dotted fields in
+    ``values`` set: one trial's spec. Raises ``JobSpecError`` if the result is invalid."""
+    data = copy.deepcopy(base)
+    data.pop("sweep", None)
+    for path, value in values.items():
+        *parents, leaf = path.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return parse_job_spec(data, "trial spec")
 
 
 class JobSpecError(ConfigurationError):
