@@ -40,13 +40,12 @@ import dataclasses
 import datetime
 import json
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import ray
-from report import machine, table, write_block
+from report import git_commit, machine, table, write_block
 
 from kaisa_ray.timing import PHASES
 from kaisa_ray.train.job import run_job
@@ -119,7 +118,14 @@ def job(config: str, seed: int, max_steps: int, limit: int | None) -> dict[str, 
 
 
 def one_run(config: str, seed: int, args: argparse.Namespace, storage: Path) -> Run:
-    spec = parse_job_spec(job(config, seed, args.max_steps, args.limit))
+    return run_to_target(config, job(config, seed, args.max_steps, args.limit), storage)
+
+
+def run_to_target(config: str, spec_data: dict[str, Any], storage: Path) -> Run:
+    """Train ``spec_data`` as a real job and measure it: steps and training seconds to the
+    target (from its evaluations), ms per step and K-FAC's phases (from its step records)."""
+    spec = parse_job_spec(spec_data)
+    seed = spec.seed
     result = run_job(spec, storage_path=storage, progress=False)
     if not result.succeeded:
         raise RuntimeError(f"{config}, seed {seed}: {result.error}")
@@ -251,9 +257,7 @@ def main() -> None:
         args.seeds, args.max_steps, args.limit = 1, 60, 4096
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-    ).stdout.strip()
+    commit = git_commit()
     started = datetime.datetime.now(datetime.UTC)
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="kaisa-bench-") as storage:

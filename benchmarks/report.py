@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import torch
@@ -24,6 +25,16 @@ def machine() -> str:
         f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} thread(s) in the driver, load average {load}"
     )
+
+
+def git_commit() -> str:
+    """The short hash of the commit the benchmark ran at."""
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=README.parent,
+    ).stdout.strip()
 
 
 def write_block(name: str, table: str, readme: Path = README) -> None:

@@ -509,7 +509,9 @@ def verdict(ok: bool) -> str:
 
 
 def render(saved: dict[str, Any]) -> str:
-    from report import table  # here: it imports torch, which the event listener need not
+    from report import (  # here: it imports torch, which the event listener need not
+        table,
+    )
 
     results = saved["results"]
     ms = "{:.1f}".format
@@ -669,9 +671,9 @@ def main() -> None:
     seen = set(others)
     load_before = os.getloadavg()
     started = datetime.datetime.now(datetime.UTC)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-    ).stdout.strip()
+    from report import git_commit  # here: report imports torch
+
+    commit = git_commit()
     total = args.idle + args.baseline + 2 * args.duration
     nice: list[int] = []
     steps = 100_000  # more than it can do here; the job is cancelled at the end

@@ -29,14 +29,13 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 import argparse
 import datetime
 import json
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import ray
 import yaml
-from report import machine, table, write_block
+from report import git_commit, machine, table, write_block
 
 from kaisa_ray.train.job import measure_candidates, tune_job
 from kaisa_ray.train.spec import parse_job_spec
@@ -266,9 +265,7 @@ def main() -> None:
     ray.init(
         address="local", num_cpus=max(args.workers), include_dashboard=False, log_to_driver=False
     )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-    ).stdout.strip()
+    commit = git_commit()
     started = datetime.datetime.now(datetime.UTC)
     results = []
     with tempfile.TemporaryDirectory(prefix="kaisa-oracle-") as storage:

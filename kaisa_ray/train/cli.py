@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -210,6 +210,30 @@ def _parse(text: str) -> JobSpec:
         raise click.ClickException(str(err)) from err
 
 
+def _job(config: Path | None, spec_json: str | None) -> JobSpec:
+    """The job from ``--config FILE`` or ``--spec JSON`` (exactly one of them)."""
+    if (config is None) == (spec_json is None):
+        raise click.UsageError("give the job as --config FILE or as --spec JSON (one of them)")
+    return _load(config) if config is not None else _parse(spec_json or "")
+
+
+def job_options(command: Any) -> Any:
+    """``--config FILE`` or ``--spec JSON``: the job a command runs."""
+    command = click.option(
+        "--spec",
+        "spec_json",
+        default=None,
+        help="The job as one JSON object instead of a file (what the service's Ray Jobs run).",
+    )(command)
+    return click.option(
+        "--config",
+        "config",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Job file (YAML or JSON); see examples/.",
+    )(command)
+
+
 @main.command()
 @config_option
 def validate(config: Path) -> None:
@@ -218,19 +242,7 @@ def validate(config: Path) -> None:
 
 
 @main.command()
-@click.option(
-    "--config",
-    "config",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Job file (YAML or JSON); see examples/fashion_mnist.yaml.",
-)
-@click.option(
-    "--spec",
-    "spec_json",
-    default=None,
-    help="The job as one JSON object instead of a file (what the service's Ray Jobs run).",
-)
+@job_options
 @storage_option
 @click.option(
     "--resume-from",
@@ -268,9 +280,7 @@ def train(
     from kaisa_ray.errors import ConfigurationError
     from kaisa_ray.train.job import describe_run, run_job
 
-    if (config is None) == (spec_json is None):
-        raise click.UsageError("give the job as --config FILE or as --spec JSON (one of them)")
-    spec = _load(config) if config is not None else _parse(spec_json or "")
+    spec = _job(config, spec_json)
     if dry_run:
         try:
             plan = describe_run(spec, storage_path=storage_path, run_name=run_name)
@@ -327,14 +337,7 @@ def tune(config: Path, storage_path: str | None, verify: int | None) -> None:
 
 
 @main.command()
-@click.option(
-    "--config",
-    "config",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Job file with a sweep section (YAML or JSON); see examples/fashion_mnist_sweep.yaml.",
-)
-@click.option("--spec", "spec_json", default=None, help="The job as one JSON object instead.")
+@job_options
 @storage_option
 @click.option("--run-name", default=None, help="Name of the sweep [default: unique].")
 @click.option(
@@ -368,9 +371,7 @@ def sweep(
     from kaisa_ray.errors import ConfigurationError
     from kaisa_ray.train.sweep import TrialTable, run_sweep
 
-    if (config is None) == (spec_json is None):
-        raise click.UsageError("give the job as --config FILE or as --spec JSON (one of them)")
-    spec = _load(config) if config is not None else _parse(spec_json or "")
+    spec = _job(config, spec_json)
     if spec.sweep is None:
         raise click.ClickException(
             f"job {spec.name!r} has no sweep section; add one, or train it with `kaisa-ray train`"

@@ -559,6 +559,11 @@ def run_job(
         A ``JobResult``; ``succeeded`` is False when the workers failed more than
         ``spec.max_failures`` times, with the error in ``error``.
     """
+    if spec.sweep is not None:
+        raise ConfigurationError(
+            f"job {spec.name!r} has a sweep section: run it with `kaisa-ray sweep`, or remove "
+            "the section to train one run"
+        )
     name = run_name or unique_run_name(spec.name)
     if not _NAME.match(name):
         raise ConfigurationError(
