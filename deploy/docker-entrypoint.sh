@@ -14,7 +14,7 @@
 # The list of subcommands must match `kaisa-ray --help` (tests/test_deploy.py checks it).
 set -e
 case "${1:-}" in
-    "" | -* | cancel | example | jobs | serve | submit | train | tune | validate)
+    "" | -* | cancel | example | jobs | serve | submit | sweep | train | tune | validate)
         exec kaisa-ray "$@" ;;
 esac
 exec "$@"

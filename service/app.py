@@ -86,7 +86,7 @@ SSE_EVENT: dict[str, Any] = {
     "properties": {
         "event": {
             "type": "string",
-            "enum": ["state", "progress", "eval", "tuner", "ready", "deleted"],
+            "enum": ["state", "progress", "eval", "tuner", "trial", "sweep", "ready", "deleted"],
         },
         "data": {"type": "string", "description": "JSON: a JobView for state, else a record"},
         "id": {"type": "string"},
@@ -293,7 +293,8 @@ def _api(settings: Settings) -> APIRouter:
         tags=["jobs"],
     )
     async def get_job(job_id: str, runtime: RuntimeDep) -> Response:
-        """A job: state, progress, latest metrics, the tuner's decision and table, history."""
+        """A job: state, progress, latest metrics, the tuner's decision and table, a sweep's
+        trials and best spec, history."""
 
         def read() -> bytes:
             return job_detail(*runtime.store.detail(job_id)).model_dump_json().encode()
@@ -331,7 +332,9 @@ def _api(settings: Settings) -> APIRouter:
         responses={
             200: {
                 "description": "server-sent events: state (the job, on connect and on every "
-                "change), progress, eval and tuner; the stream ends when the job finishes",
+                "change), progress, eval and tuner; for a sweep job, trial (a trial started, "
+                "evaluated or ended: its record) and sweep (the result: every trial, the best "
+                "and its spec); the stream ends when the job finishes",
                 "content": {"text/event-stream": {"schema": SSE_EVENT}},
             },
             **NOT_FOUND,
@@ -351,7 +354,7 @@ def _api(settings: Settings) -> APIRouter:
             200: {
                 "description": "server-sent events of every job: ready (once subscribed: "
                 "what happens from then on is sent), state (a JobView, on every change), "
-                "progress, eval and tuner (records with job_id), deleted",
+                "progress, eval, tuner, trial and sweep (records with job_id), deleted",
                 "content": {"text/event-stream": {"schema": SSE_EVENT}},
             },
         },

@@ -21,6 +21,9 @@ from service.hub import Hub, Update
 from service.lifecycle import FINISHED, IllegalTransitionError, JobEvent, JobState, transition
 from service.runner import RayJobInfo, RayJobStatus, Runner
 from service.store import Job, JobStore, Metric, Progress
+from service.sweeps import SWEEP_KINDS, finite
+from service.sweeps import ended as trials_ended
+from service.sweeps import merge as merge_sweep
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +87,16 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
     → RUN; a ``worker`` record of rank 0 after the first worker group → RECOVER (Ray Train
     restarted the group). Events that do not apply in the state reached are skipped (a
     ``start`` while RUNNING changes nothing).
+
+    A sweep job's records (``service.sweeps``): ``sweep-start`` → RUN, with the trials
+    planned as its total; each ``trial`` record and the final ``sweep`` record merge into
+    the job's sweep view (the one stored, ``job.sweep``: records come in batches), and its
+    step is the number of trials that are over.
     """
     reading = Reading(progress=Progress(cursor=cursor))
     state, attempts = job.state, job.attempts
     progress = reading.progress
+    sweep = job.sweep
 
     def fire(event: JobEvent) -> None:
         nonlocal state
@@ -129,6 +138,17 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
             )
         elif kind == "checkpoint":
             progress.latest["checkpoint_step"] = record.get("step")
+        elif kind in SWEEP_KINDS:
+            record, values = finite(record), finite(values)
+            sweep = merge_sweep(sweep, record, spec=job.spec)
+            progress.sweep = sweep
+            progress.step = trials_ended(sweep)
+            if kind == "sweep-start":
+                fire(JobEvent.RUN)
+                if sweep.get("trials_planned") is not None:
+                    progress.total_steps = int(sweep["trials_planned"])
+            else:
+                reading.updates.append((str(kind), {**values, "time": at}))
     progress.events = list(reading.events)  # stored with the records, in one transaction
     return reading
 

@@ -7,6 +7,8 @@ Each service job runs as a Ray Job with the same entrypoint a user passes to
 
     kaisa-ray train --spec '<the stored JobSpec as JSON>' --run-name <job id> --no-progress
 
+or, for a spec with a ``sweep`` section, ``kaisa-ray sweep`` with the same flags.
+
 The submission id is derived from the job id, so a submission retried after a crash finds
 the first one instead of starting the job twice.
 """
@@ -43,8 +45,11 @@ def submission_id(job_id: str) -> str:
 
 
 def entrypoint(job_id: str, spec: dict[str, Any], storage_path: str | None) -> str:
-    """The Ray Job's shell command for a stored job: ``kaisa-ray train`` on its spec."""
-    words = ["kaisa-ray", "train", "--spec", json.dumps(spec, separators=(",", ":"))]
+    """The Ray Job's shell command for a stored job: ``kaisa-ray train`` on its spec, or
+    ``kaisa-ray sweep`` when the spec has a ``sweep`` section (its trials and their records
+    go to the progress sink under the same run name, the job id)."""
+    command = "train" if spec.get("sweep") is None else "sweep"
+    words = ["kaisa-ray", command, "--spec", json.dumps(spec, separators=(",", ":"))]
     words += ["--run-name", job_id, "--no-progress"]
     if storage_path:
         words += ["--storage-path", storage_path]

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 
 from service.lifecycle import JobState
 from service.store import Job, Metric, Transition
+from service.sweeps import TRIAL_METRICS, TrialState, ended, plan
 
 
 def _when(seconds: float | None) -> datetime | None:
@@ -16,8 +17,12 @@ def _when(seconds: float | None) -> datetime | None:
 
 
 class ProgressView(BaseModel):
-    step: int = Field(description="the last step the workers reported")
-    total: int | None = Field(description="the job's steps in all, once training started")
+    step: int = Field(
+        description="the last step the workers reported (a sweep: the trials that are over)"
+    )
+    total: int | None = Field(
+        description="the job's steps in all, once training started (a sweep: the trials planned)"
+    )
     percent: float | None
 
 
@@ -54,7 +59,71 @@ class JobView(BaseModel):
     spec: dict[str, Any]
 
 
+class TrialView(BaseModel):
+    trial_id: str = Field(description="Ray Tune's id of the trial")
+    state: TrialState = Field(
+        description="RUNNING; SUCCEEDED (trained to the job's stop), STOPPED (stopped early by "
+        "the ASHA scheduler) or FAILED (see error)"
+    )
+    params: dict[str, float | int] = Field(
+        description="the trial's draw of each swept field, by its dotted name (optimizer.lr)"
+    )
+    step: int | None = Field(description="the step of the trial's latest evaluation")
+    metrics: dict[str, float | int | None] = Field(
+        description="the trial's latest evaluation: test_accuracy, test_loss, train_s (training "
+        "seconds so far) and time_to_target_s (once it met stop.target)"
+    )
+    value: float | None = Field(
+        default=None,
+        description="the sweep's metric for this trial, once the sweep ended (null: it has none)",
+    )
+    error: str | None = Field(description="why the trial failed (FAILED), e.g. a diverging loss")
+    checkpoint: str | None = Field(
+        default=None, description="the trial's latest checkpoint, once the sweep ended"
+    )
+
+
+class BestTrialView(BaseModel):
+    trial_id: str
+    params: dict[str, float | int] = Field(description="its draw of each swept field")
+    value: float | None = Field(description="its value of the sweep's metric")
+    step: int | None
+    metrics: dict[str, float | int | None]
+    checkpoint: str | None = Field(
+        description="its latest checkpoint (a path or URI in the job's storage)"
+    )
+    run: str | None = Field(description="its training run (its files are under this name)")
+
+
+class SweepView(BaseModel):
+    metric: Literal["test_accuracy", "test_loss", "time_to_target"] = Field(
+        description="what ranks the trials: the final test_accuracy or test_loss, or the "
+        "training seconds until stop.target was met"
+    )
+    mode: Literal["max", "min"] = Field(description="whether a larger or smaller metric is better")
+    trials_planned: int | None = Field(description="how many trials the sweep runs")
+    concurrent: int | None = Field(description="how many trials run at once")
+    space: dict[str, dict[str, Any]] = Field(
+        description="each swept field (dotted) and its distribution: {loguniform: [low, high]}, "
+        "{uniform: [low, high]}, {randint: [low, high]} or {choice: [v1, v2, ...]}"
+    )
+    trials_ended: int = Field(description="how many trials are over (SUCCEEDED, STOPPED, FAILED)")
+    trials: list[TrialView] = Field(description="every trial started so far, by trial id")
+    best: BestTrialView | None = Field(
+        description="the best trial, once the sweep ended (null: no trial has the metric)"
+    )
+    best_spec: dict[str, Any] | None = Field(
+        description="the best trial's JobSpec (without a sweep), ready to submit as a job"
+    )
+    seconds: float | None = Field(description="the sweep's duration, once it ended")
+
+
 class JobDetail(JobView):
+    sweep: SweepView | None = Field(
+        default=None,
+        description="a sweep job (a spec with a sweep section): its plan, every trial and, once "
+        "it ended, the best trial and its spec; null for other jobs",
+    )
     transitions: list[TransitionView]
 
 
@@ -126,9 +195,73 @@ def job_view(job: Job) -> JobView:
     )
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _numbers(values: Any) -> dict[str, float | int]:
+    return {str(k): v for k, v in (values or {}).items() if _is_number(v)}
+
+
+def _metrics(values: Any) -> dict[str, float | int | None]:
+    """The trial metrics the API shows (the ``sweep`` record's also hold step and finished)."""
+    found = values or {}
+    return {
+        name: found[name]
+        for name in TRIAL_METRICS
+        if name in found and (found[name] is None or _is_number(found[name]))
+    }
+
+
+def sweep_view(job: Job) -> SweepView | None:
+    """The job's sweep as the API shows it; before its first record, the plan in its spec."""
+    view = job.sweep
+    if view is None:
+        if job.spec.get("sweep") is None:
+            return None
+        view = plan(job.spec["sweep"])
+    trials = [
+        TrialView(
+            trial_id=trial_id,
+            state=trial.get("state", "RUNNING"),
+            params=_numbers(trial.get("params")),
+            step=trial.get("step"),
+            metrics=_metrics(trial.get("metrics")),
+            value=trial.get("value"),
+            error=trial.get("error"),
+            checkpoint=trial.get("checkpoint"),
+        )
+        for trial_id, trial in sorted((view.get("trials") or {}).items())
+    ]
+    best = view.get("best")
+    return SweepView(
+        metric=view.get("metric", "test_accuracy"),
+        mode=view.get("mode", "max"),
+        trials_planned=view.get("trials_planned"),
+        concurrent=view.get("concurrent"),
+        space=dict(view.get("space") or {}),
+        trials_ended=ended(view),
+        trials=trials,
+        best=None
+        if best is None
+        else BestTrialView(
+            trial_id=str(best.get("trial_id")),
+            params=_numbers(best.get("params")),
+            value=best.get("value"),
+            step=best.get("step"),
+            metrics=_metrics(best.get("metrics")),
+            checkpoint=best.get("checkpoint"),
+            run=best.get("run"),
+        ),
+        best_spec=view.get("best_spec"),
+        seconds=view.get("seconds"),
+    )
+
+
 def job_detail(job: Job, transitions: list[Transition]) -> JobDetail:
     return JobDetail(
         **job_view(job).model_dump(),
+        sweep=sweep_view(job),
         transitions=[
             TransitionView(
                 from_state=t.from_state,

@@ -59,6 +59,7 @@ class Job:
     total_steps: int | None
     latest: dict[str, Any]
     tuner: dict[str, Any] | None
+    sweep: dict[str, Any] | None  # a sweep job's plan, trials and best (see service.sweeps)
     cursor: int
     attempts: int
 
@@ -80,6 +81,7 @@ class Job:
             total_steps=row.total_steps,
             latest=dict(row.latest or {}),
             tuner=row.tuner,
+            sweep=row.sweep,
             cursor=row.cursor,
             attempts=row.attempts,
         )
@@ -114,6 +116,7 @@ class Progress:
     total_steps: int | None = None
     latest: dict[str, Any] = field(default_factory=dict)
     tuner: dict[str, Any] | None = None
+    sweep: dict[str, Any] | None = None  # the whole sweep view, merged (replaces the stored one)
     attempts: int | None = None
     events: list[JobEvent] = field(default_factory=list)  # state changes, in order
 
@@ -435,6 +438,8 @@ class JobStore:
                 row.latest = {**(row.latest or {}), **progress.latest}
             if progress.tuner is not None:
                 row.tuner = progress.tuner
+            if progress.sweep is not None:
+                row.sweep = progress.sweep
             if progress.attempts is not None:
                 row.attempts = progress.attempts
             row.updated_at = time.time()

@@ -31,6 +31,7 @@ class JobRow(Base):
     total_steps: Mapped[int | None] = mapped_column(Integer)
     latest: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     tuner: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    sweep: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # a sweep job's trials (0002)
     cursor: Mapped[int] = mapped_column(Integer, default=0)  # next progress-sink record to read
     attempts: Mapped[int] = mapped_column(Integer, default=0)  # worker-group starts seen
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from service.runner import RayJobInfo, RayJobStatus, submission_id
+from service.runner import RayJobInfo, RayJobStatus, entrypoint, submission_id
 
 
 class FakeRunner:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.submitted: dict[str, dict[str, Any]] = {}  # submission id -> spec
+        self.entrypoints: dict[str, str] = {}  # submission id -> what RayRunner would run
         self.status: dict[str, RayJobInfo] = {}
         self.records: dict[str, list[dict[str, Any]]] = {}
         self.stopped: list[str] = []
@@ -41,6 +42,7 @@ class FakeRunner:
         sid = submission_id(job_id)
         with self.lock:
             self.submitted[sid] = spec
+            self.entrypoints[sid] = entrypoint(job_id, spec, None)
             self.status.setdefault(sid, RayJobInfo(RayJobStatus.RUNNING))
         return sid
 

@@ -20,6 +20,7 @@ which pytest 9.2 no longer has.)
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from typing import Any
 
 import pytest
 import schemathesis
+import test_service_sweeps as sweeps
 from fake_runner import FakeRunner
 from fastapi import FastAPI
 from hypothesis import HealthCheck, settings
@@ -69,8 +71,9 @@ FUZZ = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-# The jobs of the pool: "running" and "auto" (kfac: auto, with the tuner's record) run on.
-KINDS = ("running", "auto", "succeeded", "failed", "cancelled")
+# The jobs of the pool: "running", "auto" (kfac: auto, with the tuner's record) and "sweep" (its
+# trials, one failed, and its result) run on.
+KINDS = ("running", "auto", "sweep", "succeeded", "failed", "cancelled")
 FINISHED = ("succeeded", "failed", "cancelled")
 EVENTS = "/v1/jobs/{job_id}/events"
 ALL_EVENTS = "/v1/events"  # never ends on its own: checked below, with a time limit
@@ -101,15 +104,18 @@ TUNER: dict[str, Any] = {
 }
 
 
-def job_spec(name: str, *, auto: bool = False) -> dict[str, Any]:
-    return {
+def job_spec(name: str, *, auto: bool = False, sweep: bool = False) -> dict[str, Any]:
+    spec: dict[str, Any] = {
         "name": name,
         "model": {"name": "lenet"},
         "dataset": {"name": "synthetic", "batch_size": 8},
-        "kfac": "auto" if auto else {"strategy": "comm-opt"},
+        "kfac": "auto" if auto or sweep else {"strategy": "comm-opt"},
         "scaling": {"workers": 2},
         "stop": {"max_steps": 40},
     }
+    if sweep:
+        spec["sweep"] = {"space": sweeps.SPACE, "trials": 3, "concurrent": 2}
+    return spec
 
 
 def step(n: int) -> dict[str, Any]:
@@ -125,11 +131,15 @@ class Service:
 
     def job(self, kind: str) -> str:
         """A new job in the state ``kind`` names, with progress reports and an evaluation."""
-        response = self.client.post(
-            "/v1/jobs", json=job_spec(f"fuzz-{kind}", auto=kind == "auto"), headers=AUTH
-        )
+        spec = job_spec(f"fuzz-{kind}", auto=kind == "auto", sweep=kind == "sweep")
+        response = self.client.post("/v1/jobs", json=spec, headers=AUTH)
         assert response.status_code == 201, response.text
         job_id: str = response.json()["id"]
+        if kind == "sweep":
+            nan = {"kind": "trial", "trial": sweeps.C, "state": "RUNNING", "test_loss": math.nan}
+            self.runner.push(job_id, *sweeps.FIRST, nan, *sweeps.SECOND, sweeps.RESULT)
+            self.wait(job_id, lambda job: job["sweep"]["best"] is not None)
+            return job_id
         records: list[dict[str, Any]] = []
         if kind == "auto":
             records += [{"kind": "profiling"}, {"kind": "tuner", **TUNER}]

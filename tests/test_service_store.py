@@ -11,11 +11,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Column, Integer, MetaData, Table, create_engine, func, select, text
+from sqlalchemy import (
+    Column,
+    Integer,
+    MetaData,
+    Table,
+    create_engine,
+    func,
+    inspect,
+    select,
+    text,
+)
 
 from service.errors import JobConflictError, JobNotFoundError
 from service.lifecycle import IllegalTransitionError, JobEvent, JobState
@@ -54,6 +65,18 @@ def new(store: JobStore, name: str = "job", **extra: Any) -> Job:
 
 def step(seq: int, at_step: int, **values: Any) -> Metric:
     return Metric(seq=seq, kind="step", step=at_step, at=1.8e9 + seq, values=values)
+
+
+SWEEP = {
+    "trials_planned": 2,
+    "metric": "test_accuracy",
+    "mode": "max",
+    "space": {"optimizer.lr": {"loguniform": [0.001, 0.1]}},
+    "concurrent": 1,
+    "trials": {"t_00000": {"state": "SUCCEEDED", "params": {"optimizer.lr": 0.01}, "step": 10}},
+    "best": None,
+    "best_spec": None,
+}
 
 
 def rows(store: JobStore, column: Any, job_id: str) -> int:
@@ -109,6 +132,121 @@ def test_a_store_opens_a_database_made_by_an_earlier_store(tmp_path: Path) -> No
         second.close()
 
 
+def alembic(db_url: str, move: str, revision: str) -> None:
+    """Run Alembic's ``upgrade`` or ``downgrade`` to ``revision`` on the database (at
+    ``upgrade 0001``: the schema an older service left)."""
+    engine = create_engine(db_url)
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        getattr(command, move)(config, revision)
+    engine.dispose()
+
+
+def head_revision() -> str | None:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    return ScriptDirectory.from_config(config).get_current_head()
+
+
+def test_a_database_made_at_revision_0001_is_upgraded_in_place(tmp_path: Path) -> None:
+    """A database of the first schema (no jobs.sweep) keeps every job, transition and metric
+    when a newer store opens it, and its jobs work on: the sweep column comes empty."""
+    (tmp_path / "data").mkdir()
+    alembic(url(tmp_path), "upgrade", "0001")
+    engine = create_engine(url(tmp_path))
+    with engine.begin() as connection:
+        assert "sweep" not in {c["name"] for c in inspect(connection).get_columns("jobs")}
+        connection.execute(
+            text(
+                "INSERT INTO jobs (id, name, state, spec, idempotency_key, submission_id, "
+                "created_at, updated_at, started_at, finished_at, failure_reason, step, "
+                "total_steps, latest, tuner, cursor, attempts) VALUES ('old', 'kept', "
+                "'RUNNING', :spec, 'key-old', 'kaisa-ray-old', 1.0, 2.0, 1.5, NULL, NULL, 20, "
+                "100, :latest, :tuner, 7, 1)"
+            ),
+            {
+                "spec": '{"name": "kept", "stop": {"max_steps": 100}}',
+                "latest": '{"loss": 0.5, "step": 20}',
+                "tuner": '{"chosen": {"strategy": "comm-opt"}}',
+            },
+        )
+        connection.execute(
+            text(
+                "INSERT INTO transitions (job_id, from_state, to_state, event, reason, at) "
+                "VALUES ('old', '', 'QUEUED', 'submit', NULL, 1.0), "
+                "('old', 'QUEUED', 'RUNNING', 'run', NULL, 1.5)"
+            )
+        )
+        connection.execute(
+            text(
+                'INSERT INTO metrics (job_id, seq, kind, step, at, "values") '
+                "VALUES ('old', 3, 'step', 20, 1.6, '{\"loss\": 0.5}')"
+            )
+        )
+    engine.dispose()
+
+    opened = JobStore(url(tmp_path))  # migrates to the newest revision
+    try:
+        with opened.engine.connect() as connection:
+            context = MigrationContext.configure(connection, opts={"compare_type": True})
+            assert context.get_current_revision() == head_revision() != "0001"
+            assert compare_metadata(context, Base.metadata) == []
+        job = opened.get("old")
+        assert (job.name, job.state, job.spec) == (
+            "kept",
+            JobState.RUNNING,
+            {"name": "kept", "stop": {"max_steps": 100}},
+        )
+        assert (job.idempotency_key, job.submission_id) == ("key-old", "kaisa-ray-old")
+        assert (job.created_at, job.updated_at, job.started_at, job.finished_at) == (
+            1.0,
+            2.0,
+            1.5,
+            None,
+        )
+        assert (job.step, job.total_steps, job.cursor, job.attempts) == (20, 100, 7, 1)
+        assert job.latest == {"loss": 0.5, "step": 20}
+        assert job.tuner == {"chosen": {"strategy": "comm-opt"}}
+        assert job.sweep is None
+        assert [(t.from_state, t.to_state, t.event) for t in opened.transitions("old")] == [
+            (None, JobState.QUEUED, "submit"),
+            (JobState.QUEUED, JobState.RUNNING, "run"),
+        ]
+        assert opened.metrics("old") == [
+            Metric(seq=3, kind="step", step=20, at=1.6, values={"loss": 0.5})
+        ]
+        # The old job goes on in the new schema.
+        stored = opened.add_progress("old", Progress(cursor=8, sweep=SWEEP))
+        assert (stored.sweep, stored.latest, stored.step) == (SWEEP, job.latest, 20)
+        with pytest.raises(JobConflictError, match="'key-old' was used for job old"):
+            opened.create(spec("kept"), idempotency_key="key-old")
+    finally:
+        opened.close()
+
+
+def test_the_sweep_migration_downgrades_keeping_the_jobs(tmp_path: Path) -> None:
+    opened = JobStore(url(tmp_path))
+    job = new(opened, "kept")
+    opened.add_progress(job.id, Progress(cursor=1, sweep=SWEEP))
+    opened.close()
+    alembic(url(tmp_path), "downgrade", "0001")
+    engine = create_engine(url(tmp_path))
+    with engine.connect() as connection:
+        assert "sweep" not in {c["name"] for c in inspect(connection).get_columns("jobs")}
+        assert connection.scalar(text("SELECT name FROM jobs WHERE id = :id"), {"id": job.id}) == (
+            "kept"
+        )
+    engine.dispose()
+    again = JobStore(url(tmp_path))  # and up again
+    try:
+        assert again.get(job.id).sweep is None
+        assert again.get(job.id).name == "kept"
+    finally:
+        again.close()
+
+
 # -- create and get ----------------------------------------------------------------------
 
 
@@ -123,7 +261,13 @@ def test_create_stores_a_queued_job(store: JobStore) -> None:
     assert job.submission_id is None
     assert before <= job.created_at == job.updated_at <= time.time()
     assert (job.started_at, job.finished_at, job.failure_reason) == (None, None, None)
-    assert (job.step, job.total_steps, job.latest, job.tuner) == (0, None, {}, None)
+    assert (job.step, job.total_steps, job.latest, job.tuner, job.sweep) == (
+        0,
+        None,
+        {},
+        None,
+        None,
+    )
     assert (job.cursor, job.attempts) == (0, 0)
     assert len(job.id) == 19
     assert store.get(job.id) == job
@@ -366,6 +510,18 @@ def test_add_progress_stores_metrics_and_what_they_change(store: JobStore) -> No
     assert [m.seq for m in store.metrics(job.id)] == [1, 2, 3]
 
 
+def test_add_progress_stores_the_sweep_view(store: JobStore) -> None:
+    job = new(store)
+    stored = store.add_progress(job.id, Progress(cursor=2, step=1, total_steps=2, sweep=SWEEP))
+    assert (stored.sweep, stored.step, stored.total_steps) == (SWEEP, 1, 2)
+    assert store.get(job.id) == stored
+    later = store.add_progress(job.id, Progress(cursor=3, latest={"loss": 1.0}))
+    assert later.sweep == SWEEP  # a batch without sweep records keeps it
+    ended = {**SWEEP, "best": {"trial_id": "t_00000"}, "best_spec": {"name": "best"}}
+    assert store.add_progress(job.id, Progress(cursor=4, sweep=ended)).sweep == ended
+    assert store.get(job.id).sweep == ended
+
+
 def test_add_progress_is_idempotent_on_repeated_seqs(store: JobStore) -> None:
     job = new(store)
     first = Progress(cursor=3, metrics=[step(0, 1), step(1, 2), step(2, 3)], step=3)
@@ -502,6 +658,7 @@ def test_everything_survives_closing_and_reopening(tmp_path: Path) -> None:
             total_steps=20,
             latest={"loss": 0.5},
             tuner={"chosen": {"strategy": "mem-opt"}},
+            sweep=SWEEP,
             attempts=1,
         ),
     )
@@ -516,6 +673,7 @@ def test_everything_survives_closing_and_reopening(tmp_path: Path) -> None:
         assert done.submission_id == "kaisa-ray-sid"
         assert done.failure_reason == "out of memory"
         assert done.tuner == {"chosen": {"strategy": "mem-opt"}}
+        assert done.sweep == SWEEP
         assert second.transitions(job.id) == history
         assert second.metrics(job.id) == points
         again, created = second.create(spec("durable"), idempotency_key="k")

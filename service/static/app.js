@@ -8,6 +8,7 @@ const STATES = [
   "SUCCEEDED", "FAILED", "CANCELLED",
 ];
 const FINISHED = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
+const TRIAL_ENDED = new Set(["SUCCEEDED", "STOPPED", "FAILED"]);
 const TOKEN_KEY = "kaisa-ray-token";
 
 // -- small helpers ------------------------------------------------------------------------
@@ -67,6 +68,7 @@ function elapsed(job) {
 }
 
 function strategy(job) {
+  if (job.spec.sweep) return `sweep: ${job.spec.sweep.trials} trials`;
   const kfac = job.spec.kfac;
   const optimizer = (job.spec.optimizer && job.spec.optimizer.name) || "sgd";
   if (kfac === "off") return `${optimizer} (no K-FAC)`;
@@ -93,6 +95,72 @@ function progressBar(job) {
                     "aria-valuenow": pct ?? 0, "aria-valuemin": 0, "aria-valuemax": 100 },
     h("div", { class: "fill", style: `width: ${Math.min(pct ?? 0, 100)}%` }),
     h("span", { class: "bar-label" }, pct === null ? label : `${pct.toFixed(0)}%  ${label}`));
+}
+
+/** A sweep job's sweep (the job's view, else the plan in its spec); null for other jobs. */
+function sweepOf(job) {
+  if (job.sweep) return job.sweep;
+  const section = job.spec.sweep;
+  if (!section) return null;
+  const space = {};
+  for (const [path, d] of Object.entries(section.space || {})) {
+    space[path] = Object.fromEntries(Object.entries(d).filter(([, v]) => v !== null));
+  }
+  const metric = section.metric || "test_accuracy";
+  return {
+    metric, mode: section.mode || (metric === "test_accuracy" ? "max" : "min"),
+    trials_planned: section.trials, concurrent: section.concurrent, space,
+    trials_ended: 0, trials: [], best: null, best_spec: null, seconds: null,
+  };
+}
+
+/** A drawn hyperparameter, short: 0.05, 0.00231, 1.2e-5 (not toPrecision's 0.0500). */
+function short(value, digits = 3) {
+  if (typeof value !== "number" || Number.isInteger(value)) return fmt(value);
+  return String(Number(value.toPrecision(digits)));
+}
+
+function metricText(metric, value) {
+  if (value === null || value === undefined) return "–";
+  if (metric === "test_accuracy") return percent(value);
+  if (metric === "time_to_target") return `${fmt(value)} s`;
+  return fmt(value, 4);
+}
+
+/** A JobSpec as YAML (a job file for kaisa-ray train --config): block mappings, flow lists of
+ *  plain values; strings quoted where YAML would read them as something else. */
+function yamlish(value, indent = "") {
+  const scalar = (v) => {
+    if (v === null || v === undefined) return "null";
+    if (typeof v === "boolean") return String(v);
+    if (typeof v === "number") {
+      if (!Number.isFinite(v)) return "null";
+      const text = String(v);
+      if (!text.includes("e")) return text;
+      // YAML 1.1 (PyYAML) reads a float only with a dot and a signed exponent: 1.0e-07.
+      const [mantissa, exponent] = text.split("e");
+      const sign = /^[+-]/.test(exponent) ? "" : "+";
+      return `${mantissa.includes(".") ? mantissa : `${mantissa}.0`}e${sign}${exponent}`;
+    }
+    const text = String(v);
+    const plain = /^[A-Za-z_][A-Za-z0-9_./-]*$/.test(text) &&
+      !/^(true|false|yes|no|on|off|y|n|null|~)$/i.test(text);
+    return plain ? text : JSON.stringify(text);
+  };
+  const isPlain = (v) => v === null || typeof v !== "object";
+  if (isPlain(value)) return scalar(value);
+  if (Array.isArray(value)) {
+    if (value.every(isPlain)) return `[${value.map(scalar).join(", ")}]`;
+    return value.map((item) => `\n${indent}- ${yamlish(item, `${indent}  `).trimStart()}`).join("");
+  }
+  const entries = Object.entries(value);
+  if (!entries.length) return "{}";
+  const lines = entries.map(([key, v]) => {
+    const nested = !isPlain(v) && !(Array.isArray(v) && v.every(isPlain)) && Object.keys(v).length;
+    return nested ? `${indent}${scalar(key)}:\n${yamlish(v, `${indent}  `).replace(/^\n/, "")}`
+      : `${indent}${scalar(key)}: ${yamlish(v, indent)}`;
+  });
+  return lines.join("\n");
 }
 
 // -- the API, with the token --------------------------------------------------------------
@@ -329,6 +397,16 @@ async function listPage(view, hash, signal) {
     }
     const job = jobs.get(data.job_id);
     if (!job) return;
+    if (name === "trial" || name === "sweep") {
+      // A sweep's progress is its trials that are over: read the job again when one ends
+      // (its evaluations are a trial's, not the job's).
+      if (name === "sweep" || TRIAL_ENDED.has(data.state)) {
+        api(`/v1/jobs/${data.job_id}`, { signal }).then((fresh) => {
+          if (jobs.has(fresh.id)) render(fresh);
+        }).catch(() => {});
+      }
+      return;
+    }
     const metrics = { ...job.metrics };
     for (const key of ["loss", "accuracy", "samples_per_s", "test_accuracy", "test_loss"]) {
       if (data[key] !== undefined) metrics[key] = data[key];
@@ -391,10 +469,11 @@ async function jobPage(view, id, signal) {
         drawCharts(true);
       },
     }, axis === "step" ? "against step" : "against wall-clock time")));
+  const sweepBox = h("section", { class: "sweep", id: "sweep", hidden: true });
+  const curves = h("section", { hidden: Boolean(job.spec.sweep) },
+    h("div", { class: "heading" }, h("h2", {}, "Training curves"), axisToggle), charts);
   view.append(
-    header, facts,
-    h("section", {}, h("div", { class: "heading" }, h("h2", {}, "Training curves"), axisToggle),
-      charts),
+    header, facts, sweepBox, curves,
     tuner,
     h("div", { class: "two" },
       h("section", {}, h("h2", {}, "Spec"), specBox),
@@ -413,23 +492,167 @@ async function jobPage(view, id, signal) {
         ? h("p", { class: "error failure", role: "alert" }, job.failure_reason) : null,
     ].filter(Boolean));
     const m = job.metrics || {};
+    const sweep = sweepOf(job);
     const rows = [
       ["job", job.id], ["Ray job", job.submission_id || "–"], ["strategy", strategy(job)],
       ["created", when(job.created_at)], ["started", when(job.started_at)],
       ["finished", when(job.finished_at)], ["elapsed", duration(elapsed(job))],
-      ["loss", fmt(m.loss)], ["test accuracy", m.test_accuracy === undefined ? "–" : percent(m.test_accuracy)],
-      ["samples / s", fmt(m.samples_per_s)], ["ms / step", fmt(m.ms_per_step)],
-      ["K-FAC ms / step", fmt(m.kfac_ms_per_step)],
+      ...(sweep ? [
+        ["trials over", `${sweep.trials_ended} / ${fmt(sweep.trials_planned)}`],
+        ["at once", fmt(sweep.concurrent)], ["metric", `${sweep.metric} (${sweep.mode})`],
+        ["best", sweep.best ? metricText(sweep.metric, sweep.best.value) : "–"],
+        ["sweep took", duration(sweep.seconds)],
+      ] : [
+        ["loss", fmt(m.loss)], ["test accuracy", m.test_accuracy === undefined ? "–" : percent(m.test_accuracy)],
+        ["samples / s", fmt(m.samples_per_s)], ["ms / step", fmt(m.ms_per_step)],
+        ["K-FAC ms / step", fmt(m.kfac_ms_per_step)],
+      ]),
     ];
     facts.replaceChildren(...rows.flatMap(([k, v]) => [h("dt", {}, k), h("dd", { "data-fact": k }, v)]));
     specBox.textContent = JSON.stringify(job.spec, null, 2);
     history.replaceChildren(...(job.transitions || []).map((t) => h("li", {},
       h("time", {}, when(t.at)), " ", t.from_state || "∅", " → ", h("b", {}, t.to_state),
       ` (${t.event})`, t.reason ? ` ${t.reason}` : "")));
+    renderSweep();
     renderTuner();
   }
 
+  function renderSweep() {
+    const sweep = sweepOf(job);
+    sweepBox.hidden = !sweep;
+    if (!sweep) return;
+    const paths = Object.keys(sweep.space || {});
+    const best = sweep.best;
+    const isBest = (t) => Boolean(best) && t.trial_id === best.trial_id;
+    const note = (t) => {
+      if (t.state === "FAILED") return h("span", { class: "error" }, t.error || "failed");
+      if (t.state === "STOPPED") return "stopped early by the scheduler (ASHA)";
+      return isBest(t) ? "best" : "";
+    };
+    const space = paths.map((path) => {
+      const [kind, values] = Object.entries(sweep.space[path])[0] || ["?", []];
+      return `${path} ~ ${kind} [${(values || []).map((v) => short(v)).join(", ")}]`;
+    }).join("; ");
+    const ended = sweep.seconds !== null && sweep.seconds !== undefined;
+    sweepBox.replaceChildren(...[
+      h("h2", {}, "Trials"),
+      h("p", { class: "plan" },
+        `${sweep.trials_ended} of ${fmt(sweep.trials_planned)} trials over, ${fmt(sweep.concurrent)} at once, `,
+        `ranked by ${sweep.metric} (${sweep.mode === "max" ? "higher" : "lower"} is better). Space: `,
+        space || "–", "."),
+      h("table", { class: "trials", id: "trials" },
+        h("thead", {}, h("tr", {}, ["trial", "state", ...paths, "step", "test accuracy",
+          "test loss", "train s", ""].map((c) => h("th", {}, c)))),
+        h("tbody", {}, sweep.trials.map((t) => h("tr", {
+          class: isBest(t) ? "best" : "", "data-trial": t.trial_id, "data-state": t.state,
+        },
+          h("td", {}, h("code", {}, t.trial_id)),
+          h("td", {}, badge(t.state)),
+          paths.map((path) => h("td", { class: "num" }, short((t.params || {})[path]))),
+          h("td", { class: "num" }, fmt(t.step)),
+          h("td", { class: "num" }, (t.metrics || {}).test_accuracy === undefined ||
+            t.metrics.test_accuracy === null ? "–" : percent(t.metrics.test_accuracy)),
+          h("td", { class: "num" }, fmt((t.metrics || {}).test_loss)),
+          h("td", { class: "num" }, fmt((t.metrics || {}).train_s)),
+          h("td", { class: "note" }, note(t)))))),
+      sweep.trials.length ? null : h("p", { class: "empty" }, "No trial has started yet."),
+      best ? bestBlock(sweep) : ended
+        ? h("p", { class: "muted" }, `The sweep ended without a best trial: no trial has ${sweep.metric}.`)
+        : null,
+    ].filter(Boolean));
+  }
+
+  function bestBlock(sweep) {
+    const best = sweep.best;
+    const problems = h("div", { class: "error", id: "submit-best-errors", role: "alert" });
+    const button = h("button", { type: "button", id: "submit-best", disabled: !sweep.best_spec,
+                                 onclick: () => submitBest(sweep.best_spec, button, problems) },
+      "Submit best spec");
+    const params = Object.entries(best.params || {}).map(([k, v]) => `${k} = ${short(v, 4)}`);
+    return h("div", { class: "best-trial" },
+      h("h2", {}, "Best trial"),
+      h("p", {}, h("code", {}, best.trial_id), `: ${sweep.metric} ${metricText(sweep.metric, best.value)}`,
+        params.length ? ` with ${params.join(", ")}` : "", "."),
+      h("p", {}, "Checkpoint: ", h("code", { id: "best-checkpoint" }, best.checkpoint || "–")),
+      sweep.best_spec ? h("p", { class: "muted" }, "Its spec, a job file (kaisa-ray train --config):") : null,
+      sweep.best_spec ? h("pre", { class: "spec", id: "best-spec" }, yamlish(sweep.best_spec)) : null,
+      h("div", { class: "actions" }, button,
+        h("small", {}, " a job of its own: the best trial's spec, trained as one run")),
+      problems);
+  }
+
+  async function submitBest(spec, button, problems) {
+    button.disabled = true;
+    problems.replaceChildren();
+    try {
+      await submitJob(spec);
+    } catch (err) {
+      button.disabled = false;
+      const listed = (err.body && err.body.problems) || [];
+      problems.append(...(listed.length
+        ? listed.map((p) => h("p", {}, `${p.field}: ${p.message}`)) : [h("p", {}, err.message)]));
+    }
+  }
+
+  // A sweep's trials come from the job (GET /v1/jobs/{id}), kept live by its trial events
+  // (merged here at once) and a read of the job after each burst of them: the read is the
+  // truth, and one always starts after the last event, so the page ends where the job does.
+  let sweepRead = null;
+  let sweepAgain = false;
+  function refreshSweep() {
+    if (sweepRead) { sweepAgain = true; return; }
+    sweepRead = (async () => {
+      do {
+        sweepAgain = false;
+        await sleep(300);
+        if (signal.aborted) return;
+        try {
+          const fresh = await api(`/v1/jobs/${id}`, { signal });
+          job = { ...job, sweep: fresh.sweep, progress: fresh.progress };
+          renderHead();
+        } catch (err) {
+          if (signal.aborted) return;
+        }
+      } while (sweepAgain);
+    })().finally(() => { sweepRead = null; });
+  }
+
+  function onTrial(record) {
+    const sweep = sweepOf(job);
+    if (!sweep) return;
+    const trials = sweep.trials.slice();
+    let index = trials.findIndex((t) => t.trial_id === record.trial);
+    if (index < 0) {
+      trials.push({ trial_id: record.trial, state: "RUNNING", params: {}, step: null,
+                    metrics: {}, value: null, error: null, checkpoint: null });
+      trials.sort((a, b) => (a.trial_id < b.trial_id ? -1 : a.trial_id > b.trial_id ? 1 : 0));
+      index = trials.findIndex((t) => t.trial_id === record.trial);
+    }
+    const trial = { ...trials[index], metrics: { ...trials[index].metrics } };
+    if (record.state && !(TRIAL_ENDED.has(trial.state) && record.state === "RUNNING")) {
+      trial.state = record.state;
+    }
+    if (record.params) trial.params = record.params;
+    if (record.step !== undefined && record.step !== null) trial.step = record.step;
+    for (const key of ["test_accuracy", "test_loss", "train_s", "time_to_target_s"]) {
+      if (record[key] !== undefined) trial.metrics[key] = record[key];
+    }
+    if (record.error) trial.error = record.error;
+    trials[index] = trial;
+    const ended = trials.filter((t) => TRIAL_ENDED.has(t.state)).length;
+    job = { ...job, sweep: { ...sweep, trials, trials_ended: ended },
+            progress: { ...job.progress, step: ended,
+                        percent: job.progress.total ? Math.round(10000 * ended / job.progress.total) / 100 : null } };
+    renderHead();
+  }
+
   function renderTuner() {
+    if (job.spec.sweep) {
+      tuner.replaceChildren(job.spec.kfac !== "off" && job.spec.kfac.strategy === "auto"
+        ? h("p", { class: "muted" }, "Every trial runs with kfac: auto: its own tuner chooses its K-FAC strategy under the memory budget.")
+        : "");
+      return;
+    }
     const record = job.tuner;
     if (!record) {
       tuner.replaceChildren(job.spec.kfac !== "off" && job.spec.kfac.strategy === "auto"
@@ -586,6 +809,8 @@ async function jobPage(view, id, signal) {
       return;
     }
     if (name === "tuner") { job = { ...job, tuner: data }; renderTuner(); return; }
+    if (name === "trial") { onTrial(data); refreshSweep(); return; }
+    if (name === "sweep") { refreshSweep(); return; }
     const kind = name === "eval" ? "eval" : "step";
     const point = { step: data.step, time: data.time, values: data };
     if (!historyLoaded) { early.push([kind, point]); return; }
@@ -600,6 +825,13 @@ async function jobPage(view, id, signal) {
 }
 
 // -- the submit form ------------------------------------------------------------------------
+
+/** POST a JobSpec (with the token, as every call) and show the new job's page. */
+async function submitJob(spec) {
+  const job = await api("/v1/jobs", { method: "POST", json: spec });
+  location.hash = `#/jobs/${job.id}`;
+  return job;
+}
 
 const KFAC_CHOICES = [
   ["comm-opt", "COMM-OPT (f = 1)"], ["hybrid-opt", "HYBRID-OPT (f = 1/2)"],
@@ -688,8 +920,7 @@ async function formPage(view, signal) {
     const button = document.getElementById("submit");
     button.disabled = true;
     try {
-      const job = await api("/v1/jobs", { method: "POST", json: spec });
-      location.hash = `#/jobs/${job.id}`;
+      await submitJob(spec);
     } catch (err) {
       button.disabled = false;
       const problems = (err.body && err.body.problems) || [];

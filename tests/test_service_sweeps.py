@@ -1,0 +1,420 @@
+"""Sweep jobs in the service, without Ray: the Ray Job's entrypoint (``kaisa-ray sweep`` for a
+spec with a sweep, checked against the real CLI's parser), and ``interpret`` turning a sweep's
+progress-sink records, batch by batch, into the job's state, progress and sweep view
+(``service.sweeps``) and the event streams' updates."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shlex
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from kaisa_ray.train.spec import parse_job_spec
+from service.cli import main as kaisa_ray_cli
+from service.jobs import Reading, interpret
+from service.lifecycle import JobEvent, JobState, transition
+from service.runner import entrypoint
+from service.store import Job
+from service.sweeps import ended, merge, plan
+
+SPACE: dict[str, Any] = {
+    "optimizer.lr": {"loguniform": [0.001, 0.1]},
+    "kfac.damping": {"uniform": [0.01, 0.3]},
+}
+
+
+def sweep_spec(**sweep: Any) -> dict[str, Any]:
+    """A sweep job as the service stores it: validated, every default filled in."""
+    body = {
+        "name": "swept",
+        "model": {"name": "lenet"},
+        "dataset": {"name": "synthetic", "batch_size": 8},
+        "kfac": {"strategy": "auto"},
+        "stop": {"max_steps": 60},
+        "sweep": {"space": SPACE, "trials": 3, "concurrent": 2, **sweep},
+    }
+    return parse_job_spec(body).model_dump(mode="json")
+
+
+def plain_spec() -> dict[str, Any]:
+    spec = sweep_spec()
+    del spec["sweep"]
+    return parse_job_spec(spec).model_dump(mode="json")
+
+
+# -- the entrypoint ----------------------------------------------------------------------
+
+
+def test_a_spec_with_a_sweep_runs_kaisa_ray_sweep() -> None:
+    spec = sweep_spec()
+    words = shlex.split(entrypoint("0190abc", spec, "/shared/runs"))
+    assert words[:3] == ["kaisa-ray", "sweep", "--spec"]
+    assert json.loads(words[3]) == spec
+    assert words[4:] == ["--run-name", "0190abc", "--no-progress", "--storage-path", "/shared/runs"]
+
+
+def test_a_spec_without_a_sweep_trains() -> None:
+    spec = plain_spec()
+    words = shlex.split(entrypoint("0190abc", spec, None))
+    assert words[:2] == ["kaisa-ray", "train"]
+    assert json.loads(words[3]) == spec
+    assert words[4:] == ["--run-name", "0190abc", "--no-progress"]
+    # A sweep section set to null (how a spec dumped without one says so) is no sweep.
+    assert shlex.split(entrypoint("j", {**spec, "sweep": None}, None))[1] == "train"
+
+
+@pytest.mark.parametrize("swept", [True, False], ids=["sweep", "train"])
+def test_the_cli_accepts_the_entrypoint(swept: bool, tmp_path: Path) -> None:
+    """The command line the Ray Job runs, parsed by kaisa-ray's own CLI (with --dry-run, so
+    nothing starts): every flag exists on that command and the spec is valid there."""
+    spec = sweep_spec() if swept else plain_spec()
+    words = shlex.split(entrypoint("0190abc", spec, str(tmp_path / "runs")))
+    result = CliRunner().invoke(kaisa_ray_cli, [*words[1:], "--dry-run"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.output)
+    if swept:
+        assert shown["trials"] == 3
+        assert shown["space"] == SPACE
+        assert shown["direction"] == "max"
+    else:
+        assert shown["run_name"] == "0190abc"
+        assert shown["storage"] == str(tmp_path / "runs")
+
+
+# -- interpret: a sweep's records, batch by batch ----------------------------------------
+
+A, B, C = "5a1c2_00000", "5a1c2_00001", "5a1c2_00002"
+START: dict[str, Any] = {
+    "kind": "sweep-start",
+    "trials": 3,
+    "concurrent": 2,
+    "metric": "test_accuracy",
+    "mode": "max",
+    "space": SPACE,
+}
+A_PARAMS: dict[str, Any] = {"optimizer.lr": 0.05, "kfac.damping": 0.1}
+B_PARAMS: dict[str, Any] = {"optimizer.lr": 0.002, "kfac.damping": 0.25}
+C_PARAMS: dict[str, Any] = {"optimizer.lr": 0.09, "kfac.damping": 0.011}
+DIVERGED = "TrainingDivergedError: the training loss is nan at step 3 (lr 0.09)"
+FIRST: list[dict[str, Any]] = [
+    START,
+    {"kind": "trial", "trial": A, "state": "RUNNING", "params": A_PARAMS},
+    {"kind": "trial", "trial": B, "state": "RUNNING", "params": B_PARAMS},
+    {"kind": "trial", "trial": A, "state": "RUNNING", "step": 20, "test_accuracy": 0.6,
+     "test_loss": 1.1, "train_s": 4.0},
+    {"kind": "trial", "trial": B, "state": "RUNNING", "step": 20, "test_accuracy": 0.3,
+     "test_loss": 2.0, "train_s": 4.2},
+]  # fmt: skip
+SECOND: list[dict[str, Any]] = [
+    {"kind": "trial", "trial": B, "state": "STOPPED"},
+    {"kind": "trial", "trial": A, "state": "RUNNING", "step": 60, "test_accuracy": 0.8,
+     "test_loss": 0.6, "train_s": 11.5},
+    {"kind": "trial", "trial": C, "state": "RUNNING", "params": C_PARAMS},
+    {"kind": "trial", "trial": A, "state": "SUCCEEDED"},
+    {"kind": "trial", "trial": C, "state": "FAILED", "error": DIVERGED},
+]  # fmt: skip
+BEST_SPEC: dict[str, Any] = {"name": "swept", "optimizer": {"lr": 0.05}, "kfac": {"damping": 0.1}}
+
+
+def outcome(trial: str, params: dict[str, float], state: str, **fields: Any) -> dict[str, Any]:
+    """A trial as the ``sweep`` record lists it (``TrialOutcome`` as a dict)."""
+    return {
+        "trial_id": trial,
+        "run": f"job-1.{trial}",
+        "params": params,
+        "state": state,
+        "step": None,
+        "metrics": {},
+        "value": None,
+        "error": None,
+        "checkpoint": None,
+        **fields,
+    }
+
+
+BEST = outcome(
+    A,
+    A_PARAMS,
+    "SUCCEEDED",
+    step=60,
+    metrics={"step": 60, "test_accuracy": 0.8, "test_loss": 0.6, "train_s": 11.5, "finished": True},
+    value=0.8,
+    checkpoint="/runs/job-1.5a1c2_00000/checkpoint_000001",
+)
+RESULT: dict[str, Any] = {
+    "kind": "sweep",
+    "metric": "test_accuracy",
+    "mode": "max",
+    "seconds": 42.5,
+    "trials": [
+        BEST,
+        outcome(
+            B,
+            B_PARAMS,
+            "STOPPED",
+            step=20,
+            metrics={"step": 20, "test_accuracy": 0.3, "test_loss": 2.0, "train_s": 4.2},
+            value=0.3,
+            checkpoint="/runs/job-1.5a1c2_00001/checkpoint_000000",
+        ),
+        outcome(C, C_PARAMS, "FAILED", error=DIVERGED),
+    ],
+    "best": BEST,
+    "best_spec": BEST_SPEC,
+}
+
+
+def queued(spec: dict[str, Any] | None = None) -> Job:
+    return Job(
+        id="job-1",
+        name="swept",
+        state=JobState.QUEUED,
+        spec=spec or sweep_spec(),
+        idempotency_key=None,
+        submission_id="kaisa-ray-job-1",
+        created_at=1.8e9,
+        updated_at=1.8e9,
+        started_at=None,
+        finished_at=None,
+        failure_reason=None,
+        step=0,
+        total_steps=None,
+        latest={},
+        tuner=None,
+        sweep=None,
+        cursor=0,
+        attempts=0,
+    )
+
+
+def numbered(records: list[dict[str, Any]], first: int) -> list[dict[str, Any]]:
+    """Records as the progress sink hands them out: with ``seq`` and ``time``."""
+    return [{**r, "seq": first + i, "time": 1.8e9 + first + i} for i, r in enumerate(records)]
+
+
+def read(job: Job, records: list[dict[str, Any]]) -> tuple[Reading, Job]:
+    """``interpret`` one batch, then the job as ``JobStore.add_progress`` stores it."""
+    batch = numbered(records, job.cursor)
+    reading = interpret(job, batch, job.cursor + len(batch))
+    progress = reading.progress
+    state = job.state
+    for event in progress.events:
+        state = transition(state, event)
+    stored = replace(
+        job,
+        state=state,
+        cursor=progress.cursor,
+        step=job.step if progress.step is None else progress.step,
+        total_steps=job.total_steps if progress.total_steps is None else progress.total_steps,
+        sweep=job.sweep if progress.sweep is None else progress.sweep,
+    )
+    return reading, stored
+
+
+def test_a_sweep_in_three_batches() -> None:
+    job = queued()
+    first, job = read(job, FIRST)
+    assert first.events == [JobEvent.RUN]  # the sweep runs: no PROFILING, whatever its kfac
+    assert job.state is JobState.RUNNING
+    assert (job.step, job.total_steps) == (0, 3)
+    assert job.sweep is not None
+    assert {k: v for k, v in job.sweep.items() if k != "trials"} == {
+        "trials_planned": 3,
+        "concurrent": 2,
+        "metric": "test_accuracy",
+        "mode": "max",
+        "space": SPACE,
+        "best": None,
+        "best_spec": None,
+        "seconds": None,
+    }
+    assert job.sweep["trials"] == {
+        A: {
+            "state": "RUNNING",
+            "params": A_PARAMS,
+            "step": 20,
+            "metrics": {"test_accuracy": 0.6, "test_loss": 1.1, "train_s": 4.0},
+            "error": None,
+        },
+        B: {
+            "state": "RUNNING",
+            "params": B_PARAMS,
+            "step": 20,
+            "metrics": {"test_accuracy": 0.3, "test_loss": 2.0, "train_s": 4.2},
+            "error": None,
+        },
+    }
+    # Every trial record goes to the event streams as it came (with its time), in order.
+    assert [kind for kind, _ in first.updates] == ["trial"] * 4
+    assert first.updates[0][1] == {
+        "trial": A,
+        "state": "RUNNING",
+        "params": A_PARAMS,
+        "time": 1.8e9 + 1,
+    }
+    assert first.updates[3][1]["test_accuracy"] == 0.3
+    assert first.progress.metrics == []  # a trial's evaluations are not the job's history
+
+    second, job = read(job, SECOND)
+    assert second.events == []
+    assert job.state is JobState.RUNNING
+    assert (job.step, job.total_steps) == (3, 3)  # succeeded, stopped early, failed
+    assert job.sweep is not None
+    trials = job.sweep["trials"]
+    assert {t: trials[t]["state"] for t in trials} == {A: "SUCCEEDED", B: "STOPPED", C: "FAILED"}
+    # What the first batch said of B stays: the second only merges onto it.
+    assert trials[B]["params"] == B_PARAMS
+    assert trials[B]["metrics"] == {"test_accuracy": 0.3, "test_loss": 2.0, "train_s": 4.2}
+    assert (trials[A]["step"], trials[A]["metrics"]["test_accuracy"]) == (60, 0.8)
+    assert trials[C] == {
+        "state": "FAILED",
+        "params": C_PARAMS,
+        "step": None,
+        "metrics": {},
+        "error": DIVERGED,
+    }
+    assert [data["state"] for _, data in second.updates] == [
+        "STOPPED",
+        "RUNNING",
+        "RUNNING",
+        "SUCCEEDED",
+        "FAILED",
+    ]
+    assert second.updates[-1][1]["error"] == DIVERGED
+
+    third, job = read(job, [RESULT])
+    assert third.events == []  # the end of the job is Ray's to say
+    assert (job.step, job.total_steps) == (3, 3)
+    assert job.sweep is not None
+    assert job.sweep["best"] == BEST
+    assert job.sweep["best_spec"] == BEST_SPEC
+    assert job.sweep["seconds"] == 42.5
+    trials = job.sweep["trials"]
+    assert (trials[A]["value"], trials[A]["checkpoint"]) == (0.8, BEST["checkpoint"])
+    assert trials[A]["metrics"] == {"test_accuracy": 0.8, "test_loss": 0.6, "train_s": 11.5}
+    assert trials[B]["run"] == f"job-1.{B}"
+    assert trials[C]["error"] == DIVERGED
+    assert "value" not in trials[C]  # a failed trial has no value
+    assert [kind for kind, _ in third.updates] == ["sweep"]
+    assert third.updates[0][1] == {
+        **{k: v for k, v in RESULT.items() if k != "kind"},
+        "time": 1.8e9 + len(FIRST) + len(SECOND),
+    }
+
+
+def test_one_batch_or_three_give_the_same_job() -> None:
+    _, whole = read(queued(), [*FIRST, *SECOND, RESULT])
+    job = queued()
+    for batch in (FIRST, SECOND, [RESULT]):
+        _, job = read(job, batch)
+    assert (whole.state, whole.step, whole.total_steps, whole.cursor) == (
+        job.state,
+        job.step,
+        job.total_steps,
+        job.cursor,
+    )
+    assert whole.sweep == job.sweep
+
+
+def test_interpret_leaves_the_stored_sweep_as_it_was() -> None:
+    _, job = read(queued(), FIRST)
+    before = copy.deepcopy(job.sweep)
+    reading = interpret(job, numbered(SECOND, job.cursor), job.cursor + len(SECOND))
+    assert job.sweep == before
+    assert reading.progress.sweep is not None
+    assert reading.progress.sweep["trials"][A]["state"] == "SUCCEEDED"
+
+
+def test_progress_counts_only_trials_that_are_over() -> None:
+    _, job = read(queued(), FIRST)
+    steps = []
+    for record in SECOND:
+        _, job = read(job, [record])
+        steps.append(job.step)
+    assert steps == [1, 1, 1, 2, 3]
+
+
+def test_a_trial_that_is_over_stays_over() -> None:
+    """A RUNNING record read after the trial's end (an evaluation that was on its way)
+    updates its metrics but not its state."""
+    _, job = read(queued(), [*FIRST, *SECOND])
+    late = {"kind": "trial", "trial": B, "state": "RUNNING", "step": 40, "test_accuracy": 0.35}
+    _, job = read(job, [late])
+    assert job.sweep is not None
+    assert job.sweep["trials"][B]["state"] == "STOPPED"
+    assert job.sweep["trials"][B]["step"] == 40
+    assert job.step == 3
+
+
+def test_a_trial_before_the_plan_takes_the_plan_from_the_spec() -> None:
+    spec = sweep_spec(metric="test_loss", trials=5)
+    reading, job = read(queued(spec), [FIRST[1]])
+    assert reading.events == []  # only sweep-start says the sweep runs
+    assert job.sweep is not None
+    assert (job.sweep["trials_planned"], job.sweep["metric"], job.sweep["mode"]) == (
+        5,
+        "test_loss",
+        "min",
+    )
+    assert job.sweep["space"] == SPACE
+    assert list(job.sweep["trials"]) == [A]
+    _, job = read(job, [START])
+    assert (job.state, job.total_steps) == (JobState.RUNNING, 3)  # the record has the last word
+    assert job.sweep is not None
+    assert list(job.sweep["trials"]) == [A]
+
+
+def test_a_diverged_trial_s_nan_becomes_null() -> None:
+    """JSON has no NaN: neither the stored view nor the event (a browser's JSON.parse
+    refuses Python's NaN) carries one."""
+    record = {"kind": "trial", "trial": C, "state": "RUNNING", "step": 3, "test_loss": math.nan}
+    reading, job = read(queued(), [START, record])
+    assert job.sweep is not None
+    assert job.sweep["trials"][C]["metrics"] == {"test_loss": None}
+    json.dumps(reading.updates[0][1], allow_nan=False)
+    assert reading.updates[0][1]["test_loss"] is None
+
+
+def test_an_ordinary_job_has_no_sweep() -> None:
+    reading, job = read(
+        queued(plain_spec()),
+        [{"kind": "worker", "rank": 0}, {"kind": "start", "total_steps": 60}],
+    )
+    assert reading.progress.sweep is None
+    assert job.sweep is None
+    assert (job.state, job.total_steps) == (JobState.RUNNING, 60)
+
+
+# -- the view's helpers ------------------------------------------------------------------
+
+
+def test_the_plan_of_a_spec() -> None:
+    assert plan(sweep_spec()["sweep"]) == {
+        "trials_planned": 3,
+        "concurrent": 2,
+        "metric": "test_accuracy",
+        "mode": "max",
+        "space": SPACE,
+        "trials": {},
+        "best": None,
+        "best_spec": None,
+        "seconds": None,
+    }
+    assert plan({"metric": "time_to_target", "space": SPACE})["mode"] == "min"
+    assert plan(sweep_spec(metric="test_loss", mode="max")["sweep"])["mode"] == "max"
+
+
+def test_ended_counts_the_final_states() -> None:
+    view = merge(None, START, spec=sweep_spec())
+    assert ended(view) == 0
+    for state, count in [("RUNNING", 0), ("SUCCEEDED", 1), ("STOPPED", 1), ("FAILED", 1)]:
+        one = merge(view, {"kind": "trial", "trial": A, "state": state}, spec={})
+        assert ended(one) == count, state
+    assert ended(None) == 0
