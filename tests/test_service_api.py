@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shlex
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import pytest
 import test_service_sweeps as sweeps
 from fake_runner import FakeRunner
 from fastapi import FastAPI
+from polling import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.exc import OperationalError
 
@@ -56,18 +56,6 @@ def spec(name: str = "job", **overrides: Any) -> dict[str, Any]:
     }
     body.update(overrides)
     return body
-
-
-def wait_for(check: Callable[[], T | None], what: str, timeout_s: float = 10) -> T:
-    """Poll ``check`` until it returns something true (not None, False, [] or 0)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
 
 
 @dataclass

@@ -12,7 +12,6 @@ import json
 import re
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import yaml
 from click.testing import CliRunner, Result
 from fake_runner import FakeRunner
 from fastapi import FastAPI
+from polling import wait_for
 from pydantic import SecretStr
 
 from service.app import create_app
@@ -45,18 +45,6 @@ def example_spec(name: str) -> dict[str, Any]:
     spec: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     spec.update(name=name, dataset={"name": "synthetic", "batch_size": 8})
     return spec
-
-
-def wait_for(check: Callable[[], T | None], what: str, timeout_s: float = 10) -> T:
-    """Poll ``check`` until it returns something true (not None, False, [] or 0)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
 
 
 @dataclass
