@@ -83,7 +83,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.limit, args.max_steps, args.seeds = 4096, 200, 1
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # With the dashboard: Ray Train's placement-group cleaner asks its State API whether a trial
+    # stopped by ASHA still runs, and frees the trial's CPUs when it does not.
+    ray.init(address="local", num_cpus=4, include_dashboard=True, log_to_driver=False)
     commit = git_commit()
     started = datetime.datetime.now(datetime.UTC)
     load_before = ", ".join(f"{v:.2f}" for v in os.getloadavg())

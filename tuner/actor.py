@@ -22,7 +22,6 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torch import nn
 
 from tuner.cost import DEFAULT_INTERVALS, Decision, Profile, choose
@@ -147,8 +146,9 @@ def cluster_singleton() -> dict[str, Any]:
     return {
         "num_cpus": 0,
         "resources": {"node:__internal_head__": 0.001},
-        # Ray's way out of a captured placement group (its stubs want a group).
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=None),  # type: ignore[arg-type]
+        # An explicit strategy: Ray captures an actor into its creator's placement group only
+        # when it has none (or a placement-group one).
+        "scheduling_strategy": "DEFAULT",
         "lifetime": "detached",
         "get_if_exists": True,
     }

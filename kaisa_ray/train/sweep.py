@@ -7,6 +7,9 @@ not). The train loop reports every evaluation through ``ray.train.report``, and 
 rungs. Every trial runs with ``kfac: auto``: the tuner picks its strategy under the job's
 memory budget (and, with its profile cached after the first trial, at no further cost).
 A trial that fails (a diverging loss, say) is recorded with its reason; the sweep goes on.
+When ASHA stops a trial, Ray Tune ends the trial's actor, and Ray Train's placement-group
+cleaner frees its workers' resources once Ray's State API says the trial's controller is gone:
+a cluster needs its dashboard for that (a local Ray started by ``kaisa-ray`` has it).
 
 Progress goes to the progress sink under the sweep's run name, as the service and the CLI
 read it: ``sweep-start`` (the plan), one ``trial`` record per trial event (state, params,
@@ -242,7 +245,6 @@ def run_sweep(
         },
         tune_config=ray.tune.TuneConfig(
             num_samples=sweep.trials,
-            max_concurrent_trials=sweep.concurrent,
             scheduler=_scheduler(spec, sweep),
             search_alg=ray.tune.search.BasicVariantGenerator(
                 random_state=sweep.seed, max_concurrent=sweep.concurrent
