@@ -1,23 +1,29 @@
 """The job service end to end: the real ``kaisa-ray serve`` process on the test's Ray head
-(as on a cluster), a SQLite file, 2-worker K-FAC jobs on real Fashion-MNIST. The service with
+(as on a cluster), a SQLite file, 2-worker K-FAC jobs and a sweep on real Fashion-MNIST. The
+service with
 its embedded head, killed and restarted under a running job, is in ``test_dashboard_e2e.py``
 (with the browser that watches it)."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 from ray.job_submission import JobStatus, JobSubmissionClient
 from ray.util.state import list_actors
 from ray_head import RayHead
 from service_process import ServiceProcess, start_service
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_ray.train.job import run_job
+from kaisa_ray.train.spec import parse_job_spec
 from service.client import ServiceClient
 
 pytestmark = [
@@ -28,6 +34,7 @@ pytestmark = [
 ]
 
 TOKEN = "e2e-service-token"
+YAML_KEY = re.compile(r"[a-z_]+:")  # a top-level line of a job file
 
 
 def small_job(name: str, steps: int, **overrides: Any) -> dict[str, Any]:
@@ -69,7 +76,12 @@ def state_is(client: ServiceClient, job_id: str, *states: str, min_step: int = 0
 @pytest.fixture
 def service(ray_head: RayHead, tmp_path: Path) -> Iterator[ServiceProcess]:
     """The service on the test head (as on a cluster: --ray-address)."""
-    started = start_service(tmp_path / "service", token=TOKEN, ray_address=ray_head.gcs_address)
+    started = start_service(
+        tmp_path / "service",
+        token=TOKEN,
+        ray_address=ray_head.gcs_address,
+        env={"KAISA_RAY_STORAGE": str(tmp_path / "runs")},  # the cluster's shared storage
+    )
     try:
         yield started
     finally:
@@ -140,3 +152,104 @@ def test_two_jobs_side_by_side_one_followed_to_success_one_cancelled(
     step = client.job(endless["id"])["progress"]["step"]
     time.sleep(1)
     assert client.job(endless["id"])["progress"]["step"] == step  # nothing trains any more
+
+
+# With the search seed 2 the trials draw these learning rates, in this order (Ray 2.60's
+# BasicVariantGenerator; one trial at a time): 1e4 (it diverges: no KL clip), 0.05, 3e-4 (far
+# behind at the first rung: ASHA stops it), 0.05. The damping is drawn too.
+SWEEP = {
+    "space": {
+        "optimizer.lr": {"choice": [0.05, 0.0003, 10000.0]},
+        "kfac.damping": {"loguniform": [0.05, 0.3]},
+    },
+    "trials": 4,
+    "concurrent": 1,
+    "asha": {"grace_steps": 20, "reduction_factor": 2},
+    "seed": 2,
+}
+
+
+def test_a_sweep_job_stops_weak_trials_survives_a_diverging_one_and_its_best_spec_reproduces(
+    service: ServiceProcess, tmp_path: Path
+) -> None:
+    """A sweep submitted over REST runs ``kaisa-ray sweep`` as its Ray Job. Its view shows
+    the plan and every trial live: ASHA stopped the weak trial early, the diverging one
+    failed with its reason and the sweep went on; the best trial's checkpoint and spec are
+    in the result, the CLI printed the trials and that spec as a job file in the driver's
+    log, the service takes it as a job, and training it reproduces the best trial's
+    accuracy."""
+    client = service.client()
+    spec = small_job(
+        "svc-sweep",
+        60,
+        optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        kfac={"strategy": "auto", "kl_clip": None},  # no clip: a large lr really diverges
+        memory_budget="2GiB",
+        scaling={"workers": 1},
+        eval_every=10,
+        checkpoint={"every_steps": 30, "keep": 2},
+        seed=3,
+        sweep=SWEEP,
+    )
+    job = client.submit(spec)
+    planned = client.job(job["id"])["sweep"]
+    assert planned["trials_planned"] == 4
+    assert planned["space"] == SWEEP["space"]
+
+    events = list(client.events(job["id"]))  # ends when the sweep ends
+    trial_events = [data for kind, data in events if kind == "trial"]
+    assert {e["state"] for e in trial_events} == {"RUNNING", "SUCCEEDED", "STOPPED", "FAILED"}
+    assert [kind for kind, _ in events].count("sweep") == 1
+
+    final = client.job(job["id"])
+    assert final["state"] == "SUCCEEDED", final["failure_reason"]
+    assert final["progress"]["step"] == final["progress"]["total"] == 4  # trials over, of 4
+    sweep = final["sweep"]
+    assert sweep["trials_ended"] == 4
+    by_lr: dict[float, list[dict[str, Any]]] = {}
+    for trial in sweep["trials"]:
+        by_lr.setdefault(trial["params"]["optimizer.lr"], []).append(trial)
+    # The diverging trial failed with its reason; the sweep went on.
+    (diverged,) = by_lr[10000.0]
+    assert diverged["state"] == "FAILED"
+    assert "TrainingDivergedError" in diverged["error"]
+    # ASHA stopped the slow one at its first rung.
+    (slow,) = by_lr[0.0003]
+    assert slow["state"] == "STOPPED"
+    assert slow["step"] < 60
+    # The others trained to the end; the best of them is the sweep's best.
+    finished = by_lr[0.05]
+    assert [t["state"] for t in finished] == ["SUCCEEDED", "SUCCEEDED"]
+    assert all(t["step"] == 60 for t in finished)
+    best = sweep["best"]
+    assert best["value"] == max(t["metrics"]["test_accuracy"] for t in finished)
+    assert best["trial_id"] in {t["trial_id"] for t in finished}
+    assert Path(best["checkpoint"], "state.pt").is_file()
+
+    # The driver's log is the CLI's: the table of trials, and the best spec as a job file.
+    log = client.logs(job["id"])
+    rows = [line.split() for line in log.splitlines()]
+    for trial in sweep["trials"]:
+        assert [trial["trial_id"], trial["state"]] in [row[:2] for row in rows], log
+    header = f"# The best trial of sweep {job['id']}: {best['trial_id']}"
+    assert header in log
+    after = log[log.index(header) :].splitlines()[1:]
+    yaml_lines = takewhile(lambda line: line.startswith(" ") or YAML_KEY.match(line), after)
+    printed = yaml.safe_load("\n".join(yaml_lines))
+    best_spec = sweep["best_spec"]
+    assert printed == best_spec
+    assert best_spec.get("sweep") is None
+    assert best_spec["optimizer"]["lr"] == best["params"]["optimizer.lr"]
+    assert best_spec["kfac"]["damping"] == best["params"]["kfac.damping"]
+
+    # The best spec is a job the service takes as it is (the dashboard's "Submit best spec")...
+    rerun = client.submit(best_spec)
+    assert rerun["state"] == "QUEUED"
+    assert client.job(rerun["id"])["sweep"] is None
+    client.cancel(rerun["id"])
+    wait_for(state_is(client, rerun["id"], "CANCELLED"), "the rerun to be cancelled", 60)
+    # ... and training it reproduces the best trial.
+    again = run_job(parse_job_spec(best_spec), storage_path=tmp_path / "again", progress=False)
+    assert again.succeeded, again.error
+    assert again.metrics["step"] == 60
+    assert again.metrics["test_accuracy"] == pytest.approx(best["value"], abs=0.01)

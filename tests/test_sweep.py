@@ -4,21 +4,16 @@ spec comes out as a job file and reproduces the best trial)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from click.testing import CliRunner
-from ray_head import RayHead
 
 from kaisa_ray.train.cli import main
-from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
-from kaisa_ray.train.job import run_job
-from kaisa_ray.train.progress import read_progress
 from kaisa_ray.train.spec import JobSpecError, parse_job_spec, trial_spec
-from kaisa_ray.train.sweep import TrialTable, search_space
+from kaisa_ray.train.sweep import SweepResult, TrialOutcome, TrialTable, search_space
 
 
 def job(sweep: dict[str, Any] | None, **overrides: Any) -> dict[str, Any]:
@@ -145,102 +140,79 @@ def test_the_table_says_what_changed() -> None:
     assert lines[1].split() == ["t1", "STOPPED", "0.05", "0.1", "20", "-", "-", "-"]
 
 
-# -- a real sweep on Ray Tune -------------------------------------------------------------
-
-# With the search seed 2, the trials draw these learning rates, in this order (Ray 2.60's
-# BasicVariantGenerator; one trial at a time): 1e4 (diverges), 0.05, 3e-4 (far behind at
-# the first rung: ASHA stops it), 0.05. The damping is drawn too.
-SWEEP = {
-    "space": {
-        "optimizer.lr": {"choice": [0.05, 0.0003, 10000.0]},
-        "kfac.damping": {"loguniform": [0.05, 0.3]},
-    },
-    "trials": 4,
-    "concurrent": 1,
-    "asha": {"grace_steps": 20, "reduction_factor": 2},
-    "seed": 2,
-}
+# -- the CLI around a sweep (the real sweep: test_service_e2e.py, through the service) ------
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
-)
-def test_a_sweep_stops_weak_trials_survives_a_diverging_one_and_its_best_spec_reproduces(
-    ray_head: RayHead, tmp_path: Path
+def test_the_cli_prints_the_trials_and_writes_the_best_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spec = job(
-        SWEEP,
-        name="sweep-e2e",
-        dataset={"name": "fashion-mnist", "batch_size": 64, "limit": 2048},
-        optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
-        kfac={"strategy": "auto", "kl_clip": None},  # no clip: a large lr really diverges
-        memory_budget="2GiB",
-        scaling={"workers": 1},
-        eval_every=10,
-        checkpoint={"every_steps": 30, "keep": 2},
-        seed=3,
+    """``kaisa-ray sweep`` with the sweep itself faked at its seam (``run_sweep``): the table
+    of trials with each one's fate, and the best spec as a job file, printed and written."""
+    spec = parse_job_spec(job({"space": SPACE, "trials": 3}))
+    best = TrialOutcome(
+        "t2",
+        "run.t2",
+        {"optimizer.lr": 0.02, "kfac.damping": 0.1},
+        "SUCCEEDED",
+        step=60,
+        metrics={"test_accuracy": 0.81},
+        value=0.81,
+        checkpoint="/runs/run.t2/checkpoint",
     )
-    config, best_file = tmp_path / "sweep.yaml", tmp_path / "best.yaml"
-    config.write_text(yaml.safe_dump(spec, sort_keys=False))  # the space's order: the draws'
-    run = f"sweep-e2e-{time.time_ns()}"
-    began = time.monotonic()
-    out = CliRunner().invoke(
-        main,
-        [
-            "sweep",
-            "--config",
-            str(config),
-            "--storage-path",
-            str(tmp_path / "runs"),
-            "--run-name",
-            run,
-            "--output",
-            str(best_file),
-        ],
-        catch_exceptions=False,
-    )
-    took = time.monotonic() - began
-    assert out.exit_code == 0, out.output
-    (record,) = read_progress(run, kinds=["sweep"])["records"]
-    trials = {t["trial_id"]: t for t in record["trials"]}
-    assert len(trials) == 4
-    by_lr = {}
-    for trial in trials.values():
-        by_lr.setdefault(trial["params"]["optimizer.lr"], []).append(trial)
-    # The diverging trial failed with its reason; the sweep went on.
-    (diverged,) = by_lr[10000.0]
-    assert diverged["state"] == "FAILED"
-    assert "TrainingDivergedError" in diverged["error"]
-    assert "diverged" in diverged["error"]
-    assert "FAILED" in out.output
-    assert "diverged" in out.output, out.output
-    # ASHA stopped the slow one at its first rung.
-    (slow,) = by_lr[0.0003]
-    assert slow["state"] == "STOPPED"
-    assert slow["step"] < 60
-    assert "stopped early by the scheduler" in out.output
-    # The others trained to the end; the best of them is the sweep's best.
-    finished = by_lr[0.05]
-    assert [t["state"] for t in finished] == ["SUCCEEDED", "SUCCEEDED"]
-    best = record["best"]
-    assert best["value"] == max(t["metrics"]["test_accuracy"] for t in finished)
-    assert best["trial_id"] in {t["trial_id"] for t in finished}
-    assert Path(best["checkpoint"], "state.pt").is_file()
-    # Every trial's events reached the sink as they happened.
-    events = read_progress(run, kinds=["trial"])["records"]
-    assert {e["state"] for e in events} == {"RUNNING", "SUCCEEDED", "STOPPED", "FAILED"}
-    assert max(e.get("step", 0) for e in events if e["trial"] == best["trial_id"]) == 60
+    trials = [
+        TrialOutcome(
+            "t1",
+            "run.t1",
+            {"optimizer.lr": 0.09, "kfac.damping": 0.2},
+            "FAILED",
+            error="TrainingDivergedError: the loss diverged at step 3",
+        ),
+        best,
+        TrialOutcome("t3", "run.t3", {"optimizer.lr": 0.001, "kfac.damping": 0.3}, "STOPPED", 20),
+    ]
+    asked: dict[str, Any] = {}
 
-    # The best spec is a ready-to-run job file: running it reproduces the best trial.
-    text = best_file.read_text()
-    assert text.startswith(f"# The best trial of sweep {run}: {best['trial_id']}")
-    best_spec = parse_job_spec(yaml.safe_load(text))
-    assert best_spec.sweep is None
-    assert best_spec.optimizer.lr == best["params"]["optimizer.lr"]
-    assert best_spec.kfac.damping == best["params"]["kfac.damping"]  # type: ignore[union-attr]
-    again = run_job(best_spec, storage_path=tmp_path / "again", progress=False)
-    assert again.succeeded, again.error
-    assert again.metrics["step"] == 60
-    assert again.metrics["test_accuracy"] == pytest.approx(best["value"], abs=0.01)
-    print(f"sweep of 4 trials took {took:.0f} s")
+    def fake_run_sweep(given: Any, storage_path: Any, run_name: str) -> SweepResult:
+        asked.update(spec=given, storage_path=storage_path, run_name=run_name)
+        best_spec = trial_spec(given.without_sweep().model_dump(mode="json"), best.params)
+        return SweepResult(run_name, "test_accuracy", "max", trials, best, best_spec, 42.0)
+
+    monkeypatch.setattr("kaisa_ray.train.sweep.run_sweep", fake_run_sweep)
+    monkeypatch.setattr(
+        "kaisa_ray.train.progress.read_progress", lambda *a, **k: {"records": [], "next": 0}
+    )
+    config, output = tmp_path / "sweep.yaml", tmp_path / "best.yaml"
+    config.write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+    args = ["sweep", "--config", str(config), "--run-name", "run", "--output", str(output)]
+    out = CliRunner().invoke(main, [*args, "--storage-path", str(tmp_path / "runs")])
+    assert out.exit_code == 0, out.output
+    assert asked["run_name"] == "run"
+    assert asked["storage_path"] == str(tmp_path / "runs")
+    assert "sweep run: 3 trials in 42 s" in out.output
+    table = [line.split() for line in out.output.splitlines()]
+    rows = {words[0]: words[1:] for words in table if words and words[0] in {"t1", "t2", "t3"}}
+    assert rows["t1"][:4] == ["FAILED", "0.09", "0.2", "-"]
+    assert rows["t2"][:5] == ["SUCCEEDED", "0.02", "0.1", "60", "0.81"]
+    assert rows["t3"][:4] == ["STOPPED", "0.001", "0.3", "20"]
+    text = output.read_text()
+    assert text.startswith(
+        "# The best trial of sweep run: t2, test_accuracy 0.81 (max); its checkpoint: "
+        "/runs/run.t2/checkpoint\n"
+    )
+    assert text in out.output  # printed too
+    assert f"run it with `kaisa-ray train --config {output}`" in out.output
+    written = parse_job_spec(yaml.safe_load(text))
+    assert written.sweep is None
+    assert written.optimizer.lr == 0.02
+    assert written.kfac.damping == 0.1  # type: ignore[union-attr]
+
+    # No trial with the metric: the command fails saying where to look.
+    monkeypatch.setattr(
+        "kaisa_ray.train.sweep.run_sweep",
+        lambda given, storage_path, run_name: SweepResult(
+            run_name, "test_accuracy", "max", trials[:1], None, None, 1.0
+        ),
+    )
+    failed = CliRunner().invoke(main, args)
+    assert failed.exit_code == 1
+    assert "no trial reported test_accuracy" in failed.output

@@ -429,6 +429,7 @@ def sweep(
                 "params": trial.params,
                 "state": trial.state,
                 "error": trial.error,
+                "step": trial.step,
                 **trial.metrics,
             }
         )
