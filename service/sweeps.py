@@ -117,20 +117,30 @@ def _set_state(entry: dict[str, Any], state: Any) -> None:
         entry["state"] = state
 
 
+def _update(
+    entry: dict[str, Any],
+    source: Mapping[str, Any],
+    metrics: Mapping[str, Any],
+    names: tuple[str, ...],
+) -> None:
+    """Merge what ``source`` (a trial record or a trial's outcome) says into the trial's entry."""
+    _set_state(entry, source.get("state"))
+    if isinstance(source.get("params"), Mapping):
+        entry["params"] = dict(source["params"])
+    if source.get("step") is not None:
+        entry["step"] = int(source["step"])
+    found = {name: metrics[name] for name in TRIAL_METRICS if name in metrics}
+    if found:
+        entry["metrics"] = {**(entry.get("metrics") or {}), **found}
+    for name in names:
+        if source.get(name) is not None:
+            entry[name] = str(source[name]) if name == "error" else source[name]
+
+
 def _trial(view: dict[str, Any], record: Mapping[str, Any]) -> None:
     if record.get("trial") is None:
         return
-    entry = _entry(view, str(record["trial"]))
-    _set_state(entry, record.get("state"))
-    if isinstance(record.get("params"), Mapping):
-        entry["params"] = dict(record["params"])
-    if record.get("step") is not None:
-        entry["step"] = int(record["step"])
-    found = {name: record[name] for name in TRIAL_METRICS if name in record}
-    if found:
-        entry["metrics"] = {**(entry.get("metrics") or {}), **found}
-    if record.get("error") is not None:
-        entry["error"] = str(record["error"])
+    _update(_entry(view, str(record["trial"])), record, record, ("error",))
 
 
 def _result(view: dict[str, Any], record: Mapping[str, Any]) -> None:
@@ -141,17 +151,8 @@ def _result(view: dict[str, Any], record: Mapping[str, Any]) -> None:
         if not isinstance(outcome, Mapping) or outcome.get("trial_id") is None:
             continue
         entry = _entry(view, str(outcome["trial_id"]))
-        _set_state(entry, outcome.get("state"))
-        if isinstance(outcome.get("params"), Mapping):
-            entry["params"] = dict(outcome["params"])
-        if outcome.get("step") is not None:
-            entry["step"] = int(outcome["step"])
         metrics = outcome.get("metrics") or {}
-        found = {name: metrics[name] for name in TRIAL_METRICS if name in metrics}
-        entry["metrics"] = {**(entry.get("metrics") or {}), **found}
-        for name in ("value", "error", "checkpoint", "run"):
-            if outcome.get(name) is not None:
-                entry[name] = outcome[name]
+        _update(entry, outcome, metrics, ("value", "error", "checkpoint", "run"))
     best = record.get("best")
     view["best"] = copy.deepcopy(dict(best)) if isinstance(best, Mapping) else None
     best_spec = record.get("best_spec")

@@ -18,7 +18,7 @@ import pytest
 import test_service_sweeps as sweeps
 from fake_runner import FakeRunner
 from fastapi import FastAPI
-from polling import wait_for
+from polling import wait_for, wait_for_job
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.exc import OperationalError
 
@@ -84,11 +84,7 @@ class Service:
     def wait(
         self, job_id: str, what: str, check: Callable[[dict[str, Any]], bool]
     ) -> dict[str, Any]:
-        def found() -> dict[str, Any] | None:
-            job = self.job(job_id)
-            return job if check(job) else None
-
-        return wait_for(found, f"job {job_id}: {what}")
+        return wait_for_job(self.job, job_id, what, check)
 
     def wait_state(self, job_id: str, state: str) -> dict[str, Any]:
         return self.wait(job_id, state, lambda job: job["state"] == state)

@@ -25,7 +25,7 @@ import yaml
 from click.testing import CliRunner, Result
 from fake_runner import FakeRunner
 from fastapi import FastAPI
-from polling import wait_for
+from polling import wait_for, wait_for_job
 from pydantic import SecretStr
 
 from service.app import create_app
@@ -75,11 +75,7 @@ class Service:
     def wait(
         self, job_id: str, what: str, check: Callable[[dict[str, Any]], bool]
     ) -> dict[str, Any]:
-        def found() -> dict[str, Any] | None:
-            job = self.job(job_id)
-            return job if check(job) else None
-
-        return wait_for(found, f"job {job_id}: {what}")
+        return wait_for_job(self.job, job_id, what, check)
 
     def submitted(self, job_id: str) -> dict[str, Any]:
         """Wait until the job has reached the (fake) Ray."""
