@@ -76,18 +76,14 @@ def test_cuda_matches_cpu_in_float64() -> None:
 # -- NCCL: every KAISA strategy on real GPUs, one rank per GPU ----------------------------
 
 
-@pytest.mark.parametrize("strategy", ["comm-opt", "hybrid-opt", "mem-opt"])
-def test_nccl_strategies_equal_single_process_kfac(strategy: str) -> None:
-    world_size = min(torch.cuda.device_count(), 4)
-    if world_size < 2:
-        pytest.skip("needs 2 GPUs: NCCL will not put two ranks on one GPU")
+def check_strategy_equals_single_process_kfac(strategy: str, world_size: int, backend: str) -> None:
     combos = [
         {"model": model, "method": method, "strategy": strategy, "device": "cuda"}
         for model in ("mlp", "cnn")
         for method in ("eigen", "inverse")
     ]
     per_rank = run_distributed(
-        equivalence_worker, world_size, combos=combos, backend="nccl", timeout=400
+        equivalence_worker, world_size, combos=combos, backend=backend, timeout=400
     )
     for index, combo in enumerate(combos):
         results = [per_rank[rank][index] for rank in range(world_size)]
@@ -97,9 +93,25 @@ def test_nccl_strategies_equal_single_process_kfac(strategy: str) -> None:
             assert result["memory"] == result["planned_memory"], f"{combo}, rank {rank}"
             for a, b in zip(result["params"], results[0]["params"], strict=True):
                 assert torch.equal(a, b), f"{combo}: rank {rank} differs from rank 0"
-        expected = reference_params({**combo, "device": "cpu"})
+        # One process has no other ranks to place work on: its reference is COMM-OPT's.
+        expected = reference_params({**combo, "strategy": "comm-opt", "device": "cpu"})
         for a, e in zip(results[0]["params"], expected, strict=True):
             assert (a - e).abs().max().item() <= 1e-5 * e.abs().max().item(), combo
+
+
+@pytest.mark.parametrize("strategy", ["comm-opt", "hybrid-opt", "mem-opt"])
+def test_nccl_strategies_equal_single_process_kfac(strategy: str) -> None:
+    world_size = min(torch.cuda.device_count(), 4)
+    if world_size < 2:
+        pytest.skip("needs 2 GPUs: NCCL will not put two ranks on one GPU")
+    check_strategy_equals_single_process_kfac(strategy, world_size, "nccl")
+
+
+@pytest.mark.parametrize("strategy", ["comm-opt", "hybrid-opt", "mem-opt"])
+def test_strategies_on_cuda_tensors_over_gloo_equal_single_process_kfac(strategy: str) -> None:
+    """With one GPU: two ranks share it over gloo (NCCL would refuse), so every strategy's
+    factors, decompositions and collectives run on CUDA tensors."""
+    check_strategy_equals_single_process_kfac(strategy, 2, "gloo")
 
 
 # -- the tuner's memory profile reads the CUDA allocator ----------------------------------
