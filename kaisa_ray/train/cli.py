@@ -369,6 +369,7 @@ def sweep(
     import yaml
 
     from kaisa_ray.errors import ConfigurationError
+    from kaisa_ray.train.job import unique_run_name
     from kaisa_ray.train.sweep import TrialTable, run_sweep
 
     spec = _job(config, spec_json)
@@ -383,7 +384,7 @@ def sweep(
         return
     table = TrialTable(list(spec.sweep.space))
     stop = threading.Event()
-    name_box: dict[str, str] = {}
+    run = run_name or unique_run_name(spec.name)
     live = progress and sys.stdout.isatty()  # a table redrawn in place; else a line a change
 
     def follow() -> None:
@@ -391,10 +392,8 @@ def sweep(
 
         since, drawn = 0, 0
         while not stop.wait(0.5):
-            if "run" not in name_box:
-                continue
             try:
-                page = read_progress(name_box["run"], since, kinds=["trial"])
+                page = read_progress(run, since, kinds=["trial"])
             except Exception:  # the sink is best effort
                 continue
             since = page["next"]
@@ -407,13 +406,10 @@ def sweep(
                 for line in lines:
                     click.echo(line)
 
-    from kaisa_ray.train.job import unique_run_name
-
-    name_box["run"] = run_name or unique_run_name(spec.name)
     watcher = threading.Thread(target=follow, daemon=True)
     watcher.start()
     try:
-        result = run_sweep(spec, storage_path=storage_path, run_name=name_box["run"])
+        result = run_sweep(spec, storage_path=storage_path, run_name=run)
     except ConfigurationError as err:
         raise click.ClickException(str(err)) from err
     finally:

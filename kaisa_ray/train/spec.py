@@ -438,7 +438,7 @@ def sweep_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
             try:
                 trial_spec(base, {path: value})
             except JobSpecError as err:
-                reasons = "; ".join(p for p in err.problems)
+                reasons = "; ".join(err.problems)
                 problems.append((where, f"{value:g} is not a valid {path}: {reasons}"))
                 break
     return problems

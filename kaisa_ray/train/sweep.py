@@ -49,6 +49,8 @@ REPORTED = {
     "test_loss": "test_loss",
     "time_to_target": "time_to_target_s",
 }
+# What a trial's reports say of it, as its records and its outcome keep them.
+_TRIAL_METRICS = ("step", "test_accuracy", "test_loss", "train_s", "time_to_target_s")
 
 
 def tune_distribution(distribution: Distribution) -> Any:
@@ -126,9 +128,8 @@ def _trial(config: dict[str, Any]) -> None:
 class _Recorder(ray.tune.Callback):
     """Pushes each trial's events to the progress sink under the sweep's run name."""
 
-    def __init__(self, run: str, metric: str) -> None:
+    def __init__(self, run: str) -> None:
         self.run = run
-        self.metric = metric
         self.sink = progress_sink()
 
     def _push(self, trial: Any, **values: Any) -> None:
@@ -141,8 +142,7 @@ class _Recorder(ray.tune.Callback):
     def on_trial_result(
         self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any
     ) -> None:
-        keep = ("step", "test_accuracy", "test_loss", "train_s", "time_to_target_s")
-        self._push(trial, state="RUNNING", **{k: result[k] for k in keep if k in result})
+        self._push(trial, state="RUNNING", **{k: result[k] for k in _TRIAL_METRICS if k in result})
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         done = bool((trial.last_result or {}).get("finished"))
@@ -175,8 +175,9 @@ def _scheduler(spec: JobSpec, sweep: SweepSpec) -> Any:
     # ASHA compares trials at each rung on the test metric (for time to target, on the
     # target's own metric: who gets there first is who is ahead at the rungs).
     rung_metric = target.metric if sweep.metric == "time_to_target" and target else sweep.metric
-    rung_mode = "max" if rung_metric == "test_accuracy" else "min"
-    if sweep.metric != "time_to_target":
+    if sweep.metric == "time_to_target":
+        rung_mode = "max" if rung_metric == "test_accuracy" else "min"
+    else:
         rung_mode = sweep.direction
     horizon = spec.stop.max_steps or 10**9
     grace = sweep.asha.grace_steps or max(spec.eval_every, horizon // 8)
@@ -254,7 +255,7 @@ def run_sweep(
             name=name,
             storage_path=storage,
             verbose=0,
-            callbacks=[_Recorder(name, sweep.metric)],
+            callbacks=[_Recorder(name)],
         ),
     )
     grid = tuner.fit()
@@ -296,7 +297,7 @@ def run_sweep(
     return result_
 
 
-_KEPT = ("step", "test_accuracy", "test_loss", "train_s", "time_to_target_s", "finished")
+_KEPT = (*_TRIAL_METRICS, "finished")
 
 
 def _best(trials: list[TrialOutcome], mode: str) -> TrialOutcome | None:
