@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Annotated
 
 import torch
+from pydantic import Field
 from torch import nn
 
 __all__ = ["MLP", "LeNetCNN"]
+
+# The constructors' parameters are what a job's ``model.params`` may set; their annotations
+# (with these bounds) are how the JobSpec checks them before anything is built.
+Width = Annotated[int, Field(ge=1, le=65536)]
+Classes = Annotated[int, Field(ge=1, le=100_000)]
 
 
 class LeNetCNN(nn.Module):
@@ -47,9 +54,9 @@ class MLP(nn.Module):
 
     def __init__(
         self,
-        in_features: int = 784,
-        hidden: Sequence[int] = (128,),
-        num_classes: int = 10,
+        in_features: Annotated[int, Field(ge=1, le=2**24)] = 784,
+        hidden: Annotated[Sequence[Width], Field(max_length=64)] = (128,),
+        num_classes: Classes = 10,
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
@@ -91,7 +98,9 @@ class _BasicBlock(nn.Module):
 class ResNet20(nn.Module):
     """ResNet-20 for small images (CIFAR-style: 3 stages of 3 blocks, 16/32/64 channels)."""
 
-    def __init__(self, in_channels: int = 3, num_classes: int = 10) -> None:
+    def __init__(
+        self, in_channels: Annotated[int, Field(ge=1, le=1024)] = 3, num_classes: Classes = 10
+    ) -> None:
         super().__init__()
         self.stem = nn.Conv2d(in_channels, 16, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(16)

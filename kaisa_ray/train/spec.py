@@ -19,10 +19,13 @@ Example (YAML)::
 from __future__ import annotations
 
 import copy
+import difflib
+import functools
+import inspect
 import json
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -33,6 +36,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -45,14 +49,86 @@ from kaisa_ray.train.registry import dataset_entry, dataset_names, model_factory
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
+# Upper bounds. Every number a job may hold is bounded, so that no value can overflow the
+# job store's 64-bit integers, ask Ray for the impossible, or make validation itself slow
+# (a check never does work that grows with a number a user sent). Each bound's reason is in
+# ``LIMITS`` and goes into the error message (and docs/jobspec.md).
+MAX_STEPS = 10**9
+MAX_WORKERS = 4096
+MAX_GPUS_PER_WORKER = 16
+MAX_SEED = 2**32 - 1
+STEPS_REASON = (
+    "a billion steps is years of training at any speed; larger counts would overflow the "
+    "service's step counters"
+)
+LIMITS: dict[str, str] = {
+    "dataset.batch_size": "a worker's batch beyond 65536 samples does not fit a worker's memory",
+    "dataset.limit": "no dataset here has more than a billion samples",
+    "dataset.data_dir": "a path longer than the system's 4096-byte limit cannot exist",
+    "optimizer.lr": "a learning rate above 100 diverges at once",
+    "optimizer.weight_decay": "a weight decay above 10 erases the weights",
+    "optimizer.schedule.warmup_steps": STEPS_REASON,
+    "optimizer.schedule.step_every": STEPS_REASON,
+    "kfac.factor_update_steps": "an interval above a million steps never updates the factors",
+    "kfac.inv_update_steps": "an interval above a million steps never updates the inverses",
+    "kfac.damping": "a damping above 1e6 turns K-FAC off (use kfac: off instead)",
+    "kfac.kl_clip": "a KL clip above 1e6 never clips (use kl_clip: null instead)",
+    "kfac.max_overhead": "K-FAC's time over the plain step's; 1000 already allows anything",
+    "kfac.intervals": "the tuner tries every pair: at most 16 pairs, each interval at most a "
+    "million steps",
+    "scaling.workers": f"no job may ask for more than {MAX_WORKERS} workers; the service allows "
+    "at most its own maximum (kaisa-ray serve --max-workers)",
+    "scaling.gpus_per_worker": f"no node has more than {MAX_GPUS_PER_WORKER} GPUs for one "
+    "worker; the service allows at most its own maximum (--max-gpus-per-worker)",
+    "scaling.cpus_per_worker": "no node has more than 1024 CPUs for one worker",
+    "scaling.resource_timeout_s": "at most a week (604800 s); leave it out to wait as long as "
+    "it takes",
+    "stop.max_steps": STEPS_REASON,
+    "stop.max_epochs": "a million epochs is years of training; the steps they make must fit "
+    "the service's step counters",
+    "stop.target.value": "an accuracy is between 0 and 1 and a loss at most 1e6",
+    "checkpoint.every_steps": STEPS_REASON,
+    "checkpoint.keep": "each checkpoint is a full copy of the model and optimizer state: keep "
+    "at most 100",
+    "eval_every": STEPS_REASON,
+    "max_failures": "each failure restarts the whole worker group: more than 100 means the "
+    "job cannot run",
+    "seed": f"seeds are 32-bit (0 to {MAX_SEED}), as numpy's are",
+    "memory_budget": "between 1 MiB and 1 PiB per worker",
+    "sweep.space": "a sweep searches at most 32 fields",
+    "sweep.trials": "a sweep runs at most 1024 trials",
+    "sweep.concurrent": "at most 64 trials at once (each takes the job's workers)",
+    "sweep.seed": f"seeds are 32-bit (0 to {MAX_SEED})",
+    "sweep.asha.grace_steps": STEPS_REASON,
+    "sweep.asha.reduction_factor": "a reduction factor above 100 stops every trial at once",
+    "sweep.space.*.choice": "a choice among at most 64 values",
+    "sweep.space.*.randint": "randint draws 32-bit integers",
+    "sweep.space.*.loguniform": "the range's ends are at most 1e12 in size",
+    "sweep.space.*.uniform": "the range's ends are at most 1e12 in size",
+    "model.params": "a model's parameters are checked against its constructor",
+    "name": "a job's name is at most 64 letters, digits and '_.-', starting with one of the "
+    "first two",
+}
+
+
+Steps = Annotated[int, Field(gt=0, le=MAX_STEPS)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+Big = 1e12
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Floats must be finite: JSON's Infinity and NaN, and 1e309 (which parses as infinity),
+    # are refused rather than stored and shown back as null.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelSpec(_Strict):
-    name: str
-    params: dict[str, Any] = Field(default_factory=dict)
+    name: Annotated[str, Field(max_length=64)]
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments of the model's constructor, checked against it: "
+        "unknown names, types and ranges are refused",
+    )
 
     @field_validator("name")
     @classmethod
@@ -66,12 +142,96 @@ class ModelSpec(_Strict):
             ) from None
         return name
 
+    @model_validator(mode="after")
+    def _params_fit_the_constructor(self) -> ModelSpec:
+        checker = constructor_params(self.name)
+        try:
+            checker.model_validate(self.params)
+        except ValidationError as err:
+            raise ValidationError.from_exception_data(
+                "ModelSpec",
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError("model_params", message),
+                        loc=("params", *where),
+                        input=None,
+                    )
+                    for where, message in _param_problems(self.name, checker, err)
+                ],
+            ) from None
+        return self
+
+
+def _param_problems(
+    model: str, checker: type[BaseModel], err: ValidationError
+) -> list[tuple[tuple[str, ...], str]]:
+    takes = ", ".join(checker.model_fields) or "no parameters"
+    problems = []
+    for item in err.errors():
+        where = tuple(str(part) for part in item["loc"])
+        message = str(item["msg"]).removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(where[0], list(checker.model_fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            message = f"model {model!r} takes no parameter {where[0]!r}{hint} (it takes: {takes})"
+        else:
+            message = f"{message} (checked against model {model!r}'s constructor)"
+        problems.append((where or ("params",), message))
+    return problems
+
+
+# What a parameter without a type annotation may be: a JSON scalar of bounded size, or a short
+# list of them. Nothing nested, nothing large, so that any constructor gets plain values.
+_Scalar = (
+    Annotated[int, Field(ge=-(2**31), le=2**31)]
+    | Annotated[float, Field(ge=-Big, le=Big)]
+    | Annotated[str, Field(max_length=256)]
+    | bool
+    | None
+)
+_UNTYPED = _Scalar | Annotated[list[_Scalar], Field(max_length=64)]
+
+
+@functools.cache
+def constructor_params(name: str) -> type[BaseModel]:
+    """A pydantic model of the model ``name``'s constructor keywords (its signature and type
+    annotations, ``Annotated`` bounds included; unannotated ones take bounded JSON scalars)."""
+    factory: Callable[..., Any] = model_factory(name)
+    target = factory.__init__ if isinstance(factory, type) else factory  # type: ignore[misc]
+    try:
+        hints = typing.get_type_hints(target, include_extras=True)
+    except Exception:  # a plugin's annotations that do not resolve: check names only
+        hints = {}
+    fields: dict[str, Any] = {}
+    for parameter in list(inspect.signature(target).parameters.values()):
+        if parameter.name == "self" or parameter.kind in (
+            inspect.Parameter.VAR_POSITIONAL,
+            inspect.Parameter.VAR_KEYWORD,
+            inspect.Parameter.POSITIONAL_ONLY,
+        ):
+            continue
+        kind = hints.get(parameter.name, _UNTYPED)
+        default = ... if parameter.default is inspect.Parameter.empty else parameter.default
+        fields[parameter.name] = (kind, default)
+    return create_model(
+        f"{name}_params",
+        __config__=ConfigDict(extra="forbid", allow_inf_nan=False, strict=False),
+        **fields,
+    )
+
 
 class DatasetSpec(_Strict):
-    name: str
+    name: Annotated[str, Field(max_length=64)]
     data_dir: Path | None = None
-    batch_size: PositiveInt = 128
-    limit: PositiveInt | None = None
+    batch_size: Annotated[int, Field(gt=0, le=65536)] = 128
+    limit: Annotated[int, Field(gt=0, le=10**9)] | None = None
+
+    @field_validator("data_dir")
+    @classmethod
+    def _short_path(cls, path: Path | None) -> Path | None:
+        if path is not None and len(str(path)) > 4096:
+            raise ValueError(f"a path of {len(str(path))} characters: {LIMITS['dataset.data_dir']}")
+        return path
 
     @model_validator(mode="after")
     def _available(self) -> DatasetSpec:
@@ -96,17 +256,17 @@ class DatasetSpec(_Strict):
 
 class ScheduleSpec(_Strict):
     kind: Literal["constant", "cosine", "step"] = "constant"
-    warmup_steps: Annotated[int, Field(ge=0)] = 0
-    step_every: PositiveInt | None = None
+    warmup_steps: Annotated[int, Field(ge=0, le=MAX_STEPS)] = 0
+    step_every: Steps | None = None
     gamma: Annotated[float, Field(gt=0, le=1)] = 0.1
 
 
 class OptimizerSpec(_Strict):
     name: Literal["sgd", "adam", "adamw"] = "sgd"
-    lr: PositiveFloat = 0.05
+    lr: Annotated[float, Field(gt=0, le=100)] = 0.05
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
     nesterov: bool = True
-    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    weight_decay: Annotated[float, Field(ge=0, le=10)] = 0.0
     schedule: ScheduleSpec = ScheduleSpec()
 
 
@@ -122,15 +282,23 @@ class KFACSpec(_Strict):
     strategy: (
         Literal["auto", "comm-opt", "hybrid-opt", "mem-opt"] | Annotated[float, Field(gt=0, le=1)]
     ) = "comm-opt"
-    factor_update_steps: PositiveInt = 5
-    inv_update_steps: PositiveInt = 50
-    damping: PositiveFloat = 0.1
+    factor_update_steps: Annotated[int, Field(gt=0, le=10**6)] = 5
+    inv_update_steps: Annotated[int, Field(gt=0, le=10**6)] = 50
+    damping: Annotated[float, Field(gt=0, le=1e6)] = 0.1
     factor_decay: Annotated[float, Field(ge=0, lt=1)] = 0.95
-    kl_clip: PositiveFloat | None = 0.001
+    kl_clip: Annotated[float, Field(gt=0, le=1e6)] | None = 0.001
     compute_method: Literal["eigen", "inverse"] = "eigen"
     kfac_approx: Literal["expand", "reduce"] = "reduce"
-    max_overhead: PositiveFloat | None = None
-    intervals: Annotated[list[tuple[PositiveInt, PositiveInt]], Field(min_length=1)] | None = None
+    max_overhead: Annotated[float, Field(gt=0, le=1000)] | None = None
+    intervals: (
+        Annotated[
+            list[
+                tuple[Annotated[int, Field(gt=0, le=10**6)], Annotated[int, Field(gt=0, le=10**6)]]
+            ],
+            Field(min_length=1, max_length=16),
+        ]
+        | None
+    ) = None
     verify: Annotated[int, Field(ge=0, le=32)] = 0
 
     @field_validator("intervals")
@@ -172,11 +340,11 @@ class ScalingSpec(_Strict):
     and after losing a node, before the job fails saying so; unset, it waits as long as it
     takes (an autoscaling cluster adds nodes)."""
 
-    workers: PositiveInt = 1
-    gpus_per_worker: Annotated[float, Field(ge=0)] = 0
-    cpus_per_worker: PositiveFloat = 1
+    workers: Annotated[int, Field(gt=0, le=MAX_WORKERS)] = 1
+    gpus_per_worker: Annotated[float, Field(ge=0, le=MAX_GPUS_PER_WORKER)] = 0
+    cpus_per_worker: Annotated[float, Field(gt=0, le=1024)] = 1
     placement: Literal["pack", "spread", "strict-pack", "strict-spread"] = "pack"
-    resource_timeout_s: PositiveFloat | None = None
+    resource_timeout_s: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None
 
     @property
     def placement_strategy(self) -> str:
@@ -186,12 +354,21 @@ class ScalingSpec(_Strict):
 
 class TargetSpec(_Strict):
     metric: Literal["test_accuracy", "test_loss"] = "test_accuracy"
-    value: float
+    value: Annotated[float, Field(ge=0, le=1e6)]
+
+    @model_validator(mode="after")
+    def _in_range(self) -> TargetSpec:
+        if self.metric == "test_accuracy" and self.value > 1:
+            raise ValueError(
+                f"a test_accuracy target of {self.value:g} is never met: accuracy is between 0 "
+                "and 1 (write 0.88 for 88%)"
+            )
+        return self
 
 
 class StopSpec(_Strict):
-    max_steps: PositiveInt | None = None
-    max_epochs: PositiveInt | None = None
+    max_steps: Steps | None = None
+    max_epochs: Annotated[int, Field(gt=0, le=10**6)] | None = None
     target: TargetSpec | None = None
 
     @model_validator(mode="after")
@@ -202,8 +379,12 @@ class StopSpec(_Strict):
 
 
 class CheckpointSpec(_Strict):
-    every_steps: PositiveInt = 200
-    keep: PositiveInt = 2
+    every_steps: Steps = 200
+    keep: Annotated[int, Field(gt=0, le=100)] = 2
+
+
+_End = Annotated[float, Field(ge=-Big, le=Big)]
+_IntEnd = Annotated[int, Field(ge=-(2**31), le=2**31)]
 
 
 class Distribution(_Strict):
@@ -211,10 +392,10 @@ class Distribution(_Strict):
     ``uniform: [low, high]``, ``randint: [low, high]`` (integers, both ends included) or
     ``choice: [v1, v2, ...]``."""
 
-    loguniform: tuple[float, float] | None = None
-    uniform: tuple[float, float] | None = None
-    randint: tuple[int, int] | None = None
-    choice: Annotated[list[int | float], Field(min_length=1)] | None = None
+    loguniform: tuple[_End, _End] | None = None
+    uniform: tuple[_End, _End] | None = None
+    randint: tuple[_IntEnd, _IntEnd] | None = None
+    choice: Annotated[list[_IntEnd | _End], Field(min_length=1, max_length=64)] | None = None
 
     @model_validator(mode="after")
     def _one_nonempty_range(self) -> Distribution:
@@ -258,8 +439,8 @@ class AshaSpec(_Strict):
     least ``eval_every``), each next one ``reduction_factor`` times further; at each rung a trial
     continues only if it is in the best 1/``reduction_factor`` of the trials that reached it."""
 
-    grace_steps: PositiveInt | None = None
-    reduction_factor: Annotated[float, Field(gt=1)] = 2
+    grace_steps: Steps | None = None
+    reduction_factor: Annotated[float, Field(gt=1, le=100)] = 2
 
 
 class SweepSpec(_Strict):
@@ -273,14 +454,17 @@ class SweepSpec(_Strict):
     ``scheduler: asha`` weak trials stop early, judged at each evaluation on the test metric.
     """
 
-    space: Annotated[dict[str, Distribution], Field(min_length=1)]
+    space: Annotated[
+        dict[Annotated[str, Field(max_length=128)], Distribution],
+        Field(min_length=1, max_length=32),
+    ]
     metric: Literal["test_accuracy", "test_loss", "time_to_target"] = "test_accuracy"
     mode: Literal["max", "min"] | None = None
     trials: Annotated[int, Field(gt=0, le=1024)] = 8
-    concurrent: PositiveInt = 1
+    concurrent: Annotated[int, Field(gt=0, le=64)] = 1
     scheduler: Literal["asha", "none"] = "asha"
     asha: AshaSpec = AshaSpec()
-    seed: int = 0
+    seed: Seed = 0
 
     @property
     def direction(self) -> Literal["max", "min"]:
@@ -299,13 +483,13 @@ class JobSpec(_Strict):
     optimizer: OptimizerSpec = OptimizerSpec()
     kfac: KFACSpec | Literal["off"] = KFACSpec()
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    memory_budget: ByteSize | None = None
+    memory_budget: Annotated[ByteSize, Field(ge=2**20, le=2**50)] | None = None
     scaling: ScalingSpec = ScalingSpec()
     stop: StopSpec
-    eval_every: PositiveInt = 25
+    eval_every: Steps = 25
     checkpoint: CheckpointSpec = CheckpointSpec()
-    max_failures: Annotated[int, Field(ge=0)] = 0
-    seed: int = 0
+    max_failures: Annotated[int, Field(ge=0, le=100)] = 0
+    seed: Seed = 0
     sweep: SweepSpec | None = None
 
     @field_validator("kfac", mode="before")
@@ -498,12 +682,94 @@ def field_problems(items: Sequence[Any]) -> list[tuple[str, str]]:
             continue
         where = ".".join(path) or "(top level)"
         message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":
-            message = "unknown field; check its spelling against the JobSpec reference"
-        elif item["type"] == "byte_size":
+        kind = item["type"]
+        if kind == "extra_forbidden":
+            message = _unknown_field(path)
+        elif kind == "byte_size":
             message = f"{message}; write a size such as '2GiB' or '512MB'"
+        elif kind == "finite_number":
+            message = (
+                "must be a finite number: Infinity, NaN and numbers beyond 1.8e308 (which "
+                "parse as infinity) are refused"
+            )
+        elif kind in _BOUND_ERRORS:
+            reason = limit_reason(path)
+            if reason:
+                message = f"{message}: {reason}"
         problems.append((where, message))
     return problems
+
+
+_BOUND_ERRORS = frozenset(
+    {
+        "less_than",
+        "less_than_equal",
+        "greater_than",
+        "greater_than_equal",
+        "too_long",
+        "string_too_long",
+        "int_from_float",
+    }
+)
+REFERENCE = "docs/jobspec.md"
+
+
+def limit_reason(path: Sequence[str]) -> str | None:
+    """Why the field at ``path`` (dotted parts; list indexes and sweep-space names included)
+    is bounded, from ``LIMITS``: its own entry, else its nearest parent's."""
+    parts = list(path)
+    if parts[:2] == ["sweep", "space"] and len(parts) >= 4:
+        parts = ["sweep", "space", "*", *parts[3:]]
+    while parts:
+        key = ".".join(p for p in parts if not p.isdigit())
+        if key in LIMITS:
+            return LIMITS[key]
+        parts.pop()
+    return None
+
+
+def _model_at(parts: Sequence[str]) -> type[BaseModel] | None:
+    """The model that holds the fields of the section ``parts`` (``("kfac",)``: KFACSpec)."""
+    model: type[BaseModel] = JobSpec
+    index = 0
+    while index < len(parts):
+        field = model.model_fields.get(parts[index])
+        if field is None:
+            return None
+        found = _models_in(field.annotation)
+        if not found:
+            return None
+        model = found[0]
+        index += 1
+        if model is Distribution and parts[index - 1] == "space":
+            index += 1  # the swept field's name, a key of the space
+    return model
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models in an annotation (through unions, Annotated, dict values)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    found: list[type[BaseModel]] = []
+    for arg in typing.get_args(annotation):
+        found += _models_in(arg)
+    return found
+
+
+def _unknown_field(path: Sequence[str]) -> str:
+    """The message for an unknown field: the closest known name, and the section's fields."""
+    *section, name = path or ("",)
+    model = _model_at(section)
+    where = ".".join(section) or "the job"
+    if model is None:
+        return f"unknown field {name!r}; see {REFERENCE} for every field"
+    known = list(model.model_fields)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (
+        f"unknown field {name!r} in {where}; {hint}{where}'s fields are "
+        f"{', '.join(known)} (every field: {REFERENCE})"
+    )
 
 
 def parse_job_spec(data: dict[str, Any], source: str = "job spec") -> JobSpec:
