@@ -20,6 +20,7 @@ Collectives (payload = bytes of the tensor each participant passes):
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -63,13 +64,25 @@ class Bucket:
     dtype: torch.dtype
     pieces: tuple[Piece, ...]
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return sum(p.numel for p in self.pieces)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * _elem(self.dtype)
+
+    @functools.cached_property
+    def members(self) -> frozenset[int]:
+        return frozenset(self.group)
+
+    @functools.cached_property
+    def collective(self) -> Collective:
+        """The call as each member sees it (the same for all, built once: at a world size
+        of 1024 there are a million rank-and-bucket pairs)."""
+        return Collective(
+            purpose=self.purpose, op=self.op, group=self.group, src=self.src, nbytes=self.nbytes
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +110,7 @@ class Options:
         return int(self.allreduce_bucket_cap_mb * 2**20)
 
 
+@functools.cache
 def _elem(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -173,7 +187,7 @@ class Schedule:
     gradient_buckets: tuple[Bucket, ...]
 
     def for_rank(self, buckets: Sequence[Bucket], rank: int) -> list[Bucket]:
-        return [b for b in buckets if rank in b.group]
+        return [b for b in buckets if rank in b.members]
 
 
 def schedule(layers: Sequence[PlannedLayer], assignment: Assignment, options: Options) -> Schedule:
@@ -293,10 +307,7 @@ def memory_for_rank(
 
 def calls_for_rank(sched: Schedule, rank: int) -> dict[StepType, tuple[Collective, ...]]:
     def collectives(buckets: Sequence[Bucket]) -> list[Collective]:
-        return [
-            Collective(purpose=b.purpose, op=b.op, group=b.group, src=b.src, nbytes=b.nbytes)
-            for b in sched.for_rank(buckets, rank)
-        ]
+        return [b.collective for b in sched.for_rank(buckets, rank)]
 
     factors = collectives(sched.factor_buckets)
     decompositions = collectives(sched.decomposition_buckets)
