@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -37,7 +37,7 @@ from service.hub import EVERY_JOB, Hub
 from service.jobs import Follower, Jobs
 from service.lifecycle import JobState
 from service.metrics import ServiceMetrics
-from service.middleware import BearerAuth, BodyLimit, Timing
+from service.middleware import BearerAuth, BodyLimit, RateLimit, SecurityHeaders, SpecBody, Timing
 from service.runner import RayRunner, Runner
 from service.schemas import (
     ErrorBody,
@@ -54,7 +54,7 @@ from service.schemas import (
     metric_point,
 )
 from service.settings import Settings
-from service.store import JobStore, sole_writer
+from service.store import Job, JobStore, sole_writer
 from service.views import ViewCache
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,45 @@ NOT_FOUND = _error(404, "no such job")
 INVALID: dict[int | str, dict[str, Any]] = {
     422: {"model": ValidationErrorBody, "description": "bad parameters or body"}
 }
+TOO_MANY: dict[int | str, dict[str, Any]] = {
+    429: {
+        "model": ErrorBody,
+        "description": "over the rate limit of POSTs per client: retry after Retry-After seconds",
+        "headers": {
+            "Retry-After": {
+                "description": "seconds to wait before retrying",
+                "schema": {"type": "integer"},
+            }
+        },
+    }
+}
+
+
+def _within_the_cluster(spec: JobSpec, settings: Settings) -> None:
+    """The service's own maximums (below the JobSpec's): 422 naming the field and the knob."""
+    problems = []
+    if spec.scaling.workers > settings.max_workers:
+        problems.append(
+            (
+                ("body", "scaling", "workers"),
+                f"{spec.scaling.workers} workers is over this service's maximum of "
+                f"{settings.max_workers} (kaisa-ray serve --max-workers, "
+                "$KAISA_RAY_MAX_WORKERS); ask for fewer",
+            )
+        )
+    if spec.scaling.gpus_per_worker > settings.max_gpus_per_worker:
+        problems.append(
+            (
+                ("body", "scaling", "gpus_per_worker"),
+                f"{spec.scaling.gpus_per_worker:g} GPUs per worker is over this service's "
+                f"maximum of {settings.max_gpus_per_worker:g} (--max-gpus-per-worker); ask "
+                "for fewer",
+            )
+        )
+    if problems:
+        raise RequestValidationError(
+            [{"loc": loc, "msg": message, "type": "cluster_maximum"} for loc, message in problems]
+        )
 
 
 @dataclass
@@ -128,7 +167,12 @@ def _connect(settings: Settings) -> tuple[Runner, RayHead | None]:
         os.environ["RAY_AUTH_MODE"] = "token"
         os.environ["RAY_AUTH_TOKEN"] = head.token
         logger.info("%s embedded Ray head %s", "adopted" if adopted else "started", address)
-    runner = RayRunner(address, dashboard_url=settings.dashboard_url, storage_path=settings.storage)
+    runner = RayRunner(
+        address,
+        dashboard_url=settings.dashboard_url,
+        storage_path=settings.storage,
+        driver_cpus=settings.driver_cpus,
+    )
     return runner, head
 
 
@@ -137,18 +181,22 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        with sole_writer(settings.database):  # a second service on the database: refused
+        # A second service on the database or the data directory: refused.
+        with sole_writer(settings.database, settings.data_dir):
             store = await run_in_threadpool(JobStore, settings.database)
             head = None
             if runner is not None:
                 active: Runner = runner
             else:
                 active, head = await run_in_threadpool(_connect, settings)
-            jobs = Jobs(store, active, Hub())
+            jobs = Jobs(store, active, Hub(), idempotency_ttl_s=settings.idempotency_ttl_s)
             follower = Follower(
                 jobs,
                 interval_s=settings.poll_interval_s,
                 status_interval_s=settings.status_interval_s,
+                max_running=settings.max_running,
+                driver_cpus=settings.driver_cpus,
+                lost_grace_s=settings.lost_grace_s,
             )
             runtime = Runtime(
                 settings, store, jobs, follower, metrics, ViewCache(store.version_now), head
@@ -164,12 +212,14 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
             try:
                 yield
             finally:
+                logger.info("shutting down: the follower, Ray, the embedded head, the store")
                 gc.unfreeze()  # collectable again (a process may build more than one app)
                 follower.stop()
                 await run_in_threadpool(active.close)
                 if head is not None:
                     await run_in_threadpool(head.stop)
                 store.close()
+                logger.info("shutdown complete")
 
     metrics = ServiceMetrics()
     app = FastAPI(
@@ -178,18 +228,27 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
         summary="K-FAC training jobs on Ray: submit, follow, cancel.",
         lifespan=lifespan,
         responses={500: {"model": ErrorBody, "description": "an internal error (see the log)"}},
+        docs_url=None,  # served by _pages from the swagger-ui-bundle package, not a CDN
+        redoc_url=None,
     )
+    app.state.settings = settings
     _handlers(app)
     app.include_router(_api(settings), prefix=f"/{API_VERSION}")
     app.include_router(_health(settings))
     app.include_router(_pages())
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.mount("/static/vendor/swagger", StaticFiles(directory=swagger_ui()), name="swagger")
+    # The outermost last: Timing > SecurityHeaders > RateLimit > BearerAuth > BodyLimit > SpecBody.
+    app.add_middleware(SpecBody, path=f"/{API_VERSION}/jobs")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BearerAuth, token=settings.secret, prefixes=(f"/{API_VERSION}", "/metrics"))
     app.add_middleware(
-        BearerAuth,
-        token=settings.token.get_secret_value() if settings.token else None,
-        prefixes=(f"/{API_VERSION}", "/metrics"),
+        RateLimit,
+        rate=settings.post_rate,
+        burst=settings.post_burst,
+        prefixes=(f"/{API_VERSION}",),
     )
+    app.add_middleware(SecurityHeaders, headers=SECURITY_HEADERS)
     app.add_middleware(Timing, observe=metrics.observe, prefixes=(f"/{API_VERSION}",))
     return app
 
@@ -237,7 +296,16 @@ def _api(settings: Settings) -> APIRouter:
         responses={
             **_error(409, "the idempotency key was used for a different spec"),
             **_error(413, "the body is over the size limit"),
+            **_error(415, "the body is neither JSON nor YAML"),
+            **TOO_MANY,
             **INVALID,
+        },
+        openapi_extra={
+            "requestBody": {
+                "content": {
+                    "application/yaml": {"schema": {"$ref": "#/components/schemas/JobSpec"}}
+                }
+            }
         },
         tags=["jobs"],
     )
@@ -252,11 +320,14 @@ def _api(settings: Settings) -> APIRouter:
             ),
         ] = None,
     ) -> JobView:
-        """Store a job as QUEUED and start it on Ray."""
+        """Store a job as QUEUED; it starts on Ray when admission control lets it (its
+        ``queue_position`` says how many are ahead). The body is JSON, or YAML with
+        ``Content-Type: application/yaml``."""
+        _within_the_cluster(spec, runtime.settings)
         job, created = runtime.jobs.create(spec.model_dump(mode="json"), idempotency_key)
         if created:
             runtime.metrics.submissions.inc()
-        return job_view(job)
+        return job_view(job, runtime.store.queue_position(job))
 
     @router.get("/jobs", response_model=JobList, responses=INVALID, tags=["jobs"])
     async def list_jobs(
@@ -271,9 +342,15 @@ def _api(settings: Settings) -> APIRouter:
         def read() -> bytes:
             jobs, total = runtime.store.page(states=wanted, limit=limit, offset=offset)
             more = offset + len(jobs) < total
+            waiting = any(j.state is JobState.QUEUED and j.submission_id is None for j in jobs)
+            queue = (
+                {job_id: n + 1 for n, job_id in enumerate(runtime.store.queue())}
+                if (waiting)
+                else {}
+            )
             return (
                 JobList(
-                    jobs=[job_view(j) for j in jobs],
+                    jobs=[job_view(j, queue.get(j.id)) for j in jobs],
                     total=total,
                     limit=limit,
                     offset=offset,
@@ -297,7 +374,9 @@ def _api(settings: Settings) -> APIRouter:
         trials and best spec, history."""
 
         def read() -> bytes:
-            return job_detail(*runtime.store.detail(job_id)).model_dump_json().encode()
+            job, transitions = runtime.store.detail(job_id)
+            position = runtime.store.queue_position(job)
+            return job_detail(job, transitions, position).model_dump_json().encode()
 
         body = await runtime.views.get(("job", job_id), read)
         return Response(body, media_type="application/json")
@@ -395,7 +474,12 @@ def _api(settings: Settings) -> APIRouter:
     @router.post(
         "/jobs/{job_id}/cancel",
         response_model=JobView,
-        responses={**NOT_FOUND, **_error(409, "the job already finished otherwise"), **INVALID},
+        responses={
+            **NOT_FOUND,
+            **_error(409, "the job already finished otherwise"),
+            **TOO_MANY,
+            **INVALID,
+        },
         tags=["jobs"],
     )
     def cancel_job(job_id: str, runtime: RuntimeDep) -> JobView:
@@ -459,11 +543,19 @@ def _health(settings: Settings) -> APIRouter:
     return router
 
 
+async def _view_json(runtime: Runtime, job: Job) -> str:
+    """A job's view as JSON, with its place in the queue while it waits."""
+    position = None
+    if job.state is JobState.QUEUED and job.submission_id is None:
+        position = await run_in_threadpool(runtime.store.queue_position, job)
+    return job_view(job, position).model_dump_json()
+
+
 async def _stream(runtime: Runtime, job_id: str) -> AsyncIterator[ServerSentEvent]:
     """The job's state now, then every update until it finishes."""
     async with runtime.jobs.hub.subscribe(job_id) as queue:
         job = await run_in_threadpool(runtime.store.get, job_id)
-        yield ServerSentEvent(job_view(job).model_dump_json(), event="state")
+        yield ServerSentEvent(await _view_json(runtime, job), event="state")
         while not job.state.finished:
             update = await queue.get()
             if update.kind == "state":
@@ -471,7 +563,7 @@ async def _stream(runtime: Runtime, job_id: str) -> AsyncIterator[ServerSentEven
                     job = await run_in_threadpool(runtime.store.get, job_id)
                 except JobNotFoundError:
                     return
-                yield ServerSentEvent(job_view(job).model_dump_json(), event="state")
+                yield ServerSentEvent(await _view_json(runtime, job), event="state")
             else:
                 yield ServerSentEvent(json.dumps(update.data), event=update.kind)
     await asyncio.sleep(0)
@@ -488,7 +580,7 @@ async def _stream_all(runtime: Runtime) -> AsyncIterator[ServerSentEvent]:
                     job = await run_in_threadpool(runtime.store.get, update.job_id)
                 except JobNotFoundError:
                     continue
-                yield ServerSentEvent(job_view(job).model_dump_json(), event="state")
+                yield ServerSentEvent(await _view_json(runtime, job), event="state")
             else:
                 data = {"job_id": update.job_id, **update.data}
                 yield ServerSentEvent(json.dumps(data), event=update.kind)
@@ -500,8 +592,38 @@ PAGE_POLICY = (
     "img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
     "form-action 'self'"
 )
-"""The dashboard's Content-Security-Policy: nothing from another origin (Plotly's inline
-styles aside, which it sets on its own elements)."""
+"""The Content-Security-Policy of everything the service serves (the dashboard, the API docs,
+their files, the API's answers): nothing from another origin and no inline scripts (Plotly's
+and Swagger UI's inline styles aside, which they set on their own elements)."""
+SECURITY_HEADERS = {
+    "Content-Security-Policy": PAGE_POLICY,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+def swagger_ui() -> Path:
+    """Swagger UI's files, from the swagger-ui-bundle package (served, never a CDN's)."""
+    import swagger_ui_bundle  # type: ignore[import-untyped]
+
+    return Path(swagger_ui_bundle.swagger_ui_path)
+
+
+DOCS_PAGE = """<!doctype html>
+<html lang="en">
+<head>
+  <meta charset="utf-8">
+  <title>kaisa-ray API</title>
+  <link rel="stylesheet" href="/static/vendor/swagger/swagger-ui.css">
+  <link rel="icon" href="/static/favicon.svg" type="image/svg+xml">
+</head>
+<body>
+  <div id="swagger-ui"></div>
+  <script src="/static/vendor/swagger/swagger-ui-bundle.js"></script>
+  <script src="/static/docs.js"></script>
+</body>
+</html>
+"""
 
 
 def plotly_js() -> Path:
@@ -532,6 +654,10 @@ def _pages() -> APIRouter:
             STATIC / "index.html",
             headers={"Content-Security-Policy": PAGE_POLICY, "Cache-Control": "no-cache"},
         )
+
+    @router.get("/docs")
+    async def docs() -> HTMLResponse:
+        return HTMLResponse(DOCS_PAGE, headers={"Cache-Control": "no-cache"})
 
     @router.get("/static/vendor/plotly.min.js")
     async def plotly() -> FileResponse:

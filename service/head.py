@@ -7,6 +7,14 @@ same data directory finds it through ``head.json`` and adopts it, and a graceful
 stops it. It stays in the service's session: with the kernel's autogroup scheduling, a new
 session would be a scheduling group of its own, sharing the CPU equally with the service, and
 the nice level Ray gives its workers (15) would no longer make them yield to the service.
+
+One head, one cluster: the head gets a Ray temp directory of its own (``/tmp/kaisa-ray-*``:
+Ray's sockets need a short path), where ``ray start`` records its address, and every process it
+starts has ``RAY_ADDRESS`` pinned to it, so that nothing on it ever looks for "the latest
+cluster" among other Ray instances on the machine. The service's own variables
+(``KAISA_RAY_*``: its token above all) are removed from the head's environment, which every
+Ray process inherits. Its dashboard (the job server) listens on loopback only; Ray 2.60's GCS
+and raylet listen on every interface (no option changes that) and require the head's token.
 """
 
 from __future__ import annotations
@@ -43,6 +51,19 @@ def free_port() -> int:
         return port
 
 
+SERVICE_PREFIX = "KAISA_RAY_"
+"""The service's environment variables: never handed to Ray's processes."""
+
+
+def ray_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a Ray process it starts: without the service's own
+    variables and without ``RAY_ADDRESS`` (the caller pins its own)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SERVICE_PREFIX)}
+    env.update(extra or {})
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
 @dataclass
 class RayHead:
     gcs_address: str
@@ -50,6 +71,7 @@ class RayHead:
     token: str
     pid: int
     log: str
+    temp_dir: str = ""  # the head's own Ray temp directory (empty: Ray's default)
 
     def alive(self) -> bool:
         """The head answers on its dashboard (with the token)."""
@@ -129,16 +151,18 @@ def start_head(
     """Start ``ray start --head --block`` (job server on, token auth on) on free ports."""
     token = token or secrets.token_hex(16)
     gcs, dashboard = free_port(), free_port()
-    head_env = {**os.environ, **(env or {}), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
-    head_env["PATH"] = venv_path()
-    head_env.pop("RAY_ADDRESS", None)
+    head_env = ray_environment(env)
+    head_env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PATH=venv_path())
+    head_env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"  # every Ray process of this head: this head
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / "ray-head.log"
+    temp_dir = tempfile.mkdtemp(prefix="kaisa-ray-", dir="/tmp")  # short: Ray's socket paths
     command = [
         RAY,
         "start",
         "--head",
         "--block",
+        f"--temp-dir={temp_dir}",
         f"--port={gcs}",
         "--include-dashboard=true",
         "--dashboard-host=127.0.0.1",
@@ -161,6 +185,7 @@ def start_head(
         token=token,
         pid=process.pid,
         log=str(log),
+        temp_dir=temp_dir,
     )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

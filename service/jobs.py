@@ -9,17 +9,19 @@ functions tested on their own.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.errors import JobConflictError
 from service.hub import Hub, Update
-from service.lifecycle import FINISHED, IllegalTransitionError, JobEvent, JobState, transition
-from service.runner import RayJobInfo, RayJobStatus, Runner
+from service.lifecycle import IllegalTransitionError, JobEvent, JobState, transition
+from service.records import clean
+from service.runner import RayJobInfo, RayJobMissingError, RayJobStatus, Runner
 from service.store import Job, JobStore, Metric, Progress
 from service.sweeps import SWEEP_KINDS, finite
 from service.sweeps import ended as trials_ended
@@ -32,14 +34,19 @@ EVAL_FIELDS = ("test_loss", "test_accuracy")
 
 
 class Jobs:
-    def __init__(self, store: JobStore, runner: Runner, hub: Hub) -> None:
+    def __init__(
+        self, store: JobStore, runner: Runner, hub: Hub, *, idempotency_ttl_s: float = 86400
+    ) -> None:
         self.store, self.runner, self.hub = store, runner, hub
+        self.idempotency_ttl_s = idempotency_ttl_s
         self.submitted = 0  # POSTs that created a job, since start (for /metrics)
 
     def create(
         self, spec: Mapping[str, Any], idempotency_key: str | None = None
     ) -> tuple[Job, bool]:
-        job, created = self.store.create(spec, idempotency_key=idempotency_key)
+        job, created = self.store.create(
+            spec, idempotency_key=idempotency_key, idempotency_ttl_s=self.idempotency_ttl_s
+        )
         if created:
             self.submitted += 1
             self.publish_state(job)
@@ -54,14 +61,11 @@ class Jobs:
         """Ask for a job to stop: CANCELLING now, CANCELLED once Ray has stopped it.
         Idempotent for a job already cancelling or cancelled; a conflict for one that
         finished otherwise."""
-        job = self.store.get(job_id)
-        if job.state in (JobState.CANCELLING, JobState.CANCELLED):
-            return job
-        if job.state in FINISHED:
-            raise JobConflictError(
-                f"job {job_id} already finished as {job.state}; nothing to cancel"
-            )
-        return self.apply(job_id, JobEvent.CANCEL, "cancelled by a user")
+        before = self.store.get(job_id)
+        job = self.store.cancel(job_id)  # checked and applied in one transaction
+        if job.state is not before.state:
+            self.publish_state(job)
+        return job
 
     def delete(self, job_id: str) -> None:
         self.store.delete(job_id)
@@ -78,6 +82,7 @@ class Reading:
     events: list[JobEvent] = field(default_factory=list)
     progress: Progress = field(default_factory=lambda: Progress(cursor=0))
     updates: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # what ``records.clean`` changed
 
 
 def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
@@ -106,11 +111,17 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
             return
         reading.events.append(event)
 
-    for record in records:
+    for raw in records:
+        cleaned = clean(raw)
+        reading.problems += cleaned.problems
+        if cleaned.record is None:
+            continue
+        record = cleaned.record
         kind = record.get("kind")
         values = {k: v for k, v in record.items() if k not in ("kind", "seq", "time")}
-        at = float(record.get("time", time.time()))
-        seq = int(record.get("seq", 0))
+        at = record.get("time")
+        at = float(at) if isinstance(at, int | float) and not isinstance(at, bool) else time.time()
+        seq = record.get("seq") or 0
         if kind == "worker" and record.get("rank") == 0:
             attempts += 1
             progress.attempts = attempts
@@ -121,12 +132,12 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
         elif kind == "start":
             fire(JobEvent.RUN)
             if record.get("total_steps") is not None:
-                progress.total_steps = int(record["total_steps"])
+                progress.total_steps = record["total_steps"]
         elif kind == "tuner":
             progress.tuner = values
             reading.updates.append(("tuner", values))
         elif kind in ("step", "eval"):
-            step = int(record["step"]) if record.get("step") is not None else None
+            step = record.get("step")
             progress.metrics.append(Metric(seq=seq, kind=kind, step=step, at=at, values=values))
             names = STEP_FIELDS if kind == "step" else EVAL_FIELDS
             progress.latest.update({k: values[k] for k in names if k in values})
@@ -145,8 +156,9 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
             progress.step = trials_ended(sweep)
             if kind == "sweep-start":
                 fire(JobEvent.RUN)
-                if sweep.get("trials_planned") is not None:
-                    progress.total_steps = int(sweep["trials_planned"])
+                planned = sweep.get("trials_planned")
+                if isinstance(planned, int) and 0 <= planned <= 2**53:
+                    progress.total_steps = planned
             else:
                 reading.updates.append((str(kind), {**values, "time": at}))
     progress.events = list(reading.events)  # stored with the records, in one transaction
@@ -165,6 +177,8 @@ def ray_outcome(state: JobState, info: RayJobInfo) -> tuple[JobEvent, str | None
             return JobEvent.CANCELLED, None
         return JobEvent.FAIL, "the Ray Job was stopped outside the service (ray job stop?)"
     if status is RayJobStatus.MISSING:
+        if state is JobState.CANCELLING:  # nothing left to stop
+            return JobEvent.CANCELLED, None
         return JobEvent.FAIL, (
             "Ray has no record of this job's Ray Job (was the cluster restarted?); "
             "submit the job again"
@@ -173,13 +187,77 @@ def ray_outcome(state: JobState, info: RayJobInfo) -> tuple[JobEvent, str | None
     return JobEvent.FAIL, f"the Ray Job failed: {message[-4000:]}"
 
 
-class Follower(threading.Thread):
-    """Submits queued jobs, follows running ones to the end, stops cancelled ones.
+@dataclass(frozen=True, kw_only=True)
+class Capacity:
+    """What admission control allows: at most ``max_running`` jobs in Ray at once (None: as
+    many as ``cpus`` hold, at least one CPU a job), and the CPUs of the admitted jobs (each
+    job's workers and its driver) within the cluster's ``cpus`` (None: unknown, not
+    counted)."""
 
-    One pass (``tick``) every ``interval_s``; a pass that fails is logged and retried, and
-    a failure that concerns one job (its submission) lands on that job as FAILED. Progress
-    is read on every pass (it drives the event streams); Ray's job statuses, a request to
-    Ray's dashboard, at most every ``status_interval_s``.
+    cpus: float | None
+    max_running: int | None = None
+    driver_cpus: float = 0.25
+
+    @property
+    def limit(self) -> int:
+        if self.max_running is not None:
+            return self.max_running
+        if self.cpus is None:
+            return 1_000_000
+        return max(1, math.floor(self.cpus / (1 + self.driver_cpus)))
+
+
+def job_cpus(spec: Mapping[str, Any], driver_cpus: float) -> float:
+    """The CPUs a job holds in Ray: its workers' (a sweep's trials at once, each with the
+    job's workers) and its driver's."""
+    scaling = spec.get("scaling") or {}
+    workers = float(scaling.get("workers", 1)) * float(scaling.get("cpus_per_worker", 1))
+    sweep = spec.get("sweep") or {}
+    trials = float(sweep.get("concurrent", 1)) if sweep else 1.0
+    return workers * trials + driver_cpus
+
+
+def admit(queue: list[Job], running: list[Job], capacity: Capacity) -> list[Job]:
+    """The jobs of ``queue`` (first in line first) to send to Ray now, given the jobs
+    ``running`` there (pure). First come, first served: a job that does not fit holds the
+    ones behind it, so a large job is never starved by small ones. A job larger than the
+    cluster is admitted alone."""
+    used = sum(job_cpus(job.spec, capacity.driver_cpus) for job in running)
+    count = len(running)
+    admitted: list[Job] = []
+    for job in queue:
+        if count >= capacity.limit:
+            break
+        need = job_cpus(job.spec, capacity.driver_cpus)
+        if capacity.cpus is not None and count and used + need > capacity.cpus + 1e-9:
+            break
+        admitted.append(job)
+        used += need
+        count += 1
+    return admitted
+
+
+@dataclass
+class _Trouble:
+    """A repeated error of one job (or of Ray, ``job_id`` None) in one step of the pass."""
+
+    message: str
+    count: int = 1
+    since: float = field(default_factory=time.monotonic)
+
+
+class Follower(threading.Thread):
+    """Submits queued jobs as admission control allows, follows running ones to the end,
+    stops cancelled ones.
+
+    One pass (``tick``) every ``interval_s``. Errors are contained per job: a bad record, a
+    Ray error, a Ray Job that is gone, a database error on one job never delays the others.
+    A repeated error is logged once, when it starts, and once more with its count when it
+    ends (or the job does). A job whose progress cannot be stored for ``store_tries`` passes
+    in a row is FAILED with the reason; a cancelled job whose Ray Job is gone is CANCELLED;
+    an active one whose Ray Job has been missing from Ray for ``lost_grace_s`` is FAILED,
+    naming the lost cluster. Progress is read on every pass (it drives the event streams);
+    Ray's job statuses, a request to Ray's dashboard, at most every ``status_interval_s``.
     """
 
     def __init__(
@@ -189,18 +267,29 @@ class Follower(threading.Thread):
         interval_s: float = 0.25,
         status_interval_s: float = 1.0,
         submit_tries: int = 3,
+        store_tries: int = 20,
+        max_running: int | None = None,
+        driver_cpus: float = 0.25,
+        lost_grace_s: float = 30,
     ) -> None:
         super().__init__(name="kaisa-ray-follower", daemon=True)
         self.jobs = jobs
         self.interval_s = interval_s
         self.status_interval_s = status_interval_s
+        self.max_running = max_running
+        self.driver_cpus = driver_cpus
+        self.lost_grace_s = lost_grace_s
         self._status_read_at = -float("inf")
         self._active_jobs: list[Job] = []
         self._active_version = -1
         self.submit_tries = submit_tries
+        self.store_tries = store_tries
         self._stop_event = threading.Event()
         self._stopped: set[str] = set()  # submissions this process asked Ray to stop
         self._submit_failures: dict[str, int] = {}
+        self._missing_since: dict[str, float] = {}  # job id -> first seen missing from Ray
+        self._troubles: dict[tuple[str | None, str], _Trouble] = {}
+        self._capacity: Capacity | None = None
         self.passes = 0
 
     def stop(self, timeout: float = 10) -> None:
@@ -212,10 +301,57 @@ class Follower(threading.Thread):
         while not self._stop_event.is_set():
             try:
                 self.tick()
-            except Exception:
-                logger.exception("follower pass failed; retrying")
+            except Exception:  # what no job's guard caught (reading the store itself)
+                self._trouble(None, "pass", "follower pass failed; retrying", exc_info=True)
+            else:
+                self._resolved(None, "pass")
             self.passes += 1
             self._stop_event.wait(self.interval_s)
+
+    # -- errors, contained and logged once -------------------------------------------------
+
+    def _trouble(self, job_id: str | None, step: str, message: str, exc_info: bool = False) -> int:
+        key = (job_id, step)
+        found = self._troubles.get(key)
+        if found is None:
+            self._troubles[key] = _Trouble(message)
+            who = f"job {job_id}" if job_id else "follower"
+            logger.warning("%s: %s: %s", who, step, message, exc_info=exc_info)
+            return 1
+        found.count += 1
+        found.message = message
+        return found.count
+
+    def _resolved(self, job_id: str | None, step: str) -> None:
+        found = self._troubles.pop((job_id, step), None)
+        if found is not None and found.count > 1:
+            who = f"job {job_id}" if job_id else "follower"
+            logger.warning(
+                "%s: %s: the error repeated %d times over %.1f s (last: %s); it has stopped",
+                who,
+                step,
+                found.count,
+                time.monotonic() - found.since,
+                found.message,
+            )
+
+    def _forget(self, job_id: str) -> None:
+        """The job is no longer followed: close its open troubles (logging their counts)."""
+        for key in [k for k in self._troubles if k[0] == job_id]:
+            self._resolved(*key)
+        self._missing_since.pop(job_id, None)
+
+    def _guard(self, job: Job, step: str, action: Callable[[], Job | None]) -> Job | None:
+        """Run one job's ``action``; an exception is this job's trouble, not the pass's."""
+        try:
+            result = action()
+        except Exception as err:
+            self._trouble(job.id, step, f"{type(err).__name__}: {err}")
+            return None
+        self._resolved(job.id, step)
+        return result
+
+    # -- the pass ------------------------------------------------------------------------
 
     def _active(self) -> list[Job]:
         """``store.active()``, read again only after a write to the store (most passes
@@ -226,67 +362,144 @@ class Follower(threading.Thread):
             self._active_version = version
         return self._active_jobs
 
+    def capacity(self) -> Capacity:
+        """Admission's limits (the cluster's CPUs are read once, when first needed)."""
+        if self._capacity is None:
+            try:
+                cpus = self.jobs.runner.cpus()
+            except Exception as err:
+                self._trouble(None, "capacity", f"cannot read the cluster's CPUs: {err}")
+                return Capacity(cpus=None, max_running=self.max_running or 1)
+            self._capacity = Capacity(
+                cpus=cpus, max_running=self.max_running, driver_cpus=self.driver_cpus
+            )
+            logger.info(
+                "admission: at most %d job(s) in Ray at once (cluster CPUs: %s; each job's "
+                "driver reserves %g CPU)",
+                self._capacity.limit,
+                cpus,
+                self.driver_cpus,
+            )
+        return self._capacity
+
     def tick(self) -> None:
         runner = self.jobs.runner
-        for job in self._active():
-            if job.submission_id is None:
-                self._start(job)
+        active = self._active()
+        waiting = [j for j in active if j.submission_id is None]
+        if waiting:
+            in_ray = [j for j in active if j.submission_id is not None]
+            cancelled = [j for j in waiting if j.state is JobState.CANCELLING]
+            queue = [j for j in waiting if j.state is JobState.QUEUED]
+            for job in [*cancelled, *admit(queue, in_ray, self.capacity())]:
+                self._guard(job, "submit", functools.partial(self._start, job))
         active = self._active()
         submitted = [j for j in active if j.submission_id is not None]
         for job in submitted:
             sid = job.submission_id or ""
             if job.state is JobState.CANCELLING and sid not in self._stopped:
-                runner.stop(sid)
-                self._stopped.add(sid)
+                self._guard(job, "stop", functools.partial(self._stop_ray_job, job))
         if not submitted:
             return
         statuses: dict[str, RayJobInfo] = {}
         now = time.monotonic()
         if now - self._status_read_at >= self.status_interval_s:
-            statuses = runner.statuses([j.submission_id for j in submitted if j.submission_id])
             self._status_read_at = now
+            try:
+                statuses = runner.statuses([j.submission_id for j in submitted if j.submission_id])
+            except Exception as err:
+                self._trouble(None, "status", f"cannot read the Ray Jobs' status: {err}")
+            else:
+                self._resolved(None, "status")
         for job in submitted:
-            sid = job.submission_id or ""
-            job = self._read_progress(job)
-            if sid not in statuses:
-                continue
-            outcome = ray_outcome(job.state, statuses[sid])
-            if outcome is not None:
-                event, reason = outcome
-                self._apply(job, event, reason)
+            self._guard(job, "follow", functools.partial(self._follow, job, statuses))
 
-    def _start(self, job: Job) -> None:
+    def _follow(self, job: Job, statuses: dict[str, RayJobInfo]) -> Job:
+        sid = job.submission_id or ""
+        job = self._read_progress(job)
+        info = statuses.get(sid)
+        if info is None:
+            return job
+        if info.status is RayJobStatus.MISSING and job.state is not JobState.CANCELLING:
+            first = self._missing_since.setdefault(job.id, time.monotonic())
+            missing_s = time.monotonic() - first
+            if missing_s < self.lost_grace_s:
+                return job
+            where = getattr(self.jobs.runner, "address", None) or "the service's cluster"
+            return self._apply(
+                job,
+                JobEvent.FAIL,
+                f"lost with its cluster: the Ray cluster at {where} has had no record of its "
+                f"Ray Job {sid} for {missing_s:.0f} s (the cluster or its head was restarted?); "
+                "submit the job again",
+            )
+        self._missing_since.pop(job.id, None)
+        outcome = ray_outcome(job.state, info)
+        if outcome is None:
+            return job
+        event, reason = outcome
+        return self._apply(job, event, reason)
+
+    def _stop_ray_job(self, job: Job) -> Job:
+        sid = job.submission_id or ""
+        try:
+            self.jobs.runner.stop(sid)
+        except RayJobMissingError:  # gone with its cluster: nothing is left to stop
+            self._stopped.add(sid)
+            return self._apply(job, JobEvent.CANCELLED, None)
+        self._stopped.add(sid)
+        return job
+
+    def _start(self, job: Job) -> Job:
         job = self.jobs.store.get(job.id)  # fresh: a cancel may have come since the pass began
         if job.state is JobState.CANCELLING:  # cancelled before it reached Ray
-            self._apply(job, JobEvent.CANCELLED, None)
-            return
+            return self._apply(job, JobEvent.CANCELLED, None)
+        if job.state is not JobState.QUEUED or job.submission_id is not None:
+            return job
         try:
             sid = self.jobs.runner.submit(job.id, job.spec)
         except Exception as err:
             tries = self._submit_failures.get(job.id, 0) + 1
             self._submit_failures[job.id] = tries
-            logger.warning("submitting job %s failed (try %d): %s", job.id, tries, err)
             if tries >= self.submit_tries:
-                self._apply(job, JobEvent.FAIL, f"could not submit the job to Ray: {err}")
-            return
+                self._submit_failures.pop(job.id, None)
+                return self._apply(job, JobEvent.FAIL, f"could not submit the job to Ray: {err}")
+            raise
         self._submit_failures.pop(job.id, None)
-        self.jobs.store.set_submission(job.id, sid)
+        job = self.jobs.store.set_submission(job.id, sid)
+        self.jobs.publish_state(job)  # its queue position is gone, the others' moved
+        return job
 
     def _read_progress(self, job: Job) -> Job:
         records, cursor = self.jobs.runner.progress(job.id, job.cursor)
         if not records and cursor == job.cursor:
             return job
         reading = interpret(job, records, cursor)
-        job = self.jobs.store.add_progress(job.id, reading.progress)
+        if reading.problems:  # logged once per job, with the count at its end
+            self._trouble(job.id, "records", f"cleaned: {'; '.join(reading.problems)}")
+        try:
+            stored = self.jobs.store.add_progress(job.id, reading.progress)
+        except Exception as err:
+            count = self._trouble(job.id, "store", f"{type(err).__name__}: {err}")
+            if count >= self.store_tries:
+                return self._apply(
+                    job,
+                    JobEvent.FAIL,
+                    f"the service could not store this job's progress ({count} tries): {err}",
+                )
+            return job
+        self._resolved(job.id, "store")
         for kind, data in reading.updates:
-            self.jobs.hub.publish(Update(job.id, kind, data))
+            self.jobs.hub.publish(Update(stored.id, kind, data))
         if reading.events:
-            self.jobs.publish_state(job)
-        return job
+            self.jobs.publish_state(stored)
+        return stored
 
     def _apply(self, job: Job, event: JobEvent, reason: str | None) -> Job:
         try:
-            return self.jobs.apply(job.id, event, reason)
+            moved = self.jobs.apply(job.id, event, reason)
         except IllegalTransitionError as err:  # the state moved on under us (a cancel): re-read
             logger.info("job %s: %s", job.id, err)
             return self.jobs.store.get(job.id)
+        if moved.state.finished:
+            self._forget(job.id)
+        return moved

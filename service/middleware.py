@@ -1,14 +1,18 @@
-"""ASGI middleware of the service: a request-body size limit, and request timing for
-Prometheus. Both are plain ASGI (no buffering of bodies that are within the limit)."""
+"""ASGI middleware of the service: a request-body size limit, request timing for
+Prometheus, the bearer token, a rate limit on POSTs, the JobSpec body's media type (JSON or
+YAML) and depth, and the security headers of every response. All plain ASGI."""
 
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from collections.abc import Callable
 from typing import Any
 
+import yaml
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -172,3 +176,242 @@ UNAUTHORIZED_DETAIL = (
     "missing or wrong token: send 'Authorization: Bearer <token>' with the token the "
     "service was started with (kaisa-ray serve --token, or $KAISA_RAY_TOKEN)"
 )
+
+
+class SecurityHeaders:
+    """Every response of the service carries ``headers`` (its Content-Security-Policy and
+    friends): pages, their files, the API docs, errors alike."""
+
+    def __init__(self, app: ASGIApp, headers: dict[str, str]) -> None:
+        self.app = app
+        self.headers = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                names = {name.lower() for name, _ in message.get("headers", [])}
+                extra = [(k, v) for k, v in self.headers if k not in names]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+async def send_json(
+    send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """Answer with ``body`` as JSON, here and now (a middleware's refusal)."""
+    data = json.dumps(body).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": data})
+
+
+class RateLimit:
+    """At most ``rate`` POST requests a second per client (its address), with bursts of
+    ``burst``: a token bucket each. Over it: 429 with ``Retry-After`` (whole seconds). The
+    bucket of a client idle for a minute is dropped, so memory stays bounded."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        rate: float,
+        burst: int,
+        prefixes: tuple[str, ...],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.app, self.rate, self.burst, self.prefixes = app, rate, burst, prefixes
+        self.clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, at)
+        self.refused = 0
+
+    def _take(self, client: str) -> float:
+        """0 if the client may go now, else the seconds until it may."""
+        now = self.clock()
+        tokens, at = self._buckets.get(client, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - at) * self.rate)
+        if tokens >= 1:
+            self._buckets[client] = (tokens - 1, now)
+            return 0.0
+        self._buckets[client] = (tokens, now)
+        return (1 - tokens) / self.rate
+
+    def _prune(self) -> None:
+        if len(self._buckets) > 10_000:
+            now = self.clock()
+            self._buckets = {c: (t, at) for c, (t, at) in self._buckets.items() if now - at < 60}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or not any(scope["path"].startswith(p + "/") for p in self.prefixes)
+        ):
+            await self.app(scope, receive, send)
+            return
+        client = (scope.get("client") or ("unknown", 0))[0]
+        wait = self._take(client)
+        if not wait:
+            self._prune()
+            await self.app(scope, receive, send)
+            return
+        self.refused += 1
+        retry = max(1, math.ceil(wait))
+        await send_json(
+            send,
+            429,
+            {
+                "detail": f"too many requests: at most {self.rate:g} POSTs a second from one "
+                f"client (bursts of {self.burst}); retry in {retry} s (the service's "
+                "--post-rate and --post-burst set the limit)"
+            },
+            [(b"retry-after", str(retry).encode())],
+        )
+
+
+YAML_TYPES = frozenset({"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"})
+
+
+class SpecBody:
+    """The body of ``POST <path>`` (a JobSpec), before FastAPI reads it: JSON as it is, YAML
+    (``Content-Type: application/yaml``) turned into JSON, any other type refused with 415
+    saying what to send. Bodies nested deeper than ``max_depth`` (a JobSpec is at most about
+    6 levels deep) are refused with 422 before anything walks them. Parsing runs in a worker
+    thread, never on the event loop."""
+
+    def __init__(self, app: ASGIApp, *, path: str, max_depth: int = 32) -> None:
+        self.app, self.path, self.max_depth = app, path, max_depth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
+            await self.app(scope, receive, send)
+            return
+        headers = list(scope.get("headers", []))
+        declared = next((v.decode("latin-1") for k, v in headers if k == b"content-type"), "")
+        media = declared.split(";", 1)[0].strip().lower()
+        yaml_body = media in YAML_TYPES
+        if media and not yaml_body and media != "application/json" and not media.endswith("+json"):
+            await send_json(
+                send,
+                415,
+                {
+                    "detail": f"a JobSpec is sent as JSON (Content-Type: application/json) or "
+                    f"YAML (Content-Type: application/yaml), not {media}"
+                },
+            )
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        converted, problem = await run_in_threadpool(
+            _read_spec_body, body, yaml_body, self.max_depth
+        )
+        if problem is not None:
+            await send_json(
+                send,
+                422,
+                {
+                    "detail": f"1 problem(s): body: {problem}",
+                    "problems": [{"field": "body", "message": problem}],
+                },
+            )
+            return
+        if converted is not None:
+            body = converted
+            headers = [(k, v) for k, v in headers if k not in (b"content-type", b"content-length")]
+            headers += [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ]
+            scope = {**scope, "headers": headers}
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _read_spec_body(
+    body: bytes, yaml_body: bool, max_depth: int
+) -> tuple[bytes | None, str | None]:
+    """``(JSON to use instead, None)``, ``(None, None)`` to pass the body on as it is (FastAPI
+    names what is wrong with bad JSON), or ``(None, problem)``."""
+    if yaml_body:
+        try:
+            data = yaml.load(body, Loader=_NoAliasLoader)  # a SafeLoader without aliases
+        except yaml.YAMLError as err:
+            return None, f"not valid YAML: {err}"
+        except RecursionError:
+            return None, f"nested too deep: a JobSpec is at most {max_depth} levels deep"
+    else:
+        try:
+            data = json.loads(body)
+        except RecursionError:
+            return None, f"nested too deep: a JobSpec is at most {max_depth} levels deep"
+        except ValueError:
+            return None, None
+    depth = _depth(data, max_depth)
+    if depth > max_depth:
+        return None, (
+            f"nested more than {max_depth} levels deep; a JobSpec is a few levels deep (see "
+            "docs/jobspec.md)"
+        )
+    if not yaml_body:
+        return None, None
+    try:
+        return json.dumps(data, default=str).encode(), None
+    except ValueError as err:
+        return None, f"cannot be read as a JobSpec: {err}"
+
+
+def _depth(value: Any, limit: int) -> int:
+    """How deep ``value`` nests lists and dicts, counted up to ``limit + 1`` (no recursion)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            if deepest > limit:
+                return deepest
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+class _NoAliasLoader(yaml.SafeLoader):  # type: ignore[misc]
+    """YAML's safe loader without aliases: ``*name`` repeats a node by reference, so a few
+    hundred bytes can stand for gigabytes once written out as JSON (a "billion laughs")."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not accepted in a JobSpec", event.start_mark
+            )
+        return super().compose_node(parent, index)

@@ -2,12 +2,17 @@
 official ``JobSubmissionClient``, and the jobs' progress from the progress sink actor.
 
 ``Runner`` is the seam: the API tests put a fake behind it; ``RayRunner`` is the real thing.
-Each service job runs as a Ray Job with the same entrypoint a user passes to
+Each service job runs as a Ray Job with the same command a user passes to
 ``ray job submit``::
 
-    kaisa-ray train --spec '<the stored JobSpec as JSON>' --run-name <job id> --no-progress
+    kaisa-ray train --spec-key <key> --run-name <job id> --no-progress
 
-or, for a spec with a ``sweep`` section, ``kaisa-ray sweep`` with the same flags.
+or, for a spec with a ``sweep`` section, ``kaisa-ray sweep`` with the same flags. The stored
+JobSpec travels in the cluster's own key-value store (the GCS, under ``spec/<job id>`` in
+namespace ``kaisa-ray``), not on the command line: a command line has a size limit (one
+argument at most 128 KiB on Linux), a spec only the service's body limit. Each Ray Job
+reserves ``driver_cpus`` CPUs for its driver (``entrypoint_num_cpus``), so Ray itself never
+starts more drivers than the cluster holds.
 
 The submission id is derived from the job id, so a submission retried after a crash finds
 the first one instead of starting the job twice.
@@ -44,12 +49,26 @@ def submission_id(job_id: str) -> str:
     return f"kaisa-ray-{job_id}"
 
 
+SPEC_NAMESPACE = "kaisa-ray"
+
+
+def spec_key(job_id: str) -> str:
+    """Where the job's spec waits for its driver in the cluster's key-value store."""
+    return f"spec/{job_id}"
+
+
+class RayJobMissingError(LookupError):
+    """Ray has no Ray Job of this submission id (its cluster was restarted, or it was
+    deleted)."""
+
+
 def entrypoint(job_id: str, spec: dict[str, Any], storage_path: str | None) -> str:
     """The Ray Job's shell command for a stored job: ``kaisa-ray train`` on its spec, or
     ``kaisa-ray sweep`` when the spec has a ``sweep`` section (its trials and their records
-    go to the progress sink under the same run name, the job id)."""
+    go to the progress sink under the same run name, the job id). The spec itself is read
+    from the cluster (``spec_key``): the command's length does not grow with it."""
     command = "train" if spec.get("sweep") is None else "sweep"
-    words = ["kaisa-ray", command, "--spec", json.dumps(spec, separators=(",", ":"))]
+    words = ["kaisa-ray", command, "--spec-key", spec_key(job_id)]
     words += ["--run-name", job_id, "--no-progress"]
     if storage_path:
         words += ["--storage-path", storage_path]
@@ -67,7 +86,13 @@ class Runner(Protocol):
         """The status of each given submission (``MISSING`` when Ray does not know it)."""
         ...
 
-    def stop(self, submission_id: str) -> None: ...
+    def stop(self, submission_id: str) -> None:
+        """Ask Ray to stop it; ``RayJobMissingError`` when Ray has no such Ray Job."""
+        ...
+
+    def cpus(self) -> float | None:
+        """The cluster's CPUs (None: unknown), for admission control."""
+        ...
 
     def logs(self, submission_id: str) -> str: ...
 
@@ -89,6 +114,7 @@ class RayRunner:
         *,
         dashboard_url: str | None = None,
         storage_path: str | None = None,
+        driver_cpus: float = 0.25,
     ) -> None:
         import ray
         from ray.job_submission import JobSubmissionClient
@@ -107,6 +133,7 @@ class RayRunner:
         self.address = address
         self.dashboard_url = dashboard_url
         self.storage_path = storage_path
+        self.driver_cpus = driver_cpus
         self._client = JobSubmissionClient(dashboard_url)
         self._sink: Any = None
 
@@ -118,10 +145,19 @@ class RayRunner:
         except RuntimeError as err:
             if "404" not in str(err) and "does not exist" not in str(err):
                 raise
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(
+            spec_key(job_id),
+            json.dumps(spec, separators=(",", ":")).encode(),
+            overwrite=True,
+            namespace=SPEC_NAMESPACE,
+        )
         self._client.submit_job(
             entrypoint=entrypoint(job_id, spec, self.storage_path),
             submission_id=sid,
             metadata={"kaisa_ray_job": job_id},
+            entrypoint_num_cpus=self.driver_cpus or None,
         )
         return sid
 
@@ -137,7 +173,18 @@ class RayRunner:
         return {sid: found.get(sid, RayJobInfo(RayJobStatus.MISSING)) for sid in submission_ids}
 
     def stop(self, submission_id: str) -> None:
-        self._client.stop_job(submission_id)
+        try:
+            self._client.stop_job(submission_id)
+        except RuntimeError as err:
+            if "404" in str(err) or "does not exist" in str(err):
+                raise RayJobMissingError(submission_id) from err
+            raise
+
+    def cpus(self) -> float | None:
+        import ray
+
+        found = ray.cluster_resources().get("CPU")  # type: ignore[no-untyped-call]
+        return float(found) if found is not None else None
 
     def logs(self, submission_id: str) -> str:
         return str(self._client.get_job_logs(submission_id))

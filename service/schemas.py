@@ -23,7 +23,15 @@ class ProgressView(BaseModel):
     total: int | None = Field(
         description="the job's steps in all, once training started (a sweep: the trials planned)"
     )
-    percent: float | None
+    percent: float | None = Field(
+        description="step over total in percent; 100 once the job SUCCEEDED (also when it "
+        "stopped early at its target)"
+    )
+    target_met: bool = Field(
+        default=False,
+        description="the job SUCCEEDED by meeting stop.target before its step limit: it is "
+        "done, not stuck at percent",
+    )
 
 
 class TransitionView(BaseModel):
@@ -38,6 +46,11 @@ class JobView(BaseModel):
     id: str
     name: str
     state: JobState
+    queue_position: int | None = Field(
+        default=None,
+        description="while the job waits for admission (QUEUED, not yet in Ray): 1 if it is "
+        "next, and so on; null otherwise",
+    )
     progress: ProgressView
     metrics: dict[str, float | int | None] = Field(
         description="the latest step and evaluation metrics (loss, accuracy, samples_per_s, "
@@ -173,15 +186,26 @@ class Health(BaseModel):
     checks: dict[str, str] = Field(default_factory=dict)
 
 
-def job_view(job: Job) -> JobView:
+def job_view(job: Job, queue_position: int | None = None) -> JobView:
     total = job.total_steps
     percent = round(100 * job.step / total, 2) if total else None
+    succeeded = job.state is JobState.SUCCEEDED
+    target_met = bool(
+        succeeded
+        and total
+        and job.step < total
+        and (job.spec.get("stop") or {}).get("target") is not None
+        and job.spec.get("sweep") is None
+    )
+    if succeeded:
+        percent = 100.0
     tuner = job.tuner
     return JobView(
         id=job.id,
         name=job.name,
         state=job.state,
-        progress=ProgressView(step=job.step, total=total, percent=percent),
+        queue_position=queue_position,
+        progress=ProgressView(step=job.step, total=total, percent=percent, target_met=target_met),
         metrics={k: v for k, v in job.latest.items() if isinstance(v, int | float) or v is None},
         decision=tuner.get("chosen") if tuner else None,
         tuner=tuner,
@@ -258,9 +282,11 @@ def sweep_view(job: Job) -> SweepView | None:
     )
 
 
-def job_detail(job: Job, transitions: list[Transition]) -> JobDetail:
+def job_detail(
+    job: Job, transitions: list[Transition], queue_position: int | None = None
+) -> JobDetail:
     return JobDetail(
-        **job_view(job).model_dump(),
+        **job_view(job, queue_position).model_dump(),
         sweep=sweep_view(job),
         transitions=[
             TransitionView(

@@ -3,10 +3,17 @@ variables over these defaults (pydantic-settings)."""
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MAX_WORKERS = 4096  # the JobSpec's own bound (kaisa_ray.train.spec.MAX_WORKERS)
+
+
+class InsecureBindError(ValueError):
+    """A service reachable from other machines with no token."""
 
 
 class Settings(BaseSettings):
@@ -36,8 +43,53 @@ class Settings(BaseSettings):
         "default, $KAISA_RAY_STORAGE on the cluster's nodes]; on a multi-node cluster, storage "
         "every node reaches",
     )
-    token: SecretStr | None = None
-    max_body_bytes: int = Field(default=256 * 1024, gt=0)
+    token: SecretStr | None = Field(
+        default=None, description="the API's bearer token (prefer $KAISA_RAY_TOKEN or a file)"
+    )
+    token_file: Path | None = Field(
+        default=None, description="a file holding the token (its first line); not with token"
+    )
+    insecure: bool = Field(
+        default=False,
+        description="allow a non-loopback host without a token (anyone who reaches the port "
+        "can run jobs)",
+    )
+    max_body_bytes: int = Field(default=64 * 1024, gt=0, le=16 * 2**20)
+    max_workers: int = Field(
+        default=64, gt=0, le=MAX_WORKERS, description="the most workers one job may ask for"
+    )
+    max_gpus_per_worker: float = Field(
+        default=8, ge=0, le=16, description="the most GPUs one worker may ask for"
+    )
+    max_running: int | None = Field(
+        default=None,
+        gt=0,
+        le=10_000,
+        description="jobs in Ray at once; the rest wait QUEUED in order [default: as many as "
+        "the cluster's CPUs hold, each job's workers and driver counted]",
+    )
+    driver_cpus: float = Field(
+        default=0.25,
+        ge=0,
+        le=64,
+        description="CPUs each job's Ray Job driver reserves (its entrypoint_num_cpus)",
+    )
+    post_rate: float = Field(
+        default=20, gt=0, le=1e6, description="POST requests per second per client (sustained)"
+    )
+    post_burst: int = Field(
+        default=40, gt=0, le=10**6, description="POST requests per client in a burst"
+    )
+    lost_grace_s: float = Field(
+        default=30,
+        ge=0,
+        le=86400,
+        description="how long a running job's Ray Job may be missing from Ray before the job "
+        "is FAILED as lost with its cluster",
+    )
+    idempotency_ttl_s: float = Field(
+        default=24 * 3600, gt=0, description="how long an Idempotency-Key names its job"
+    )
     poll_interval_s: float = Field(
         default=0.25, gt=0, description="how often the follower reads the jobs' progress"
     )
@@ -60,6 +112,35 @@ class Settings(BaseSettings):
             return None
         return token
 
+    @model_validator(mode="after")
+    def _token_and_bind(self) -> Settings:
+        if self.token_file is not None:
+            if self.token is not None:
+                raise ValueError("give the token or a token file, not both")
+            try:
+                line = (
+                    self.token_file.read_text().splitlines()[0].strip()
+                    if (self.token_file.stat().st_size)
+                    else ""
+                )
+            except OSError as err:
+                raise ValueError(f"cannot read the token file {self.token_file}: {err}") from None
+            if not line:
+                raise ValueError(f"the token file {self.token_file} is empty")
+            object.__setattr__(self, "token", SecretStr(line))
+        if self.token is None and not self.insecure and not loopback(self.host):
+            raise InsecureBindError(
+                f"refusing to serve on {self.host} without a token: anyone who reaches that "
+                "address could run jobs on the cluster. Set a token ($KAISA_RAY_TOKEN or "
+                "--token-file), bind 127.0.0.1, or pass --insecure if the network is yours alone"
+            )
+        return self
+
+    @property
+    def secret(self) -> str | None:
+        """The token's value, or None for an open API."""
+        return self.token.get_secret_value() if self.token is not None else None
+
     @property
     def database(self) -> str:
         return self.database_url or f"sqlite:///{self.data_dir / 'jobs.db'}"
@@ -72,3 +153,13 @@ class Settings(BaseSettings):
         if self.storage_path or self.ray_address:
             return self.storage_path
         return str(self.data_dir / "runs")
+
+
+def loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is only reachable from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

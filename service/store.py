@@ -9,6 +9,7 @@ same database transaction as the new state: the history can never disagree with 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import secrets
@@ -22,7 +23,7 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, delete, event, func, select, text
+from sqlalchemy import Engine, create_engine, delete, event, func, make_url, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -166,22 +167,30 @@ def migrate(engine: Engine) -> None:
 
 
 class DatabaseInUseError(RuntimeError):
-    """Another service process has this SQLite database open."""
+    """Another service process has this SQLite database, or this data directory, open."""
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file a SQLite URL opens, resolved as SQLAlchemy resolves it (any driver:
+    ``sqlite:///``, ``sqlite+pysqlite:///``, ``sqlite+aiosqlite:///``; relative to the working
+    directory; symlinks followed); None for an in-memory database or another backend."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return None
+    database = parsed.database or ""
+    if database in ("", ":memory:") or parsed.query.get("mode") == "memory":
+        return None
+    if database.startswith("file:"):  # a SQLite URI filename (uri=true)
+        database = database.removeprefix("file:").split("?", 1)[0]
+        if not database or database == ":memory:":
+            return None
+    return Path(database).expanduser().resolve()
 
 
 @contextmanager
-def sole_writer(url: str) -> Iterator[None]:
-    """Hold an exclusive lock beside a SQLite database (``<file>.lock``) while the block
-    runs, so that a second service on the same file refuses to start: the service is the
-    database's only writer (its follower submits each queued job once, and its read cache
-    trusts that no one else writes). The kernel drops the lock when the process dies, so a
-    killed service never blocks its restart. Other databases are not locked: run one
-    service per database."""
-    path = url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else ""
-    if not path or path == ":memory:":
-        yield
-        return
-    lock = Path(path + ".lock")
+def _flock(lock: Path, refusal: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock`` while the block runs (the kernel drops it when the
+    process dies); another holder: ``DatabaseInUseError(refusal.format(pid=...))``."""
     lock.parent.mkdir(parents=True, exist_ok=True)
     with lock.open("a+") as handle:
         try:
@@ -189,10 +198,7 @@ def sole_writer(url: str) -> Iterator[None]:
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "unknown"
-            raise DatabaseInUseError(
-                f"another kaisa-ray service (pid {holder}) uses the database {path}; stop it, "
-                "or give this one its own --data-dir or --database-url"
-            ) from None
+            raise DatabaseInUseError(refusal.format(pid=holder)) from None
         handle.seek(0)
         handle.truncate()
         handle.write(str(os.getpid()))
@@ -201,6 +207,38 @@ def sole_writer(url: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextmanager
+def sole_writer(url: str, data_dir: Path | None = None) -> Iterator[None]:
+    """Hold exclusive locks on the service's data directory (``<data_dir>/service.lock``:
+    its embedded Ray head's ``head.json``, logs and runs) and beside a SQLite database
+    (``<file>.lock``, the file SQLAlchemy opens) while the block runs, so that a second
+    service on either refuses to start: the service is the database's only writer (its
+    follower submits each queued job once, and its read cache trusts that no one else
+    writes), and one data directory holds one service's cluster. The kernel drops the locks
+    when the process dies, so a killed service never blocks its restart. Other databases are
+    not locked: run one service per database."""
+    with contextlib.ExitStack() as stack:
+        if data_dir is not None:
+            where = Path(data_dir).expanduser().resolve()
+            stack.enter_context(
+                _flock(
+                    where / "service.lock",
+                    f"another kaisa-ray service (pid {{pid}}) uses the data directory {where}; "
+                    "stop it, or give this one its own --data-dir",
+                )
+            )
+        path = sqlite_file(url)
+        if path is not None:
+            stack.enter_context(
+                _flock(
+                    path.with_name(path.name + ".lock"),
+                    f"another kaisa-ray service (pid {{pid}}) uses the database {path}; stop "
+                    "it, or give this one its own --data-dir or --database-url",
+                )
+            )
+        yield
 
 
 def new_job_id() -> str:
@@ -212,12 +250,11 @@ class JobStore:
     """The service's database. Thread-safe: writes are serialised by a lock."""
 
     def __init__(self, url: str) -> None:
-        if url.startswith("sqlite:///"):
-            path = url.removeprefix("sqlite:///")
-            if path and path != ":memory:":
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
+        path = sqlite_file(url)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
         self.url = url
-        sqlite = url.startswith("sqlite")
+        sqlite = make_url(url).get_backend_name() == "sqlite"
         self.engine = create_engine(
             url, connect_args={"check_same_thread": False} if sqlite else {}
         )
@@ -257,17 +294,26 @@ class JobStore:
     # -- jobs ----------------------------------------------------------------------------
 
     def create(
-        self, spec: Mapping[str, Any], *, idempotency_key: str | None = None
+        self,
+        spec: Mapping[str, Any],
+        *,
+        idempotency_key: str | None = None,
+        idempotency_ttl_s: float = 24 * 3600,
     ) -> tuple[Job, bool]:
         """Store a new QUEUED job; returns it and True, or, when ``idempotency_key`` was
-        used before for the same spec, that job and False (a retried POST). The same key
-        with a different spec is a ``JobConflictError``."""
+        used in the last ``idempotency_ttl_s`` for the same spec, that job and False (a
+        retried POST). The same key with a different spec is a ``JobConflictError``; an
+        older use of the key is forgotten (the old job keeps everything but the key)."""
         spec = dict(spec)
         with self._writing() as session:
             if idempotency_key is not None:
                 found = session.scalars(
                     select(JobRow).where(JobRow.idempotency_key == idempotency_key)
                 ).first()
+                if found is not None and found.created_at < time.time() - idempotency_ttl_s:
+                    found.idempotency_key = None  # expired: the key names a new job now
+                    session.flush()
+                    found = None
                 if found is not None:
                     if found.spec != spec:
                         raise JobConflictError(
@@ -366,6 +412,50 @@ class JobStore:
             row = self._row(session, job_id)
             _move(session, row, event, reason)
             return Job.of(row)
+
+    def cancel(self, job_id: str, reason: str = "cancelled by a user") -> Job:
+        """Ask for a job to stop, checked and applied in one transaction: CANCELLING (or
+        CANCELLED for a job that never reached Ray); a job already cancelling or cancelled
+        is returned as it is (so concurrent cancels all succeed); a job that finished
+        otherwise is a ``JobConflictError``."""
+        with self._writing() as session:
+            row = self._row(session, job_id)
+            state = JobState(row.state)
+            if state in (JobState.CANCELLING, JobState.CANCELLED):
+                return Job.of(row)
+            if state in FINISHED:
+                raise JobConflictError(
+                    f"job {job_id} already finished as {state}; nothing to cancel"
+                )
+            _move(session, row, JobEvent.CANCEL, reason)
+            return Job.of(row)
+
+    def queue(self) -> list[str]:
+        """The jobs waiting for admission (QUEUED, not yet sent to Ray), first in line first."""
+        query = (
+            select(JobRow.id)
+            .where(JobRow.state == JobState.QUEUED.value, JobRow.submission_id.is_(None))
+            .order_by(JobRow.created_at, JobRow.id)
+        )
+        with self._sessions() as session:
+            return list(session.scalars(query).all())
+
+    def queue_position(self, job: Job) -> int | None:
+        """1 for the next job to be admitted, and so on; None for a job not waiting."""
+        if job.state is not JobState.QUEUED or job.submission_id is not None:
+            return None
+        query = (
+            select(func.count())
+            .select_from(JobRow)
+            .where(
+                JobRow.state == JobState.QUEUED.value,
+                JobRow.submission_id.is_(None),
+                (JobRow.created_at < job.created_at)
+                | ((JobRow.created_at == job.created_at) & (JobRow.id < job.id)),
+            )
+        )
+        with self._sessions() as session:
+            return int(session.scalar(query) or 0) + 1
 
     def set_submission(self, job_id: str, submission_id: str) -> Job:
         with self._writing() as session:

@@ -6,7 +6,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from service.runner import RayJobInfo, RayJobStatus, entrypoint, submission_id
+from service.runner import (
+    RayJobInfo,
+    RayJobMissingError,
+    RayJobStatus,
+    entrypoint,
+    submission_id,
+)
 
 
 class FakeRunner:
@@ -21,6 +27,9 @@ class FakeRunner:
         self.fail_logs: Exception | None = None  # raised by logs()
         self.stop_takes_effect = True  # False: stop() is recorded, the Ray Job runs on
         self.up = True
+        self.cluster_cpus: float | None = None  # None: admission counts jobs only
+        self.fail_progress: dict[str, Exception] = {}  # job id -> raised by progress()
+        self.address = "fake-cluster:6379"
 
     # -- what the test does ----------------------------------------------------------------
 
@@ -50,8 +59,17 @@ class FakeRunner:
         with self.lock:
             return {s: self.status.get(s, RayJobInfo(RayJobStatus.MISSING)) for s in submission_ids}
 
+    def vanish(self, job_id: str) -> None:
+        """Ray forgets the job's Ray Job (its cluster was restarted)."""
+        with self.lock:
+            self.status[submission_id(job_id)] = RayJobInfo(RayJobStatus.MISSING)
+
     def stop(self, sid: str) -> None:
         with self.lock:
+            if self.status.get(sid, RayJobInfo(RayJobStatus.MISSING)).status is (
+                RayJobStatus.MISSING
+            ):
+                raise RayJobMissingError(sid)
             self.stopped.append(sid)
             if self.stop_takes_effect:
                 self.status[sid] = RayJobInfo(RayJobStatus.STOPPED, "stopped")
@@ -61,7 +79,12 @@ class FakeRunner:
             raise self.fail_logs
         return f"log of {sid}\n"
 
+    def cpus(self) -> float | None:
+        return self.cluster_cpus
+
     def progress(self, run: str, since: int) -> tuple[list[dict[str, Any]], int]:
+        if run in self.fail_progress:
+            raise self.fail_progress[run]
         with self.lock:
             log = self.records.get(run, [])
             return [r for r in log if r["seq"] >= since], len(log)

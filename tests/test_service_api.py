@@ -115,6 +115,7 @@ def start(
         "token": TOKEN,
         "poll_interval_s": 0.02,
         "status_interval_s": 0.02,
+        "lost_grace_s": 0.2,
     }
     options.update(settings)
     app = create_app(Settings(**options), runner=fake)
@@ -160,7 +161,7 @@ def test_a_submitted_job_is_queued_and_reaches_ray(service: Service) -> None:
     assert job["state"] == "QUEUED"
     assert job["name"] == "first"
     assert job["submission_id"] is None
-    assert job["progress"] == {"step": 0, "total": None, "percent": None}
+    assert job["progress"] == {"step": 0, "total": None, "percent": None, "target_met": False}
     assert (job["metrics"], job["decision"], job["tuner"], job["failure_reason"]) == (
         {},
         None,
@@ -313,7 +314,10 @@ def test_every_problem_of_a_spec_is_named_at_once(service: Service) -> None:
         "scaling.workers",
     ]
     problems = {p["field"]: p["message"] for p in response.json()["problems"]}
-    assert problems["bogus"] == "unknown field; check its spelling against the JobSpec reference"
+    assert problems["bogus"].startswith(
+        "unknown field 'bogus' in the job; the job's fields are name"
+    )
+    assert problems["bogus"].endswith("(every field: docs/jobspec.md)")
     assert problems["kfac.damping"] == "Input should be greater than 0"
     assert problems["model.name"].startswith("unknown model 'no-such-model'; choose one of")
     assert problems["memory_budget"].endswith("write a size such as '2GiB' or '512MB'")
@@ -528,7 +532,7 @@ def test_a_job_shows_its_progress_metrics_and_decision(service: Service) -> None
         "running at step 20",
         lambda j: j["state"] == "RUNNING" and j["progress"]["step"] == 20,
     )
-    assert shown["progress"] == {"step": 20, "total": 200, "percent": 10.0}
+    assert shown["progress"] == {"step": 20, "total": 200, "percent": 10.0, "target_met": False}
     assert shown["metrics"] == {
         "loss": 1.5,
         "accuracy": 0.5,
@@ -550,7 +554,7 @@ def test_a_job_shows_its_progress_metrics_and_decision(service: Service) -> None
     assert done["finished_at"] is not None
     assert done["finished_at"] >= done["started_at"]
     assert done["failure_reason"] is None
-    assert done["progress"] == {"step": 20, "total": 200, "percent": 10.0}
+    assert done["progress"] == {"step": 20, "total": 200, "percent": 100.0, "target_met": False}
     assert history(done)[-1] == ("RUNNING", "SUCCEEDED", "succeed")
     assert [t["reason"] for t in done["transitions"]] == [None, None, None]
 
@@ -620,7 +624,7 @@ def test_a_failed_pass_loses_no_state_change(
         {"kind": "step", "step": 3, "loss": 1.0},
     )
     running = service.wait_state(job["id"], "RUNNING")
-    assert running["progress"] == {"step": 3, "total": 10, "percent": 30.0}
+    assert running["progress"] == {"step": 3, "total": 10, "percent": 30.0, "target_met": False}
     assert history(running) == [(None, "QUEUED", "submit"), ("QUEUED", "RUNNING", "run")]
 
 
@@ -641,7 +645,9 @@ def test_a_failed_pass_loses_no_state_change(
         (
             RayJobStatus.MISSING,
             "",
-            "Ray has no record of this job's Ray Job (was the cluster restarted?); "
+            # After the grace period (lost_grace_s, 0.2 s in these tests).
+            "lost with its cluster: the Ray cluster at fake-cluster:6379 has had no record of "
+            "its Ray Job kaisa-ray-{id} for 0 s (the cluster or its head was restarted?); "
             "submit the job again",
         ),
     ],
@@ -651,6 +657,7 @@ def test_ray_ending_a_job_otherwise_fails_it(
     service: Service, status: RayJobStatus, message: str, reason: str
 ) -> None:
     job = service.running()
+    reason = reason.format(id=job["id"])
     service.fake.finish(job["id"], status, message)
     failed = service.wait_state(job["id"], "FAILED")
     assert failed["failure_reason"] == reason
@@ -786,7 +793,7 @@ def test_events_follow_a_job_until_it_finishes(service: Service) -> None:
     last_kind, last = received[-1]
     assert last_kind == "state"
     assert last["state"] == "SUCCEEDED"
-    assert last["progress"] == {"step": 20, "total": 30, "percent": 66.67}
+    assert last["progress"] == {"step": 20, "total": 30, "percent": 100.0, "target_met": False}
     assert last["finished_at"] is not None
     assert [kind for kind, _ in received if kind != "state"] == [
         "tuner",
@@ -954,7 +961,8 @@ def test_a_sweep_job_shows_its_trials_and_best_spec(service: Service) -> None:
     job = sweep_job(service)
     words = shlex.split(service.fake.entrypoints[submission_id(job["id"])])
     assert words[:2] == ["kaisa-ray", "sweep"]
-    assert json.loads(words[words.index("--spec") + 1]) == job["spec"]
+    assert words[words.index("--spec-key") + 1] == f"spec/{job['id']}"
+    assert service.fake.submitted[submission_id(job["id"])] == job["spec"]
     assert words[words.index("--run-name") + 1] == job["id"]
     assert "--no-progress" in words
     # Before its first record, the plan from the spec, and no trials.
@@ -978,7 +986,7 @@ def test_a_sweep_job_shows_its_trials_and_best_spec(service: Service) -> None:
         "two trials at step 20",
         lambda j: j["state"] == "RUNNING" and [t["step"] for t in j["sweep"]["trials"]] == [20, 20],
     )
-    assert running["progress"] == {"step": 0, "total": 3, "percent": 0.0}
+    assert running["progress"] == {"step": 0, "total": 3, "percent": 0.0, "target_met": False}
     assert history(running) == [(None, "QUEUED", "submit"), ("QUEUED", "RUNNING", "run")]
     assert running["sweep"]["trials"] == [
         {
@@ -1008,7 +1016,7 @@ def test_a_sweep_job_shows_its_trials_and_best_spec(service: Service) -> None:
     service.fake.push(job["id"], *sweeps.SECOND, result)
     ended = service.wait(job["id"], "the sweep's result", lambda j: j["sweep"]["best"] is not None)
     assert ended["state"] == "RUNNING"  # until Ray says the Ray Job ended
-    assert ended["progress"] == {"step": 3, "total": 3, "percent": 100.0}
+    assert ended["progress"] == {"step": 3, "total": 3, "percent": 100.0, "target_met": False}
     shown = ended["sweep"]
     assert shown["trials_ended"] == 3
     assert shown["seconds"] == 42.5
@@ -1073,7 +1081,12 @@ def test_the_events_of_a_sweep_job_carry_its_trials_and_result(service: Service)
     assert states[0] == "QUEUED"
     assert states[-1] == "SUCCEEDED"
     assert "RUNNING" in states
-    assert received[-1][1]["progress"] == {"step": 3, "total": 3, "percent": 100.0}
+    assert received[-1][1]["progress"] == {
+        "step": 3,
+        "total": 3,
+        "percent": 100.0,
+        "target_met": False,
+    }
 
 
 # -- GET /v1/jobs/{id}/logs --------------------------------------------------------------
@@ -1389,14 +1402,14 @@ def test_an_internal_error_is_a_500_without_the_traceback(
 
 
 API_RESPONSES = {
-    ("POST", "/v1/jobs"): {"201", "401", "409", "413", "422"},
+    ("POST", "/v1/jobs"): {"201", "401", "409", "413", "415", "422", "429"},
     ("GET", "/v1/jobs"): {"200", "401", "422"},
     ("GET", "/v1/jobs/{job_id}"): {"200", "401", "404", "422"},
     ("DELETE", "/v1/jobs/{job_id}"): {"204", "401", "404", "409", "422"},
     ("GET", "/v1/jobs/{job_id}/metrics"): {"200", "401", "404", "422"},
     ("GET", "/v1/jobs/{job_id}/events"): {"200", "401", "404", "422"},
     ("GET", "/v1/jobs/{job_id}/logs"): {"200", "401", "404", "422", "503"},
-    ("POST", "/v1/jobs/{job_id}/cancel"): {"200", "401", "404", "409", "422"},
+    ("POST", "/v1/jobs/{job_id}/cancel"): {"200", "401", "404", "409", "422", "429"},
     ("GET", "/v1/events"): {"200", "401"},
     ("GET", "/v1/registry"): {"200", "401"},
 }
@@ -1467,7 +1480,8 @@ def test_a_second_service_on_the_same_database_is_refused(tmp_path: Path) -> Non
     _, first = start(tmp_path, FakeRunner())
     with first:
         job = first.post("/v1/jobs", json=spec("kept")).json()
-        _, second = start(tmp_path, FakeRunner())
+        database = f"sqlite+pysqlite:///{tmp_path / 'jobs.db'}"  # the same file, another URL
+        _, second = start(tmp_path / "elsewhere", FakeRunner(), database_url=database)
         with pytest.raises(DatabaseInUseError) as refused:
             second.__enter__()
         message = str(refused.value)

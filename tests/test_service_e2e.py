@@ -118,7 +118,7 @@ def test_two_jobs_side_by_side_one_followed_to_success_one_cancelled(
 
     final = client.job(job["id"])
     assert final["state"] == "SUCCEEDED"
-    assert final["progress"] == {"step": 40, "total": 40, "percent": 100.0}
+    assert final["progress"] == {"step": 40, "total": 40, "percent": 100.0, "target_met": False}
     assert final["metrics"]["test_accuracy"] == pytest.approx(evals[-1]["test_accuracy"])
     assert final["metrics"]["samples_per_s"] > 0
     assert [t["to_state"] for t in final["transitions"]] == ["QUEUED", "RUNNING", "SUCCEEDED"]

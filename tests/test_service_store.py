@@ -221,7 +221,8 @@ def test_a_database_made_at_revision_0001_is_upgraded_in_place(tmp_path: Path) -
         stored = opened.add_progress("old", Progress(cursor=8, sweep=SWEEP))
         assert (stored.sweep, stored.latest, stored.step) == (SWEEP, job.latest, 20)
         with pytest.raises(JobConflictError, match="'key-old' was used for job old"):
-            opened.create(spec("kept"), idempotency_key="key-old")
+            # (created in 1970: a key that never expires here, to see the old row's key kept)
+            opened.create(spec("kept"), idempotency_key="key-old", idempotency_ttl_s=2e9)
     finally:
         opened.close()
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+import kaisa_ray.train.cli as train_cli
 from kaisa_ray.train.spec import parse_job_spec
 from service.cli import main as kaisa_ray_cli
 from service.jobs import Reading, interpret
@@ -55,29 +56,39 @@ def plain_spec() -> dict[str, Any]:
 def test_a_spec_with_a_sweep_runs_kaisa_ray_sweep() -> None:
     spec = sweep_spec()
     words = shlex.split(entrypoint("0190abc", spec, "/shared/runs"))
-    assert words[:3] == ["kaisa-ray", "sweep", "--spec"]
-    assert json.loads(words[3]) == spec
+    # The spec travels in the cluster's key-value store, not on the command line.
+    assert words[:4] == ["kaisa-ray", "sweep", "--spec-key", "spec/0190abc"]
     assert words[4:] == ["--run-name", "0190abc", "--no-progress", "--storage-path", "/shared/runs"]
 
 
 def test_a_spec_without_a_sweep_trains() -> None:
     spec = plain_spec()
     words = shlex.split(entrypoint("0190abc", spec, None))
-    assert words[:2] == ["kaisa-ray", "train"]
-    assert json.loads(words[3]) == spec
+    assert words[:4] == ["kaisa-ray", "train", "--spec-key", "spec/0190abc"]
     assert words[4:] == ["--run-name", "0190abc", "--no-progress"]
     # A sweep section set to null (how a spec dumped without one says so) is no sweep.
     assert shlex.split(entrypoint("j", {**spec, "sweep": None}, None))[1] == "train"
 
 
 @pytest.mark.parametrize("swept", [True, False], ids=["sweep", "train"])
-def test_the_cli_accepts_the_entrypoint(swept: bool, tmp_path: Path) -> None:
+def test_the_cli_accepts_the_entrypoint(
+    swept: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The command line the Ray Job runs, parsed by kaisa-ray's own CLI (with --dry-run, so
-    nothing starts): every flag exists on that command and the spec is valid there."""
+    nothing starts): every flag exists on that command and the spec it reads from the
+    cluster's key-value store (faked at its seam here) is valid there."""
     spec = sweep_spec() if swept else plain_spec()
+    read: list[str] = []
+
+    def from_the_cluster(key: str) -> str:
+        read.append(key)
+        return json.dumps(spec)
+
+    monkeypatch.setattr(train_cli, "_read_key", from_the_cluster)
     words = shlex.split(entrypoint("0190abc", spec, str(tmp_path / "runs")))
     result = CliRunner().invoke(kaisa_ray_cli, [*words[1:], "--dry-run"])
     assert result.exit_code == 0, result.output
+    assert read == ["spec/0190abc"]
     shown = json.loads(result.output)
     if swept:
         assert shown["trials"] == 3

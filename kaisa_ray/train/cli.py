@@ -210,20 +210,52 @@ def _parse(text: str) -> JobSpec:
         raise click.ClickException(str(err)) from err
 
 
-def _job(config: Path | None, spec_json: str | None) -> JobSpec:
-    """The job from ``--config FILE`` or ``--spec JSON`` (exactly one of them)."""
-    if (config is None) == (spec_json is None):
-        raise click.UsageError("give the job as --config FILE or as --spec JSON (one of them)")
+def _job(config: Path | None, spec_json: str | None, spec_key: str | None = None) -> JobSpec:
+    """The job from ``--config FILE``, ``--spec JSON`` or ``--spec-key KEY`` (one of them)."""
+    if sum(given is not None for given in (config, spec_json, spec_key)) != 1:
+        raise click.UsageError(
+            "give the job as --config FILE, --spec JSON or --spec-key KEY (one of them)"
+        )
+    if spec_key is not None:
+        return _parse(_read_key(spec_key))
     return _load(config) if config is not None else _parse(spec_json or "")
+
+
+SPEC_NAMESPACE = "kaisa-ray"  # service.runner.SPEC_NAMESPACE
+
+
+def _read_key(key: str) -> str:
+    """The job the service left in the cluster's key-value store (the GCS) under ``key``:
+    a spec of any size, where a command line has a limit."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    from kaisa_ray.train.job import ensure_ray
+
+    ensure_ray()
+    value = _internal_kv_get(key, namespace=SPEC_NAMESPACE)
+    if value is None:
+        raise click.ClickException(
+            f"the cluster holds no job spec under {key!r} (namespace {SPEC_NAMESPACE!r}): it is "
+            "put there by the kaisa-ray service before it submits the job; was the cluster "
+            "restarted? Submit the job again"
+        )
+    return bytes(value).decode()
 
 
 def job_options(command: Any) -> Any:
     """``--config FILE`` or ``--spec JSON``: the job a command runs."""
     command = click.option(
+        "--spec-key",
+        "spec_key",
+        default=None,
+        help="The job as the service left it in the cluster's key-value store (what the "
+        "service's Ray Jobs run).",
+    )(command)
+    command = click.option(
         "--spec",
         "spec_json",
         default=None,
-        help="The job as one JSON object instead of a file (what the service's Ray Jobs run).",
+        help="The job as one JSON object instead of a file.",
     )(command)
     return click.option(
         "--config",
@@ -270,6 +302,7 @@ def validate(config: Path) -> None:
 def train(
     config: Path | None,
     spec_json: str | None,
+    spec_key: str | None,
     storage_path: str | None,
     resume_from: str | None,
     run_name: str | None,
@@ -280,7 +313,7 @@ def train(
     from kaisa_ray.errors import ConfigurationError
     from kaisa_ray.train.job import describe_run, run_job
 
-    spec = _job(config, spec_json)
+    spec = _job(config, spec_json, spec_key)
     if dry_run:
         try:
             plan = describe_run(spec, storage_path=storage_path, run_name=run_name)
@@ -356,6 +389,7 @@ def tune(config: Path, storage_path: str | None, verify: int | None) -> None:
 def sweep(
     config: Path | None,
     spec_json: str | None,
+    spec_key: str | None,
     storage_path: str | None,
     run_name: str | None,
     output: Path | None,
@@ -372,7 +406,7 @@ def sweep(
     from kaisa_ray.train.job import unique_run_name
     from kaisa_ray.train.sweep import TrialTable, run_sweep
 
-    spec = _job(config, spec_json)
+    spec = _job(config, spec_json, spec_key)
     if spec.sweep is None:
         raise click.ClickException(
             f"job {spec.name!r} has no sweep section; add one, or train it with `kaisa-ray train`"

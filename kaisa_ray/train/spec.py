@@ -702,13 +702,10 @@ def field_problems(items: Sequence[Any]) -> list[tuple[str, str]]:
 
 _BOUND_ERRORS = frozenset(
     {
-        "less_than",
+        "less_than",  # upper bounds only: they are what LIMITS explains
         "less_than_equal",
-        "greater_than",
-        "greater_than_equal",
         "too_long",
         "string_too_long",
-        "int_from_float",
     }
 )
 REFERENCE = "docs/jobspec.md"
