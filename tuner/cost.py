@@ -26,6 +26,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kaisa_ray.assignment import LayerShape
 from kaisa_ray.errors import ConfigurationError
@@ -90,6 +91,19 @@ def precondition_flops(layer: LayerShape, compute_method: str) -> float:
     return one_sandwich * (2 if compute_method == "eigen" else 1)
 
 
+class DecompositionModel(Protocol):
+    """Seconds of decomposing one ``n × n`` factor (``CubicFit``, or a measured table)."""
+
+    def seconds(self, n: int) -> float: ...
+
+
+class CollectivePricer(Protocol):
+    """Seconds of one collective by its ranks and size (``tuner.topology.Topology``: the
+    group's span over nodes decides the link)."""
+
+    def seconds(self, op: str, group: tuple[int, ...], nbytes: int) -> float: ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class Profile:
     """What profiling measured on a job's workers (seconds, bytes per worker)."""
@@ -100,7 +114,7 @@ class Profile:
     kfac_transient_bytes: int = 0  # K-FAC's temporaries at the peak of a step, over its state
     step_s: float  # one plain forward + backward + optimizer step
     factor_s: float  # computing every layer's batch factors once (a factor-update step)
-    decomposition: CubicFit
+    decomposition: DecompositionModel
     precondition_s_per_flop: float
     allreduce: LinkFit
     broadcast: LinkFit
@@ -108,6 +122,14 @@ class Profile:
     # How much slower ranks compute all at once than one alone (``measure.compute_contention``):
     # 1 with a device or cores per rank; the times above were measured with every rank busy.
     contention: float = 1.0
+    # Collectives priced by the nodes their group spans; None: every call at the ``allreduce``
+    # and ``broadcast`` fits, as measured between the job's own workers.
+    topology: CollectivePricer | None = None
+
+    def collective_seconds(self, op: str, group: tuple[int, ...], nbytes: int) -> float:
+        if self.topology is not None:
+            return self.topology.seconds(op, group, nbytes)
+        return (self.allreduce if op == "all_reduce" else self.broadcast).seconds(nbytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,6 +188,14 @@ def _uncontended(work: list[float], contention: float) -> list[float]:
     return [seconds * scale for seconds in work]
 
 
+def price(
+    profile: Profile, strategy: Plan, factor_update_steps: int, inv_update_steps: int
+) -> Candidate:
+    """One candidate priced on a plan already built (``choose`` prices each plan at every
+    interval pair this way); for callers that also read the plan's memory and collectives."""
+    return _priced(profile, strategy, factor_update_steps, inv_update_steps)
+
+
 def _priced(profile: Profile, strategy: Plan, fus: int, ius: int) -> Candidate:
     assignment = strategy.assignment
     worst: tuple[float, dict[str, float]] | None = None
@@ -189,7 +219,7 @@ def _priced(profile: Profile, strategy: Plan, fus: int, ius: int) -> Candidate:
         rank = rank_plan.rank
         plain, factor, inverse = (
             sum(
-                (profile.allreduce if c.op == "all_reduce" else profile.broadcast).seconds(c.nbytes)
+                profile.collective_seconds(c.op, c.group, c.nbytes)
                 for c in rank_plan.calls[step_type]
             )
             for step_type in (StepType.PLAIN, StepType.FACTOR_UPDATE, StepType.INVERSE_UPDATE)

@@ -23,6 +23,7 @@ from torch import nn
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset, synthetic_dataset
 from kaisa_ray.train.models import MLP, LeNetCNN, ResNet20
+from kaisa_ray.train.models_large import BertLarge, ResNet50
 
 ModelFactory = Callable[..., nn.Module]
 
@@ -57,7 +58,13 @@ def _synthetic(request: DatasetRequest) -> tuple[torch.Tensor, torch.Tensor]:
     return synthetic_dataset(size, seed=request.seed + (0 if request.split == "train" else 1))
 
 
-BUILTIN_MODELS: dict[str, ModelFactory] = {"lenet": LeNetCNN, "mlp": MLP, "resnet20": ResNet20}
+BUILTIN_MODELS: dict[str, ModelFactory] = {
+    "lenet": LeNetCNN,
+    "mlp": MLP,
+    "resnet20": ResNet20,
+    "resnet50": ResNet50,  # ImageNet; with kaisa-ray plan, priced on the meta device
+    "bert-large": BertLarge,  # token ids in: for kaisa-ray plan, or a plugin token dataset
+}
 BUILTIN_DATASETS: dict[str, DatasetEntry] = {
     "fashion-mnist": DatasetEntry(
         loader=_idx,

@@ -1,0 +1,202 @@
+"""A registered model as shapes: what ``kaisa-ray plan`` needs, computed on the meta device.
+
+``workload(name, batch_size=...)`` builds the model under ``torch.device("meta")`` (parameters
+with shapes and no storage: BERT-Large's 1.3 GB of weights take no memory), runs one forward
+pass of a meta batch and reads, without computing anything:
+
+- the layers K-FAC registers (``kaisa_ray.plan.layer_shapes``, the preconditioner's own rule)
+  and, from hooks on them, the rows each layer's A and G batch factors are built from (a
+  Linear's leading dimensions, e.g. batch × sequence; a Conv2d's batch × output positions with
+  ``expand``, the batch with ``reduce``);
+- the tensors autograd keeps for backward (``saved_tensors_hooks``), which is the activation
+  memory of a training step at this batch size;
+- the forward flops (``torch.utils.flop_counter``).
+
+Models say how a batch of their input looks with an ``example_input(batch_size)`` method (the
+large models here have one); the small built-in ones are listed below. KAISA's authors' layer
+choices come with each model (``PLANNING[name].skip_layers``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.registration import discover
+from kaisa_ray.train.registry import model_factory
+from tuner.forecast import Workload
+
+__all__ = ["PLANNING", "Planning", "build_on_meta", "workload"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Planning:
+    """How to plan a registered model: its input and the layers K-FAC leaves out by default."""
+
+    example_input: Callable[[nn.Module, int], torch.Tensor] | None = None
+    skip_layers: tuple[str, ...] = ()
+    skip_source: str = ""  # where the default skip_layers come from
+    seq_len_param: bool = False  # a language model: params carry seq_len
+
+
+def _images(channels: int, side: int) -> Callable[[nn.Module, int], torch.Tensor]:
+    return lambda model, n: torch.empty(n, channels, side, side, device="meta")
+
+
+def _resnet20_input(model: nn.Module, n: int) -> torch.Tensor:
+    channels = int(getattr(getattr(model, "stem", None), "in_channels", 3))
+    side = 28 if channels == 1 else 32  # Fashion-MNIST's 28×28 for one channel, CIFAR's 32
+    return torch.empty(n, channels, side, side, device="meta")
+
+
+def _mlp_input(model: nn.Module, n: int) -> torch.Tensor:
+    first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    return torch.empty(n, first.in_features, device="meta")
+
+
+PLANNING: dict[str, Planning] = {
+    "lenet": Planning(example_input=_images(1, 28)),
+    "mlp": Planning(example_input=_mlp_input),
+    "resnet20": Planning(example_input=_resnet20_input),
+    "resnet50": Planning(
+        skip_source="every Conv2d and Linear, as gpauloski/kfac-pytorch's "
+        "examples/torch_imagenet_resnet.py registers them (--skip-layers defaults to none)"
+    ),
+    "bert-large": Planning(
+        skip_layers=(r"cls\.predictions",),
+        skip_source="gpauloski/BERT-PyTorch run_pretraining.py: --kfac_skip_layers defaults to "
+        "[BertLMPredictionHead, embedding] (the masked-LM head and the embeddings)",
+        seq_len_param=True,
+    ),
+}
+
+
+def build_on_meta(name: str, params: Mapping[str, Any] | None = None) -> nn.Module:
+    """The registered model ``name`` with shapes only (no parameter memory)."""
+    factory = model_factory(name)
+    try:
+        with torch.device("meta"):
+            model = factory(**dict(params or {}))
+    except TypeError as err:
+        raise ConfigurationError(f"model {name!r} does not take these params: {err}") from err
+    return model
+
+
+def _input(name: str, model: nn.Module, batch_size: int) -> torch.Tensor:
+    method = getattr(model, "example_input", None)
+    if callable(method):
+        found = method(batch_size)
+        if isinstance(found, torch.Tensor):
+            return found
+    planning = PLANNING.get(name)
+    if planning is None or planning.example_input is None:
+        raise ConfigurationError(
+            f"model {name!r} does not say what its input looks like, so it cannot be planned: "
+            "give it an example_input(batch_size) method returning a batch of its input"
+        )
+    return planning.example_input(model, batch_size)
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage._cdata, storage.nbytes()
+
+
+def workload(
+    name: str,
+    *,
+    batch_size: int,
+    params: Mapping[str, Any] | None = None,
+    precision: str = "fp32",
+    kfac_approx: str = "expand",
+    skip_layers: Iterable[str] | None = None,
+    optimizer: str = "sgd",
+    compute_method: str = "eigen",
+) -> Workload:
+    """What one rank's step of model ``name`` at ``batch_size`` is, from its shapes.
+
+    Args:
+        skip_layers: K-FAC's ``skip_layers``; None takes the model's default
+            (``PLANNING[name].skip_layers``, KAISA's authors' choice).
+
+    Example:
+        >>> w = workload("resnet50", batch_size=32)
+        >>> len(w.layers), max(layer.a_dim for layer in w.layers)
+        (54, 4608)
+    """
+    if batch_size < 1:
+        raise ConfigurationError(f"batch_size={batch_size} must be at least 1")
+    model = build_on_meta(name, params)
+    planning = PLANNING.get(name, Planning())
+    skips = list(planning.skip_layers if skip_layers is None else skip_layers)
+    registered, _ = discover(model, skip_layers=skips, kfac_approx=kfac_approx)
+    rows: dict[str, tuple[int, int]] = {}
+    patches = 0
+
+    def hook(layer_name: str, module: nn.Module) -> Callable[..., None]:
+        def seen(_module: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+            nonlocal patches
+            if isinstance(module, nn.Conv2d):
+                n, oh, ow = output.shape[0], output.shape[-2], output.shape[-1]
+                positions = n * oh * ow
+                a_rows = n if kfac_approx == "reduce" else positions
+                if kfac_approx != "reduce":
+                    in_dim = module.in_channels * math.prod(module.kernel_size)
+                    patches = max(patches, 4 * in_dim * positions)
+                rows[layer_name] = (a_rows, a_rows)
+            else:
+                count = math.prod(inputs[0].shape[:-1])
+                rows[layer_name] = (count, count)
+
+        return seen
+
+    handles = [r.module.register_forward_hook(hook(r.name, r.module)) for r in registered]
+    parameters = {_storage(p)[0] for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key, nbytes = _storage(tensor)
+        if key not in parameters:
+            saved[key] = nbytes
+        return tensor
+
+    x = _input(name, model, batch_size)
+    try:
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            FlopCounterMode(display=False) as flops,
+        ):
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [r.name for r in registered if r.name not in rows]
+    if missing:
+        raise ConfigurationError(
+            f"model {name!r}: K-FAC layers {', '.join(missing)} are not used by its forward "
+            "pass; skip them (skip_layers) to plan it"
+        )
+    activations = sum(saved.values())
+    if precision in ("bf16", "fp16"):
+        activations //= 2  # autocast keeps most saved activations in half precision
+    return Workload(
+        model=name,
+        batch_size=batch_size,
+        seq_len=int(x.shape[1]) if planning.seq_len_param else None,
+        precision=precision,
+        layers=tuple(r.planned() for r in registered),
+        rows=tuple(rows[r.name] for r in registered),
+        patch_bytes=patches,
+        parameters=sum(p.numel() for p in model.parameters()),
+        activation_bytes=activations,
+        forward_flops=float(flops.get_total_flops()),
+        optimizer_states=1 if optimizer == "sgd" else 2,
+        compute_method=compute_method,
+    )

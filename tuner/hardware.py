@@ -1,0 +1,300 @@
+"""Hardware profiles: what the cost model needs to price a job on GPUs it has not run on.
+
+A profile describes one kind of node and the network between nodes: per-GPU memory, matrix
+multiplication rates by the product's size, eigendecomposition times by matrix size, published
+training throughputs of known models, and for each link level (NVLink inside a node,
+InfiniBand or Ethernet between nodes) the latency and bus bandwidth of all-reduce and
+broadcast as NCCL's tests report them. Every number carries where it comes from::
+
+    memory_bytes: {value: 85899345920, kind: datasheet, source: "NVIDIA A100 datasheet: 80 GB"}
+
+``kind`` is ``datasheet``, ``benchmark`` (a published measurement, cited), ``measured`` (by
+``kaisa-ray plan measure-node`` on the machine named in ``source``, with its date) or
+``estimate`` (``source`` says from what). ``hardware_from_dict`` validates a parsed file
+(the YAML is read in the outer layer) and names every bad field with what to write instead.
+
+Bus bandwidth (``busbw``) is the figure nccl-tests prints: for an all-reduce of ``S`` bytes
+over ``p`` ranks taking ``t`` seconds, ``busbw = 2(p-1)/p · S / t``; for a broadcast,
+``busbw = S / t``. It is roughly independent of ``p``, which is why profiles quote it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from kaisa_ray.errors import ConfigurationError
+
+KINDS = ("datasheet", "benchmark", "measured", "estimate")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class HardwareProfileError(ConfigurationError):
+    """A hardware profile that does not describe hardware; lists every bad field."""
+
+    def __init__(self, problems: Sequence[str], origin: str = "hardware profile") -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{origin} is invalid ({len(self.problems)} problem(s)):\n{lines}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sourced:
+    """One number and where it comes from."""
+
+    value: float
+    kind: str
+    source: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SizeTable:
+    """A quantity by matrix size ``n``, interpolated log-log between the listed sizes and
+    extrapolated with the end segments' slope (a power law) beyond them."""
+
+    points: tuple[tuple[int, Sourced], ...]  # sorted by n
+
+    def at(self, n: float) -> float:
+        sizes = [p[0] for p in self.points]
+        values = [p[1].value for p in self.points]
+        if len(sizes) == 1:
+            return values[0]
+        i = min(max(bisect.bisect_left(sizes, n), 1), len(sizes) - 1)
+        x0, x1 = math.log(sizes[i - 1]), math.log(sizes[i])
+        y0, y1 = math.log(values[i - 1]), math.log(values[i])
+        return math.exp(y0 + (y1 - y0) * (math.log(max(n, 1.0)) - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingRate:
+    """A published (or measured) training throughput of a known model on one GPU."""
+
+    model: str
+    precision: str
+    seq_len: int | None  # for language models: the sequence length it was measured at
+    samples_per_s: Sourced
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkLevel:
+    """One level of the network: latency and bus bandwidth of NCCL's all-reduce and broadcast
+    when the group fills the level (every GPU of each node it spans)."""
+
+    latency_s: Sourced
+    allreduce_busbw: Sourced  # bytes per second
+    broadcast_busbw: Sourced  # bytes per second
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """A node kind and its network, every number with its source."""
+
+    name: str
+    description: str
+    gpu_name: str
+    memory_bytes: Sourced
+    gpus_per_node: Sourced
+    kernel_latency_s: Sourced  # fixed cost of each K-FAC operation (launch, small kernels)
+    matmul: dict[str, SizeTable]  # precision -> flop/s by the product's smallest dimension
+    eigh: SizeTable  # seconds of torch.linalg.eigh of one float32 n×n matrix
+    training: tuple[TrainingRate, ...]
+    intra_node: LinkLevel
+    inter_node: LinkLevel
+    sources: dict[str, Sourced] = field(default_factory=dict)  # every number, by its path
+
+    @property
+    def node_size(self) -> int:
+        return int(self.gpus_per_node.value)
+
+    def matmul_rate(self, n: float, precision: str = "fp32") -> float:
+        """Flop/s of a product whose smallest dimension is ``n``."""
+        table = self.matmul.get(precision) or self.matmul["fp32"]
+        return table.at(n)
+
+    def matmul_seconds(self, flops: float, n: float, precision: str = "fp32") -> float:
+        return self.kernel_latency_s.value + flops / self.matmul_rate(n, precision)
+
+    def eigh_seconds(self, n: int) -> float:
+        return self.eigh.at(n)
+
+    def training_rate(
+        self, model: str, precision: str, seq_len: int | None = None
+    ) -> TrainingRate | None:
+        """The listed throughput of ``model`` at ``precision`` (the nearest sequence length
+        for language models), or None."""
+        found = [r for r in self.training if r.model == model and r.precision == precision]
+        if not found:
+            return None
+        if seq_len is None:
+            return found[0]
+        return min(found, key=lambda r: abs((r.seq_len or seq_len) - seq_len))
+
+
+def _number(data: Any, path: str, problems: list[str], *, positive: bool = True) -> Sourced | None:
+    hint = f"write it as {{value: <number>, kind: <{'|'.join(KINDS)}>, source: <where from>}}"
+    if not isinstance(data, Mapping):
+        problems.append(f"{path}: a number needs its source; {hint}")
+        return None
+    unknown = sorted(set(data) - {"value", "kind", "source", "n", "model", "precision", "seq_len"})
+    if unknown:
+        problems.append(f"{path}: unknown field(s) {', '.join(unknown)}; {hint}")
+    value, kind, source = data.get("value"), data.get("kind"), data.get("source")
+    ok = True
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        problems.append(f"{path}.value: {value!r} is not a number; {hint}")
+        ok = False
+    elif positive and value <= 0:
+        problems.append(f"{path}.value: {value!r} must be positive")
+        ok = False
+    if kind not in KINDS:
+        problems.append(f"{path}.kind: {kind!r} is not one of {', '.join(KINDS)}")
+        ok = False
+    if not isinstance(source, str) or len(source.strip()) < 8:
+        problems.append(
+            f"{path}.source: every number says where it comes from (a datasheet, a cited "
+            "benchmark, a measurement with its date and machine, or what an estimate rests on)"
+        )
+        ok = False
+    if not ok:
+        return None
+    return Sourced(value=float(cast(float, value)), kind=str(kind), source=str(source).strip())
+
+
+def _table(data: Any, path: str, problems: list[str], sources: dict[str, Sourced]) -> SizeTable:
+    if not isinstance(data, list) or not data:
+        problems.append(f"{path}: a list of {{n: <size>, value: ..., kind: ..., source: ...}}")
+        return SizeTable(points=((1, Sourced(value=1.0, kind="estimate", source="invalid")),))
+    points: list[tuple[int, Sourced]] = []
+    for i, entry in enumerate(data):
+        where = f"{path}[{i}]"
+        n = entry.get("n") if isinstance(entry, Mapping) else None
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            problems.append(f"{where}.n: {n!r} must be a positive whole matrix size")
+            continue
+        number = _number(entry, where, problems)
+        if number is not None:
+            points.append((n, number))
+            sources[f"{path}[n={n}]"] = number
+    sizes = [p[0] for p in points]
+    if len(set(sizes)) != len(sizes):
+        problems.append(f"{path}: each size n once, got {sorted(sizes)}")
+    points.sort(key=lambda p: p[0])
+    fallback = ((1, Sourced(value=1.0, kind="estimate", source="invalid")),)
+    return SizeTable(points=tuple(points) or fallback)
+
+
+def _level(data: Any, path: str, problems: list[str], sources: dict[str, Sourced]) -> LinkLevel:
+    if not isinstance(data, Mapping):
+        problems.append(f"{path}: needs latency_s, allreduce_busbw and broadcast_busbw")
+        data = {}
+    parts = {}
+    for name in ("latency_s", "allreduce_busbw", "broadcast_busbw"):
+        number = _number(data.get(name), f"{path}.{name}", problems)
+        parts[name] = number or Sourced(value=1.0, kind="estimate", source="invalid")
+        if number is not None:
+            sources[f"{path}.{name}"] = number
+    for extra in sorted(set(data) - set(parts)):
+        problems.append(f"{path}.{extra}: unknown field (expected {', '.join(parts)})")
+    return LinkLevel(**parts)
+
+
+def hardware_from_dict(data: Any, origin: str = "hardware profile") -> Hardware:
+    """Validate a parsed profile (see the module docstring for the format).
+
+    Raises:
+        HardwareProfileError: naming every missing, unsourced or malformed field.
+    """
+    problems: list[str] = []
+    sources: dict[str, Sourced] = {}
+    if not isinstance(data, Mapping):
+        raise HardwareProfileError([f"expected a mapping, got {type(data).__name__}"], origin)
+    known = {"name", "description", "gpu", "node", "links", "training"}
+    for extra in sorted(set(data) - known):
+        problems.append(f"{extra}: unknown field (expected {', '.join(sorted(known))})")
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        problems.append("name: the profile's name, e.g. a100-80gb-hdr")
+    gpu = data.get("gpu") if isinstance(data.get("gpu"), Mapping) else None
+    if gpu is None:
+        problems.append(
+            "gpu: needs name, memory_bytes, kernel_latency_s, matmul_flops_per_s, eigh_s"
+        )
+        gpu = {}
+
+    def number(value: Any, path: str) -> Sourced:
+        found = _number(value, path, problems)
+        if found is not None:
+            sources[path] = found
+        return found or Sourced(value=1.0, kind="estimate", source="invalid")
+
+    memory = number(gpu.get("memory_bytes"), "gpu.memory_bytes")
+    latency = number(gpu.get("kernel_latency_s"), "gpu.kernel_latency_s")
+    matmul: dict[str, SizeTable] = {}
+    rates = gpu.get("matmul_flops_per_s")
+    if not isinstance(rates, Mapping) or "fp32" not in rates:
+        problems.append("gpu.matmul_flops_per_s: a table per precision, fp32 at least")
+        rates = {}
+    for precision, table in rates.items():
+        if precision not in PRECISIONS:
+            problems.append(
+                f"gpu.matmul_flops_per_s.{precision}: unknown precision "
+                f"(expected {', '.join(PRECISIONS)})"
+            )
+            continue
+        matmul[precision] = _table(table, f"gpu.matmul_flops_per_s.{precision}", problems, sources)
+    eigh = _table(gpu.get("eigh_s"), "gpu.eigh_s", problems, sources)
+    node = data.get("node")
+    if not isinstance(node, Mapping):
+        node = {}
+    gpus = number(node.get("gpus"), "node.gpus")
+    if gpus.value != int(gpus.value):
+        problems.append(f"node.gpus.value: {gpus.value:g} GPUs per node must be a whole number")
+    links = data.get("links") if isinstance(data.get("links"), Mapping) else None
+    if links is None:
+        problems.append("links: needs intra_node and inter_node")
+        links = {}
+    intra = _level(links.get("intra_node"), "links.intra_node", problems, sources)
+    inter = _level(links.get("inter_node"), "links.inter_node", problems, sources)
+    training: list[TrainingRate] = []
+    for i, entry in enumerate(data.get("training") or []):
+        where = f"training[{i}]"
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("model"), str):
+            problems.append(f"{where}: needs model, precision, value, kind, source")
+            continue
+        precision = entry.get("precision")
+        if precision not in PRECISIONS:
+            problems.append(
+                f"{where}.precision: {precision!r} is not one of {', '.join(PRECISIONS)}"
+            )
+            continue
+        seq_len = entry.get("seq_len")
+        if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
+            problems.append(f"{where}.seq_len: {seq_len!r} must be a positive whole number")
+            continue
+        rate = _number(entry, where, problems)
+        if rate is not None:
+            training.append(
+                TrainingRate(
+                    model=entry["model"], precision=precision, seq_len=seq_len, samples_per_s=rate
+                )
+            )
+            sources[f"{where}({entry['model']}, {precision})"] = rate
+    if problems:
+        raise HardwareProfileError(problems, origin)
+    return Hardware(
+        name=str(name),
+        description=str(data.get("description") or ""),
+        gpu_name=str(gpu.get("name") or "GPU"),
+        memory_bytes=memory,
+        gpus_per_node=gpus,
+        kernel_latency_s=latency,
+        matmul=matmul,
+        eigh=eigh,
+        training=tuple(training),
+        intra_node=intra,
+        inter_node=inter,
+        sources=sources,
+    )
