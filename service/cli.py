@@ -1,5 +1,8 @@
-"""The service's commands, added to the ``kaisa-ray`` command line: ``serve`` runs the
-service; ``submit``, ``jobs`` and ``cancel`` talk to a running one over REST."""
+"""The ``kaisa-ray`` command line: ``serve`` runs the service; ``submit``, ``jobs`` and
+``cancel`` talk to a running one over REST; the training commands (``train``, ``validate``,
+``tune``, ``sweep``, ``example``, from ``kaisa_ray.train.cli``) are loaded only when one of
+them runs, so that the client commands start in a fraction of a second: they import neither
+torch nor Ray."""
 
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ from typing import Any
 
 import click
 
-from kaisa_ray.train.cli import main
 from service.client import ServiceClient, ServiceClientError
 
 __all__ = ["main"]
@@ -26,6 +28,37 @@ url_option = click.option(
 token_option = click.option(
     "--token", default=None, help="The service's token [default: $KAISA_RAY_TOKEN]."
 )
+
+TRAINING_COMMANDS = ("example", "validate", "train", "tune", "sweep")
+"""``kaisa_ray.train.cli``'s commands: they import torch (and Ray), so only when they run."""
+
+
+class _Commands(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *TRAINING_COMMANDS})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in TRAINING_COMMANDS:
+            from kaisa_ray.train.cli import main as training
+
+            return training.get_command(ctx, name)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_Commands)
+@click.option("-v", "--verbose", count=True, help="Log more: -v for INFO, -vv for DEBUG.")
+@click.version_option(package_name="kaisa-ray")
+def main(verbose: int) -> None:
+    """K-FAC second-order preconditioning in the KAISA style: training jobs on Ray, and the
+    job service."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def program() -> str:
+    """How the user ran this command (``.venv/bin/kaisa-ray``), for the hints it prints."""
+    typed = sys.argv[0] if sys.argv else ""
+    return typed if Path(typed).name == "kaisa-ray" else "kaisa-ray"
 
 
 @main.command()
@@ -42,7 +75,47 @@ token_option = click.option(
     default=None,
     help="SQLAlchemy URL of the job store [default: sqlite:///<data-dir>/jobs.db].",
 )
-@click.option("--token", default=None, help="Require 'Authorization: Bearer <token>'.")
+@click.option(
+    "--token",
+    default=None,
+    help="Require 'Authorization: Bearer <token>'. Prefer $KAISA_RAY_TOKEN or --token-file: "
+    "a command line is visible to every user of the machine.",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Read the token from this file's first line [$KAISA_RAY_TOKEN_FILE].",
+)
+@click.option(
+    "--insecure",
+    is_flag=True,
+    default=None,
+    help="Serve a non-loopback --host without a token (anyone who reaches it can run jobs).",
+)
+@click.option(
+    "--max-running",
+    type=click.IntRange(1, 10_000),
+    default=None,
+    help="Jobs in Ray at once; the rest wait QUEUED [default: what the cluster's CPUs hold].",
+)
+@click.option("--max-workers", type=click.IntRange(1, 4096), default=None, help="[default: 64]")
+@click.option(
+    "--max-gpus-per-worker", type=click.FloatRange(0, 16), default=None, help="[default: 8]"
+)
+@click.option(
+    "--driver-cpus",
+    type=click.FloatRange(0, 64),
+    default=None,
+    help="CPUs each job's driver reserves in Ray [default: 0.25].",
+)
+@click.option(
+    "--post-rate",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="POSTs a second per client [default: 20].",
+)
+@click.option("--post-burst", type=click.IntRange(min=1), default=None, help="[default: 40]")
 @click.option(
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -74,10 +147,21 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
     from service.settings import Settings
     from service.store import DatabaseInUseError, sole_writer
 
+    if flags.get("token"):
+        click.echo(
+            "warning: a token given with --token is visible to every user of this machine "
+            "(ps); prefer $KAISA_RAY_TOKEN or --token-file",
+            err=True,
+        )
     try:
         settings = Settings(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as err:
-        raise click.ClickException(f"bad service settings: {err}") from err
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: "
+            + str(e["msg"]).removeprefix("Value error, ")
+            for e in err.errors()
+        )
+        raise click.ClickException(f"bad service settings: {problems}") from err
     if dry_run:
         shown = settings.model_dump(mode="json")
         shown["token"] = "<set>" if settings.token else None
@@ -85,7 +169,7 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
         click.echo(json.dumps(shown, indent=2))
         return
     try:  # the lifespan takes the lock for good; this says it plainly, before uvicorn
-        with sole_writer(settings.database):
+        with sole_writer(settings.database, settings.data_dir):
             pass
     except DatabaseInUseError as err:
         raise click.ClickException(str(err)) from err
@@ -97,7 +181,16 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
             target=_submit_when_up, args=(base, token, submit_file), daemon=True
         ).start()
     click.echo(f"kaisa-ray service on {base} (API docs at {base}/docs); Ctrl-C stops it")
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    # uvicorn drains on SIGTERM as on SIGINT (what systemd, Docker and Kubernetes send): the
+    # lifespan then stops the follower and the embedded Ray head, and logs "shutdown complete".
+    logging.getLogger("service").setLevel(logging.INFO)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=5,  # event streams never end on their own
+    )
 
 
 def _submit_when_up(base: str, token: str | None, file: Path) -> None:
@@ -111,11 +204,12 @@ def _submit_when_up(base: str, token: str | None, file: Path) -> None:
             except Exception:
                 time.sleep(0.5)
         job = client.submit(_read(file))
+        cli = program()
         click.echo(
             f"submitted {file} as job {job['id']} ({job['state']}). Watch it:\n"
             f"  {base}/#/jobs/{job['id']}   (the dashboard, in a browser)\n"
-            f"  kaisa-ray submit --follow-id {job['id']}   (a live progress bar)\n"
-            f"  kaisa-ray jobs                         (every job)\n"
+            f"  {cli} submit --follow-id {job['id']}   (a live progress bar)\n"
+            f"  {cli} jobs                         (every job)\n"
             f"  curl {base}/v1/jobs/{job['id']}\n"
             f"  curl -N {base}/v1/jobs/{job['id']}/events"
         )
@@ -184,32 +278,74 @@ def submit(
 
 
 def _follow(client: ServiceClient, job_id: str) -> dict[str, Any]:
-    """Draw the job's progress from its event stream; return its final state."""
+    """Show the job's progress from its event stream; return its final state. On a terminal,
+    one progress bar redrawn in place (it ends at 100% for a job that met its target, with
+    no time left to guess); elsewhere (a log, a pipe), a line per change of state and per
+    evaluation, so that nothing is printed twice."""
     from tqdm import tqdm
 
-    bar = tqdm(total=None, unit="step", desc=job_id, file=sys.stderr, dynamic_ncols=True)
+    live = sys.stderr.isatty()
+    bar = tqdm(
+        total=None, unit="step", desc=job_id, file=sys.stderr, dynamic_ncols=True, disable=not live
+    )
     job: dict[str, Any] = {}
+    shown_state = ""
+
+    def say(text: str) -> None:
+        if live:
+            tqdm.write(text, sys.stderr)
+        else:
+            click.echo(text, err=True)
+
     try:
         for event, data in client.events(job_id):
             if event == "state":
                 job = data
-                if data["progress"]["total"] and bar.total != data["progress"]["total"]:
-                    bar.total = data["progress"]["total"]
+                progress = data["progress"]
+                if data["state"] != shown_state:
+                    shown_state = data["state"]
+                    if not live:
+                        say(f"job {job_id}: {_progress_text(data)}")
+                if progress["total"] and bar.total != progress["total"]:
+                    bar.total = progress["total"]
                     bar.refresh()
-                bar.set_description(f"{job_id} {data['state']}")
-                _advance(bar, data["progress"]["step"])
+                bar.set_description(f"{job_id} {data['state']}", refresh=False)
+                _advance(bar, progress["step"])
+                if data["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                    if data["state"] == "SUCCEEDED":
+                        bar.total = bar.n  # done: 100%, no time left to estimate
+                    bar.bar_format = (
+                        "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
+                    )
+                    bar.refresh()
             elif event == "progress":
-                _advance(bar, int(data.get("step", 0)))
-                bar.set_postfix(loss=f"{data.get('loss', float('nan')):.3f}", refresh=False)
+                _advance(bar, int(data.get("step") or 0))
+                bar.set_postfix(loss=f"{data.get('loss') or float('nan'):.3f}", refresh=False)
             elif event == "eval":
                 accuracy = data.get("test_accuracy")
                 if isinstance(accuracy, float):
-                    tqdm.write(f"step {data.get('step')}: test accuracy {accuracy:.4f}", sys.stderr)
+                    say(f"step {data.get('step')}: test accuracy {accuracy:.4f}")
             elif event == "tuner":
-                tqdm.write(f"tuner chose {data.get('chosen')} ({data.get('how')})", sys.stderr)
+                say(f"tuner chose {data.get('chosen')} ({data.get('how')})")
     finally:
         bar.close()
     return job or client.job(job_id)
+
+
+def _progress_text(job: dict[str, Any]) -> str:
+    """A job's state and progress in words: ``RUNNING 120/1000``, ``QUEUED (#3 in line)``,
+    ``SUCCEEDED: target met at step 250 of 1000``."""
+    state = job["state"]
+    progress = job["progress"]
+    if state == "QUEUED" and job.get("queue_position"):
+        return f"QUEUED (#{job['queue_position']} in line)"
+    if state == "SUCCEEDED":
+        if progress.get("target_met"):
+            return f"SUCCEEDED: target met at step {progress['step']} of {progress['total']}"
+        return f"SUCCEEDED at step {progress['step']}"
+    if progress["total"]:
+        return f"{state} {progress['step']}/{progress['total']}"
+    return str(state)
 
 
 def _advance(bar: Any, step: int) -> None:
@@ -253,6 +389,10 @@ def jobs(states: tuple[str, ...], limit: int, url: str | None, token: str | None
     for job in page["jobs"]:
         progress = job["progress"]
         done = f"{progress['step']}/{progress['total']}" if progress["total"] else "-"
+        if job["state"] == "SUCCEEDED":
+            done = "done (target met)" if progress.get("target_met") else "done"
+        elif job["state"] == "QUEUED" and job.get("queue_position"):
+            done = f"queued #{job['queue_position']}"
         metrics = job["metrics"]
         kfac = job["spec"].get("kfac")
         strategy = (

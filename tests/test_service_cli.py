@@ -260,7 +260,12 @@ def test_submit_follow_shows_the_job_until_it_succeeds(
     )
     # The progress bar and the evaluations went to stderr, as the stream brought them.
     assert "step 20: test accuracy 0.5000" in result.stderr
-    assert f"{job_id} SUCCEEDED" in result.stderr
+    lines = result.stderr.splitlines()
+    # Not a terminal: a line per state (nothing twice, no time left to guess at the end); it
+    # stopped at its target (step 20 of 100), so it is done, not 20% of the way.
+    assert f"job {job_id}: SUCCEEDED: target met at step 20 of 100" in lines
+    assert len(lines) == len(set(lines)), lines
+    assert "<" not in result.stderr  # no ETA
     assert service.job(job_id)["state"] == "SUCCEEDED"
 
 
