@@ -250,7 +250,9 @@ def watch(
     assert '"strategy": "auto"' in text_of(driver, "#spec")
     wait(lambda: "finished at step 160" in text_of(driver, "#log") or None, "the log's end")
     assert "\x1b[" not in text_of(driver, "#log")
-    assert not driver.find_element(By.ID, "cancel").is_enabled()
+    # A finished job: done, with nothing to cancel (no button at all).
+    assert text_of(driver, ".job-head .bar-label").startswith("done")
+    assert not driver.find_elements(By.ID, "cancel")
 
     # The whole page, as on a laptop's width.
     height = driver.execute_script("return document.documentElement.scrollHeight")

@@ -87,14 +87,23 @@ function badge(state) {
 }
 
 function progressBar(job) {
-  const pct = job.progress.percent;
-  const label = job.progress.total
+  // A job that SUCCEEDED is done (100%), also when it met its target early.
+  const pct = job.state === "SUCCEEDED" ? 100 : job.progress.percent;
+  let label = job.progress.total
     ? `${fmt(job.progress.step)} / ${fmt(job.progress.total)}`
     : job.progress.step ? `step ${fmt(job.progress.step)}` : "";
+  if (job.state === "SUCCEEDED") {
+    label = job.progress.target_met
+      ? `done: target met at step ${fmt(job.progress.step)} of ${fmt(job.progress.total)}`
+      : "done";
+  } else if (job.state === "QUEUED" && job.queue_position) {
+    label = `queued: #${job.queue_position} in line`;
+  }
   return h("div", { class: "bar", title: label, role: "progressbar",
                     "aria-valuenow": pct ?? 0, "aria-valuemin": 0, "aria-valuemax": 100 },
     h("div", { class: "fill", style: `width: ${Math.min(pct ?? 0, 100)}%` }),
-    h("span", { class: "bar-label" }, pct === null ? label : `${pct.toFixed(0)}%  ${label}`));
+    h("span", { class: "bar-label" },
+      pct === null || job.state === "SUCCEEDED" ? label : `${pct.toFixed(0)}%  ${label}`));
 }
 
 /** A sweep job's sweep (the job's view, else the plan in its spec); null for other jobs. */
@@ -485,8 +494,10 @@ async function jobPage(view, id, signal) {
     const cancellable = !FINISHED.has(job.state) && job.state !== "CANCELLING";
     header.replaceChildren(...[
       h("div", { class: "title" }, h("h1", {}, job.name), badge(job.state),
-        h("button", { type: "button", id: "cancel", class: "danger", disabled: !cancellable,
-                      onclick: cancel }, job.state === "CANCELLING" ? "Cancelling…" : "Cancel")),
+        // A finished job has nothing to cancel: no button at all.
+        FINISHED.has(job.state) ? null
+          : h("button", { type: "button", id: "cancel", class: "danger", disabled: !cancellable,
+                          onclick: cancel }, job.state === "CANCELLING" ? "Cancelling…" : "Cancel")),
       progressBar(job),
       job.failure_reason
         ? h("p", { class: "error failure", role: "alert" }, job.failure_reason) : null,
@@ -647,15 +658,18 @@ async function jobPage(view, id, signal) {
   }
 
   function renderTuner() {
+    const auto = job.spec.kfac !== "off" && job.spec.kfac.strategy === "auto";
+    // A fixed strategy has no tuner: no box at all, rather than an empty one.
+    tuner.hidden = !auto && !job.tuner;
     if (job.spec.sweep) {
-      tuner.replaceChildren(job.spec.kfac !== "off" && job.spec.kfac.strategy === "auto"
+      tuner.replaceChildren(auto
         ? h("p", { class: "muted" }, "Every trial runs with kfac: auto: its own tuner chooses its K-FAC strategy under the memory budget.")
         : "");
       return;
     }
     const record = job.tuner;
     if (!record) {
-      tuner.replaceChildren(job.spec.kfac !== "off" && job.spec.kfac.strategy === "auto"
+      tuner.replaceChildren(auto
         ? h("p", { class: "muted" }, "kfac: auto: the tuner's decision appears once it has profiled the workers.")
         : "");
       return;
