@@ -1,8 +1,8 @@
 """The ``kaisa-ray`` command line: ``serve`` runs the service; ``submit``, ``jobs`` and
 ``cancel`` talk to a running one over REST; the training commands (``train``, ``validate``,
-``tune``, ``sweep``, ``example``, from ``kaisa_ray.train.cli``) are loaded only when one of
-them runs, so that the client commands start in a fraction of a second: they import neither
-torch nor Ray."""
+``tune``, ``sweep``, ``example``, ``plan``, ``measure-node``, from ``kaisa_ray.train.cli``) are
+loaded only when one of them runs, so that the client commands start in a fraction of a
+second: they import neither torch nor Ray."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ token_option = click.option(
     "--token", default=None, help="The service's token [default: $KAISA_RAY_TOKEN]."
 )
 
-TRAINING_COMMANDS = ("example", "validate", "train", "tune", "sweep")
+TRAINING_COMMANDS = ("example", "validate", "train", "tune", "sweep", "plan", "measure-node")
 """``kaisa_ray.train.cli``'s commands: they import torch (and Ray), so only when they run."""
 
 

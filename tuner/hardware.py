@@ -21,6 +21,7 @@ over ``p`` ranks taking ``t`` seconds, ``busbw = 2(p-1)/p · S / t``; for a broa
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,16 +53,21 @@ class Sourced:
 
 @dataclass(frozen=True, kw_only=True)
 class SizeTable:
-    """A quantity by matrix size ``n``, interpolated log-log between the listed sizes and
-    extrapolated with the end segments' slope (a power law) beyond them."""
+    """A quantity by matrix size ``n``, interpolated log-log between the listed sizes. Below
+    the smallest size it is the smallest size's value; above the largest, the largest's
+    (``grow=False``: a rate levels off) or the last segment's power law (``grow=True``: a
+    time keeps growing, ``eigh``'s as n³)."""
 
     points: tuple[tuple[int, Sourced], ...]  # sorted by n
+    grow: bool = False
 
     def at(self, n: float) -> float:
         sizes = [p[0] for p in self.points]
         values = [p[1].value for p in self.points]
-        if len(sizes) == 1:
+        if len(sizes) == 1 or n <= sizes[0]:
             return values[0]
+        if n >= sizes[-1] and not self.grow:
+            return values[-1]
         i = min(max(bisect.bisect_left(sizes, n), 1), len(sizes) - 1)
         x0, x1 = math.log(sizes[i - 1]), math.log(sizes[i])
         y0, y1 = math.log(values[i - 1]), math.log(values[i])
@@ -245,7 +251,9 @@ def hardware_from_dict(data: Any, origin: str = "hardware profile") -> Hardware:
             )
             continue
         matmul[precision] = _table(table, f"gpu.matmul_flops_per_s.{precision}", problems, sources)
-    eigh = _table(gpu.get("eigh_s"), "gpu.eigh_s", problems, sources)
+    eigh = dataclasses.replace(
+        _table(gpu.get("eigh_s"), "gpu.eigh_s", problems, sources), grow=True
+    )
     node = data.get("node")
     if not isinstance(node, Mapping):
         node = {}

@@ -482,3 +482,7 @@ def sweep(
         click.echo(
             f"best spec written to {output}; run it with `kaisa-ray train --config {output}`"
         )
+
+
+# `plan` and `measure-node` live in their own module; importing it registers them on `main`.
+from kaisa_ray.train import plan_cli  # noqa: E402, F401

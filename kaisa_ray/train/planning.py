@@ -1,0 +1,371 @@
+"""``kaisa-ray plan``: what a K-FAC job would cost on GPUs it has not run on, and what the
+tuner would choose there.
+
+``plan_job(PlanRequest(...))`` prices every KAISA strategy the world size admits, at every
+interval pair of the ladder, from the model's shapes (``kaisa_ray.train.shapes``) and a
+hardware profile (``tuner.hardware``; presets in ``kaisa_ray/train/hardware/``):
+
+- per strategy, the exact per-rank K-FAC memory of ``kaisa_ray.plan`` (factors,
+  decompositions, buffers; the worst rank) and the bytes each collective moves per step (the
+  factor all-reduce on factor-update steps, the decomposition broadcast on inverse-update
+  steps, the preconditioned-gradient broadcast every step), with the nodes they span;
+- per candidate, the predicted time per step and its parts (``tuner.cost`` on the profile
+  ``tuner.forecast`` predicts, collectives priced by ``tuner.topology``);
+- the tuner's choice (``tuner.cost.choose``) under each budget asked for, and the budgets at
+  which the choice changes (the candidates' own memory needs are the only places it can).
+
+The result is plain JSON (``PlanReport.to_json``): the CLI prints it or a table, the service
+returns it from ``POST /v1/plan``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.plan import Plan, StepType, plan
+from kaisa_ray.strategy import valid_fractions
+from kaisa_ray.train.shapes import PLANNING, workload
+from tuner.cost import DEFAULT_INTERVALS, Candidate, Profile, price
+from tuner.forecast import Basis, Workload, forecast_profile
+from tuner.hardware import Hardware, hardware_from_dict
+from tuner.topology import Topology
+
+HARDWARE_DIR = Path(__file__).with_name("hardware")
+
+
+def hardware_names() -> list[str]:
+    """The hardware presets shipped with kaisa-ray."""
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+
+
+def hardware_file(name_or_path: str | Path) -> Path:
+    """The file of a preset (by name) or a profile file's path.
+
+    Raises:
+        ConfigurationError: neither (the presets are listed).
+    """
+    text = str(name_or_path)
+    path = HARDWARE_DIR / f"{text}.yaml"
+    if path.is_file() and "/" not in text:
+        return path
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ConfigurationError(
+            f"unknown hardware {text!r}: give a preset ({', '.join(hardware_names())}) or "
+            "a profile file (see kaisa_ray/train/hardware/*.yaml for the format)"
+        )
+    return path
+
+
+def load_hardware(name_or_path: str | Path) -> Hardware:
+    """A preset by name (``a100-80gb-hdr``) or a profile file (YAML or JSON).
+
+    Raises:
+        ConfigurationError: an unknown name (the presets are listed) or an invalid file
+            (``HardwareProfileError``, every bad field named).
+    """
+    path = hardware_file(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigurationError(f"hardware profile {path} is not valid YAML: {err}") from err
+    return hardware_from_dict(data, origin=f"hardware profile {path}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """What to plan: a model at a batch size on ``workers`` GPUs of ``hardware``."""
+
+    model: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    batch_size: int
+    workers: int
+    hardware: str
+    budgets: tuple[int, ...] = ()  # bytes per GPU; empty: the GPU's memory
+    intervals: tuple[tuple[int, int], ...] = DEFAULT_INTERVALS
+    precision: str = "fp32"
+    kfac_approx: str = "expand"
+    compute_method: str = "eigen"
+    skip_layers: tuple[str, ...] | None = None  # None: the model's default (KAISA's)
+    optimizer: str = "sgd"
+    accumulation_steps: int = 1
+    gpus_per_node: int | None = None  # None: the hardware's
+    spec_strategy: float | str | None = None  # a JobSpec's own choice, marked in the report
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.batch_size < 1:
+            problems.append(f"batch_size={self.batch_size} must be at least 1")
+        if not 1 <= self.workers <= 65536:
+            problems.append(f"workers={self.workers} must be between 1 and 65536")
+        if self.accumulation_steps < 1:
+            problems.append(f"accumulation_steps={self.accumulation_steps} must be at least 1")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            problems.append(f"gpus_per_node={self.gpus_per_node} must be at least 1")
+        for budget in self.budgets:
+            if budget <= 0:
+                problems.append(f"budget {budget} must be a positive number of bytes")
+        for fus, ius in self.intervals:
+            if fus < 1 or ius < 1 or ius % fus:
+                problems.append(
+                    f"intervals {fus}/{ius}: both positive, the inverse interval a multiple of "
+                    f"the factor interval (e.g. {fus}/{10 * max(fus, 1)})"
+                )
+        if problems:
+            raise ConfigurationError("cannot plan this job: " + "; ".join(problems))
+
+
+def request_from_spec(
+    spec: Any, hardware: str, budgets: Sequence[int] = (), gpus_per_node: int | None = None
+) -> PlanRequest:
+    """The plan of a ``JobSpec``: its model, batch, workers, precision and K-FAC settings."""
+    from kaisa_ray.train.spec import KFACSpec
+
+    kfac = spec.kfac if isinstance(spec.kfac, KFACSpec) else None
+    if kfac is None:
+        raise ConfigurationError(
+            f"job {spec.name!r} trains with kfac: off; there is no K-FAC to plan (set kfac)"
+        )
+    if not budgets and spec.memory_budget is not None:
+        budgets = (int(spec.memory_budget),)
+    return PlanRequest(
+        model=spec.model.name,
+        params=dict(spec.model.params),
+        batch_size=spec.dataset.batch_size,
+        workers=spec.scaling.workers,
+        hardware=hardware,
+        budgets=tuple(budgets),
+        intervals=tuple(kfac.ladder() or DEFAULT_INTERVALS),
+        precision=spec.precision,
+        kfac_approx=kfac.kfac_approx,
+        compute_method=kfac.compute_method,
+        optimizer=spec.optimizer.name,
+        gpus_per_node=gpus_per_node,
+        spec_strategy=None if kfac.strategy == "auto" else kfac.strategy,
+    )
+
+
+def strategy_name(fraction: float, world: int) -> str:
+    if fraction == 1.0:
+        return "COMM-OPT"
+    if round(fraction * world) == 1:
+        return "MEM-OPT"
+    return f"HYBRID-OPT 1/{round(1 / fraction)}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanReport:
+    """Everything ``plan_job`` found, as JSON-ready values (see the module docstring)."""
+
+    data: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return self.data
+
+
+def _collectives(strategy: Plan, topology: Topology) -> dict[str, Any]:
+    """Per purpose, the busiest rank's calls and bytes on the step type that makes them, and
+    whether they cross nodes."""
+    out: dict[str, Any] = {}
+    for purpose, step_type in (
+        ("factors", StepType.FACTOR_UPDATE),
+        ("decompositions", StepType.INVERSE_UPDATE),
+        ("gradients", StepType.PLAIN),
+    ):
+        best: tuple[int, int, int] = (0, 0, 0)  # bytes, calls, nodes spanned
+        for rank in strategy.ranks:
+            calls = [c for c in rank.calls[step_type] if c.purpose.value == purpose]
+            nbytes = sum(c.nbytes for c in calls)
+            if nbytes > best[0]:
+                spans = max((topology.span(c.group)[0] for c in calls), default=0)
+                best = (nbytes, len(calls), spans)
+        out[purpose] = {"bytes": best[0], "calls": best[1], "nodes_spanned": best[2]}
+    return out
+
+
+def _candidate_json(candidate: Candidate, profile: Profile) -> dict[str, Any]:
+    return {
+        "factor_update_steps": candidate.factor_update_steps,
+        "inv_update_steps": candidate.inv_update_steps,
+        "step_s": candidate.step_s,
+        "plain_step_s": profile.step_s,
+        "kfac_s": candidate.step_s - profile.step_s,
+        "overhead": candidate.overhead,
+        "parts_s": dict(candidate.breakdown),
+        "memory_bytes": candidate.memory_bytes,
+        "kfac_state_bytes": candidate.kfac_state_bytes,
+    }
+
+
+def _pick(table: Sequence[Candidate], budget: int | None) -> Candidate | None:
+    """``choose``'s rule on a priced table: the fastest candidate within the budget, ties to
+    the larger fraction (``tests/test_plan_cli.py`` checks it against ``choose``)."""
+    feasible = [c for c in table if budget is None or c.memory_bytes <= budget]
+    if not feasible:
+        return None
+    return min(feasible, key=lambda c: (c.step_s, -c.grad_worker_fraction))
+
+
+def plan_job(request: PlanRequest) -> PlanReport:
+    """Price every strategy and interval pair for ``request``; the tuner's choices."""
+    hardware = load_hardware(request.hardware)
+    params = dict(request.params)
+    job = workload(
+        request.model,
+        batch_size=request.batch_size,
+        params=params,
+        precision=request.precision,
+        kfac_approx=request.kfac_approx,
+        skip_layers=request.skip_layers,
+        optimizer=request.optimizer,
+        compute_method=request.compute_method,
+    )
+    job = dataclasses.replace(job, accumulation_steps=request.accumulation_steps)
+    world = request.workers
+    profile, basis = forecast_profile(job, hardware, world, gpus_per_node=request.gpus_per_node)
+    topology = profile.topology
+    assert isinstance(topology, Topology)
+    budgets = request.budgets or (int(hardware.memory_bytes.value),)
+    table: list[Candidate] = []
+    strategies = []
+    for fraction in valid_fractions(world):
+        strategy = plan(list(job.layers), world, fraction, compute_method=job.compute_method)
+        worst = max(strategy.ranks, key=lambda r: r.memory["total"])
+        candidates = []
+        for fus, ius in request.intervals:
+            candidate = price(profile, strategy, fus, ius)  # as choose() prices it
+            table.append(candidate)
+            candidates.append(_candidate_json(candidate, profile))
+        strategies.append(
+            {
+                "strategy": strategy_name(fraction, world),
+                "grad_worker_fraction": fraction,
+                "grad_workers": round(fraction * world),
+                "memory": dict(worst.memory),
+                "collectives": _collectives(strategy, topology),
+                "candidates": candidates,
+            }
+        )
+    choices = []
+    for budget in budgets:
+        picked = _pick(table, budget)
+        choices.append(
+            {
+                "budget_bytes": budget,
+                "chosen": None if picked is None else _chosen(picked, profile, world),
+                "reason": None
+                if picked is not None
+                else _nothing_fits(table, budget, basis, world),
+            }
+        )
+    return PlanReport(
+        data={
+            "inputs": _inputs(request, hardware, job, topology),
+            "model": _model(job),
+            "basis": _basis(basis, hardware, profile),
+            "strategies": strategies,
+            "choices": choices,
+            "changes": _changes(table, profile, world),
+        }
+    )
+
+
+def _chosen(candidate: Candidate, profile: Profile, world: int) -> dict[str, Any]:
+    return {
+        "strategy": strategy_name(candidate.grad_worker_fraction, world),
+        "grad_worker_fraction": candidate.grad_worker_fraction,
+        **_candidate_json(candidate, profile),
+    }
+
+
+def _nothing_fits(table: Sequence[Candidate], budget: int, basis: Basis, world: int) -> str:
+    smallest = min(table, key=lambda c: c.memory_bytes)
+    if basis.base_memory_bytes >= budget:
+        return (
+            f"the job alone (weights, gradients, optimizer state, activations) needs "
+            f"{_gib(basis.base_memory_bytes)} per GPU, over the budget of {_gib(budget)}: lower "
+            "the batch size (with gradient accumulation) or raise the budget"
+        )
+    return (
+        f"no strategy fits {_gib(budget)}: the smallest, "
+        f"{strategy_name(smallest.grad_worker_fraction, world)}, needs "
+        f"{_gib(smallest.memory_bytes)}; raise the budget, add workers, or skip the largest layers"
+    )
+
+
+def _changes(table: Sequence[Candidate], profile: Profile, world: int) -> list[dict[str, Any]]:
+    """The budgets at which the tuner's choice changes: from the smallest budget anything fits
+    at up, each candidate's memory need is a place the feasible set grows."""
+    out: list[dict[str, Any]] = []
+    previous: Candidate | None = None
+    for need in sorted({c.memory_bytes for c in table}):
+        picked = _pick(table, need)
+        if picked is not None and (previous is None or picked != previous):
+            out.append({"from_budget_bytes": need, **_chosen(picked, profile, world)})
+            previous = picked
+    return out
+
+
+def _inputs(request: PlanRequest, hardware: Hardware, job: Workload, topology: Topology) -> Any:
+    planning = PLANNING.get(request.model)
+    return {
+        "model": request.model,
+        "params": dict(request.params),
+        "batch_size": request.batch_size,
+        "accumulation_steps": request.accumulation_steps,
+        "seq_len": job.seq_len,
+        "workers": request.workers,
+        "gpus_per_node": topology.gpus_per_node,
+        "nodes": -(-request.workers // topology.gpus_per_node),
+        "hardware": hardware.name,
+        "gpu": hardware.gpu_name,
+        "gpu_memory_bytes": int(hardware.memory_bytes.value),
+        "precision": request.precision,
+        "kfac_approx": request.kfac_approx,
+        "compute_method": request.compute_method,
+        "optimizer": request.optimizer,
+        "skip_layers": list(
+            request.skip_layers
+            if request.skip_layers is not None
+            else (planning.skip_layers if planning else ())
+        ),
+        "skip_layers_source": planning.skip_source if planning else "",
+        "intervals": [list(pair) for pair in request.intervals],
+        "spec_strategy": request.spec_strategy,
+    }
+
+
+def _model(job: Workload) -> dict[str, Any]:
+    return {
+        "kfac_layers": len(job.layers),
+        "largest_factor": max((max(x.a_dim, x.g_dim) for x in job.layers), default=0),
+        "parameters": job.parameters,
+        "activation_bytes": job.activation_bytes,
+        "forward_flops": job.forward_flops,
+        "fp32_factor_bytes": sum(4 * x.groups * (x.a_dim**2 + x.g_dim**2) for x in job.layers),
+    }
+
+
+def _basis(basis: Basis, hardware: Hardware, profile: Profile) -> dict[str, Any]:
+    kinds: dict[str, int] = {}
+    for number in hardware.sources.values():
+        kinds[number.kind] = kinds.get(number.kind, 0) + 1
+    return {
+        "plain_step_s": basis.step_s,
+        "plain_step_source": basis.step_source,
+        "base_memory_bytes": basis.base_memory_bytes,
+        "kfac_transient_bytes": basis.kfac_transient_bytes,
+        "factor_s": profile.factor_s,
+        "hardware_numbers_by_kind": kinds,
+    }
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
