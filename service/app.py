@@ -236,8 +236,8 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     app.include_router(_api(settings), prefix=f"/{API_VERSION}")
     app.include_router(_health(settings))
     app.include_router(_pages())
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.mount("/static/vendor/swagger", StaticFiles(directory=swagger_ui()), name="swagger")
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
     # The outermost last: Timing > SecurityHeaders > RateLimit > BearerAuth > BodyLimit > SpecBody.
     app.add_middleware(SpecBody, path=f"/{API_VERSION}/jobs")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

@@ -706,6 +706,7 @@ _BOUND_ERRORS = frozenset(
         "less_than_equal",
         "too_long",
         "string_too_long",
+        "string_pattern_mismatch",
     }
 )
 REFERENCE = "docs/jobspec.md"

@@ -1,0 +1,184 @@
+"""``docs/jobspec.md``, the JobSpec reference, generated from the schema itself.
+
+Every field of ``JobSpec`` (nested sections included), with its type, its bounds and why
+they are there (``spec.LIMITS``), its default and an example. Regenerate after changing the
+spec (a test fails while the file is stale)::
+
+    .venv/bin/python -m kaisa_ray.train.reference --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from kaisa_ray.train.spec import LIMITS, REFERENCE, JobSpec
+
+DOC = Path(__file__).resolve().parents[2] / REFERENCE
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fashion_mnist.yaml"
+
+_BOUND_WORDS = {
+    "minimum": ">=",
+    "exclusiveMinimum": ">",
+    "maximum": "<=",
+    "exclusiveMaximum": "<",
+    "minLength": "length >=",
+    "maxLength": "length <=",
+    "minItems": "items >=",
+    "maxItems": "items <=",
+    "minProperties": "entries >=",
+    "maxProperties": "entries <=",
+    "pattern": "matches",
+}
+
+
+def _resolve(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        return dict(defs[ref.rsplit("/", 1)[1]])
+    return schema
+
+
+def _type(schema: dict[str, Any], defs: dict[str, Any]) -> str:
+    schema = _resolve(schema, defs)
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            return " or ".join(_type(option, defs) for option in schema[key])
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    if "enum" in schema:
+        return " or ".join(json.dumps(v) for v in schema["enum"])
+    if "properties" in schema:
+        return "section"
+    kind = schema.get("type")
+    if kind == "array":
+        if "prefixItems" in schema:
+            return "[" + ", ".join(_type(i, defs) for i in schema["prefixItems"]) + "]"
+        return f"list of {_type(schema.get('items', {}), defs)}"
+    if kind == "object" and "additionalProperties" in schema:
+        values = schema["additionalProperties"]
+        return f"map of {_type(values, defs) if isinstance(values, dict) else 'any'}"
+    if kind is None:
+        return "any"
+    return str(kind)
+
+
+def _bounds(schema: dict[str, Any], defs: dict[str, Any]) -> str:
+    schema = _resolve(schema, defs)
+    found = [f"{word} {schema[key]}" for key, word in _BOUND_WORDS.items() if key in schema]
+    for key in ("anyOf", "oneOf"):
+        for option in schema.get(key, []):
+            inner = _bounds(option, defs)
+            if inner:
+                found.append(inner)
+    if schema.get("type") == "array":
+        items = schema.get("items")
+        if isinstance(items, dict) and _bounds(items, defs):
+            found.append(f"each {_bounds(items, defs)}")
+        for item in schema.get("prefixItems", []):
+            if _bounds(item, defs):
+                found.append(f"each {_bounds(item, defs)}")
+                break
+    if schema.get("type") == "number":
+        found.append("finite")
+    return ", ".join(dict.fromkeys(found))
+
+
+def _section(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any] | None:
+    """The nested section (a model's schema) a field holds, if any."""
+    schema = _resolve(schema, defs)
+    if "properties" in schema:
+        return schema
+    for key in ("anyOf", "oneOf"):
+        for option in schema.get(key, []):
+            found = _section(option, defs)
+            if found is not None:
+                return found
+    values = schema.get("additionalProperties")
+    if isinstance(values, dict):
+        found = _section(values, defs)
+        if found is not None:
+            return {**found, "_map": True}
+    return None
+
+
+def _rows(
+    schema: dict[str, Any], defs: dict[str, Any], prefix: str, example: Any
+) -> list[list[str]]:
+    rows = []
+    required = set(schema.get("required", []))
+    for name, field in schema.get("properties", {}).items():
+        path = f"{prefix}{name}"
+        shown = _resolve(field, defs)
+        default = "(required)" if name in required else json.dumps(field.get("default"))
+        if _section(field, defs) is not None and name not in required:
+            default = "its fields' defaults" if field.get("default") is not None else "null"
+        sample = example.get(name) if isinstance(example, dict) else None
+        inner = _section(field, defs)
+        description = " ".join(
+            str(shown.get("description") or field.get("description") or "").split()
+        )
+        key = path.replace("sweep.space.<field>", "sweep.space.*")
+        reason = LIMITS.get(key)
+        notes = "; ".join(part for part in (description, reason and f"bound: {reason}") if part)
+        rows.append(
+            [
+                f"`{path}`",
+                _type(field, defs),
+                _bounds(field, defs) or "-",
+                default if default != "null" else "null",
+                json.dumps(sample) if sample is not None and inner is None else "-",
+                notes or "-",
+            ]
+        )
+        if inner is not None:
+            nested = f"{path}.<field>." if inner.get("_map") else f"{path}."
+            rows += _rows(inner, defs, nested, sample if isinstance(sample, dict) else None)
+    return rows
+
+
+def render() -> str:
+    """The reference as Markdown."""
+    import yaml
+
+    schema = JobSpec.model_json_schema()
+    defs = schema.get("$defs", {})
+    example = yaml.safe_load(EXAMPLE.read_text())
+    lines = [
+        "# The JobSpec reference",
+        "",
+        "<!-- Generated by `python -m kaisa_ray.train.reference --write` from the JobSpec "
+        "schema (kaisa_ray/train/spec.py); tests/test_jobspec_reference.py fails while it is "
+        "stale. Do not edit by hand. -->",
+        "",
+        "A job, as a YAML or JSON file (`kaisa-ray train --config`, `kaisa-ray submit`) or the "
+        "body of `POST /v1/jobs` (JSON, or YAML with `Content-Type: application/yaml`). Unknown "
+        "fields are refused (with the closest known name); every number is bounded, and floats "
+        "must be finite. Examples are from "
+        "[examples/fashion_mnist.yaml](../examples/fashion_mnist.yaml). `model.params` are the "
+        "keyword arguments of the model's constructor, checked against its signature.",
+        "",
+        "| field | type | bounds | default | example | notes |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in _rows(schema, defs, "", example):
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help=f"write {DOC}")
+    args = parser.parse_args()
+    text = render()
+    if args.write:
+        DOC.write_text(text)
+        print(f"wrote {DOC}")
+    else:
+        print(text, end="")
+
+
+if __name__ == "__main__":
+    main()
