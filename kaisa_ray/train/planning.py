@@ -32,7 +32,14 @@ from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import Plan, StepType, plan
 from kaisa_ray.strategy import valid_fractions
 from kaisa_ray.train.shapes import PLANNING, workload
-from tuner.cost import DEFAULT_INTERVALS, Candidate, Profile, price
+from tuner.cost import (
+    DEFAULT_INTERVALS,
+    Candidate,
+    NoFeasibleCandidateError,
+    Profile,
+    choose,
+    price,
+)
 from tuner.forecast import Basis, Workload, forecast_profile
 from tuner.hardware import Hardware, hardware_from_dict
 from tuner.topology import Topology
@@ -262,7 +269,7 @@ def plan_job(request: PlanRequest) -> PlanReport:
                 "chosen": None if picked is None else _chosen(picked, profile, world),
                 "reason": None
                 if picked is not None
-                else _nothing_fits(table, budget, basis, world),
+                else _nothing_fits(profile, budget, request.intervals),
             }
         )
     return PlanReport(
@@ -285,19 +292,13 @@ def _chosen(candidate: Candidate, profile: Profile, world: int) -> dict[str, Any
     }
 
 
-def _nothing_fits(table: Sequence[Candidate], budget: int, basis: Basis, world: int) -> str:
-    smallest = min(table, key=lambda c: c.memory_bytes)
-    if basis.base_memory_bytes >= budget:
-        return (
-            f"the job alone (weights, gradients, optimizer state, activations) needs "
-            f"{_gib(basis.base_memory_bytes)} per GPU, over the budget of {_gib(budget)}: lower "
-            "the batch size (with gradient accumulation) or raise the budget"
-        )
-    return (
-        f"no strategy fits {_gib(budget)}: the smallest, "
-        f"{strategy_name(smallest.grad_worker_fraction, world)}, needs "
-        f"{_gib(smallest.memory_bytes)}; raise the budget, add workers, or skip the largest layers"
-    )
+def _nothing_fits(profile: Profile, budget: int, intervals: Sequence[tuple[int, int]]) -> str:
+    """The tuner's own account of why nothing fits and what would."""
+    try:
+        choose(profile, budget, intervals=intervals)
+    except NoFeasibleCandidateError as err:
+        return str(err)
+    raise AssertionError("choose() found a candidate that the plan's table did not")
 
 
 def _changes(table: Sequence[Candidate], profile: Profile, world: int) -> list[dict[str, Any]]:
@@ -365,7 +366,3 @@ def _basis(basis: Basis, hardware: Hardware, profile: Profile) -> dict[str, Any]
         "factor_s": profile.factor_s,
         "hardware_numbers_by_kind": kinds,
     }
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
