@@ -239,6 +239,7 @@ def _read(file: Path) -> dict[str, Any]:
 @click.option("--follow", is_flag=True, help="Show a live progress bar until the job ends.")
 @click.option("--follow-id", default=None, help="Follow a job submitted earlier instead.")
 @click.option("--idempotency-key", default=None, help="Retry-safe: the same key, the same job.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the job's id (for scripts).")
 @url_option
 @token_option
 def submit(
@@ -246,6 +247,7 @@ def submit(
     follow: bool,
     follow_id: str | None,
     idempotency_key: str | None,
+    quiet: bool,
     url: str | None,
     token: str | None,
 ) -> None:
@@ -256,7 +258,7 @@ def submit(
     try:
         if job_file is not None:
             job = client.submit(_read(job_file), idempotency_key)
-            click.echo(f"job {job['id']} ({job['name']}): {job['state']}")
+            click.echo(job["id"] if quiet else f"job {job['id']} ({job['name']}): {job['state']}")
             if not follow:
                 return
             follow_id = job["id"]

@@ -31,7 +31,7 @@ class ServiceClientError(Exception):
 class ServiceClient:
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30):
         self.url = (url or os.environ.get("KAISA_RAY_URL") or DEFAULT_URL).rstrip("/")
-        token = token or os.environ.get("KAISA_RAY_TOKEN")
+        token = token or os.environ.get("KAISA_RAY_TOKEN") or _token_file()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
@@ -103,6 +103,19 @@ class ServiceClient:
                         data.append(line[5:].strip())
         except httpx.HTTPError as err:
             raise ServiceClientError(f"the event stream from {self.url} broke: {err}") from err
+
+
+def _token_file() -> str | None:
+    """The first line of ``$KAISA_RAY_TOKEN_FILE``, if it names a file (what the service
+    reads too)."""
+    path = os.environ.get("KAISA_RAY_TOKEN_FILE")
+    if not path:
+        return None
+    try:
+        lines = open(os.path.expanduser(path)).read().splitlines()  # noqa: SIM115
+    except OSError as err:
+        raise ServiceClientError(f"cannot read $KAISA_RAY_TOKEN_FILE ({path}): {err}") from err
+    return lines[0].strip() if lines else None
 
 
 def _refused(response: httpx.Response) -> ServiceClientError:

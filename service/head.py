@@ -33,6 +33,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,9 @@ class RayHead:
         A graceful stop waits about 30 s for the GCS to drain; nothing here needs that, so
         after ``grace_s`` the group is killed.
         """
+        # Ray's job drivers run in sessions of their own (Ray starts them so): found by descent
+        # from the head before it goes, and killed with it.
+        family = _descendants(self.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -107,6 +111,9 @@ class RayHead:
             time.sleep(0.1)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
+        for process in family:
+            with contextlib.suppress(Exception):
+                process.kill()
         # Like `ray stop`: forget this head as the machine's default cluster, so that a later
         # local ray.init() starts its own instead of trying to reach this dead one.
         address_file = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
@@ -125,6 +132,17 @@ class RayHead:
             return cls(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             return None
+
+
+def _descendants(pid: int) -> list[Any]:
+    """Every process below ``pid`` now (psutil's, which Ray depends on)."""
+    import psutil  # type: ignore[import-untyped]
+
+    try:
+        found: list[Any] = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    return found
 
 
 def _running(pid: int) -> bool:
