@@ -38,6 +38,7 @@ from service.jobs import Follower, Jobs
 from service.lifecycle import JobState
 from service.metrics import ServiceMetrics
 from service.middleware import BearerAuth, BodyLimit, RateLimit, SecurityHeaders, SpecBody, Timing
+from service.plan_routes import router as plan_router
 from service.runner import RayRunner, Runner
 from service.schemas import (
     ErrorBody,
@@ -234,6 +235,7 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     app.state.settings = settings
     _handlers(app)
     app.include_router(_api(settings), prefix=f"/{API_VERSION}")
+    app.include_router(plan_router, prefix=f"/{API_VERSION}")
     app.include_router(_health(settings))
     app.include_router(_pages())
     app.mount("/static/vendor/swagger", StaticFiles(directory=swagger_ui()), name="swagger")

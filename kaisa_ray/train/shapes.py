@@ -80,7 +80,10 @@ PLANNING: dict[str, Planning] = {
 
 def build_on_meta(name: str, params: Mapping[str, Any] | None = None) -> nn.Module:
     """The registered model ``name`` with shapes only (no parameter memory)."""
-    factory = model_factory(name)
+    try:
+        factory = model_factory(name)
+    except KeyError as err:
+        raise ConfigurationError(str(err.args[0])) from err
     try:
         with torch.device("meta"):
             model = factory(**dict(params or {}))

@@ -1,0 +1,172 @@
+"""``POST /v1/plan``: what a job would cost on GPUs of a hardware preset, and what the tuner
+would choose there (``kaisa-ray plan`` over REST); ``GET /v1/plan/hardware`` lists the presets.
+
+The body is a JobSpec (``spec``) or a model with workers and a batch size, plus the hardware
+preset and the budgets to sweep. Only the presets shipped with kaisa-ray can be named: a
+client never makes the service read a file. Planning is pure computation on shapes (no Ray,
+no GPU, no job is created); it runs in the thread pool and is bounded by ``MAX_WORKERS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, status
+from fastapi.security import HTTPBearer
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
+
+from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.train.planning import (
+    PlanRequest,
+    hardware_names,
+    load_hardware,
+    plan_job,
+    request_from_spec,
+)
+from kaisa_ray.train.spec import JobSpec
+from service.errors import ServiceError
+from service.schemas import ErrorBody, ValidationErrorBody
+
+MAX_WORKERS = 4096
+"""The largest world size a plan is computed for over REST (a plan prices every rank)."""
+
+Interval = tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]]
+
+
+class PlanBody(BaseModel):
+    """A job to plan: ``spec`` (a JobSpec), or ``model`` with ``workers`` and
+    ``batch_size``; the other fields override the spec's or the defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    spec: JobSpec | None = None
+    model: str | None = Field(None, description="a registered model: resnet50, bert-large, ...")
+    params: dict[str, Any] = Field(default_factory=dict, description="the model's parameters")
+    workers: Annotated[int, Field(ge=1, le=MAX_WORKERS)] | None = None
+    batch_size: Annotated[int, Field(ge=1, le=2**20)] | None = None
+    hardware: str = Field("a100-80gb-hdr", description="a preset: GET /v1/plan/hardware")
+    budgets: Annotated[list[ByteSize], Field(max_length=32)] = Field(
+        default_factory=list,
+        description="memory budgets per GPU to sweep ('40GiB'); default: the spec's "
+        "memory_budget, else the GPU's memory",
+    )
+    gpus_per_node: Annotated[int, Field(ge=1, le=1024)] | None = None
+    intervals: Annotated[list[Interval], Field(min_length=1, max_length=16)] | None = None
+    precision: Literal["fp32", "bf16", "fp16"] | None = None
+    kfac_approx: Literal["expand", "reduce"] | None = None
+    compute_method: Literal["eigen", "inverse"] | None = None
+    optimizer: Literal["sgd", "adam", "adamw", "lamb"] | None = None
+    accumulation_steps: Annotated[int, Field(ge=1, le=65536)] = 1
+    seq_len: Annotated[int, Field(ge=1, le=65536)] | None = None
+    skip_layers: Annotated[list[str], Field(max_length=64)] | None = None
+
+
+class PlanResult(BaseModel):
+    """``kaisa-ray plan --json``: inputs, the model's shapes, what the prediction rests on,
+    memory, collectives and candidates per strategy, the choice per budget, and the budgets
+    where the choice changes."""
+
+    inputs: dict[str, Any]
+    model: dict[str, Any]
+    basis: dict[str, Any]
+    strategies: list[dict[str, Any]]
+    choices: list[dict[str, Any]]
+    changes: list[dict[str, Any]]
+
+
+class HardwarePreset(BaseModel):
+    name: str
+    description: str
+    gpu: str
+    memory_bytes: int
+    gpus_per_node: int
+
+
+class PlanError(ServiceError):
+    status = 422
+
+
+def _request(body: PlanBody) -> PlanRequest:
+    if body.hardware not in hardware_names():
+        raise PlanError(
+            f"unknown hardware {body.hardware!r}: one of {', '.join(hardware_names())} "
+            "(GET /v1/plan/hardware); a measured profile is used with the CLI's --hardware FILE"
+        )
+    budgets = tuple(int(b) for b in body.budgets)
+    if body.spec is not None:
+        if body.model is not None:
+            raise PlanError("give spec or model (with workers and batch_size), not both")
+        request = request_from_spec(body.spec, body.hardware, budgets, body.gpus_per_node)
+    else:
+        if body.model is None or body.workers is None or body.batch_size is None:
+            raise PlanError("give spec, or model with workers and batch_size")
+        request = PlanRequest(
+            model=body.model,
+            batch_size=body.batch_size,
+            workers=body.workers,
+            hardware=body.hardware,
+            budgets=budgets,
+            gpus_per_node=body.gpus_per_node,
+        )
+    params = {**request.params, **body.params}
+    if body.seq_len is not None:
+        params["seq_len"] = body.seq_len
+    overrides: dict[str, Any] = {"params": params, "accumulation_steps": body.accumulation_steps}
+    for name in ("workers", "batch_size", "precision", "kfac_approx", "compute_method"):
+        value = getattr(body, name)
+        if value is not None:
+            overrides[name] = value
+    if body.optimizer is not None:
+        overrides["optimizer"] = body.optimizer
+    if body.intervals is not None:
+        overrides["intervals"] = tuple(tuple(pair) for pair in body.intervals)
+    if body.skip_layers is not None:
+        overrides["skip_layers"] = tuple(body.skip_layers)
+    request = dataclasses.replace(request, **overrides)
+    if request.workers > MAX_WORKERS:
+        raise PlanError(f"workers={request.workers}: plans go up to {MAX_WORKERS} GPUs here")
+    return request
+
+
+router = APIRouter(
+    tags=["plan"],
+    dependencies=[Depends(HTTPBearer(auto_error=False))],  # the token, as every /v1 route
+    responses={401: {"model": ErrorBody, "description": "no token, or a wrong one"}},
+)
+
+
+@router.post(
+    "/plan",
+    status_code=status.HTTP_200_OK,
+    response_model=PlanResult,
+    responses={
+        422: {"model": ValidationErrorBody, "description": "a bad body, or a job not to plan"}
+    },
+)
+def plan(body: PlanBody) -> PlanResult:
+    """Price K-FAC for a job on GPUs of a hardware preset: memory and collectives per
+    strategy, the time per step and its parts per candidate, the tuner's choice per budget."""
+    try:
+        report = plan_job(_request(body)).to_json()
+    except ConfigurationError as err:
+        raise PlanError(str(err)) from err
+    return PlanResult.model_validate(report)
+
+
+@router.get("/plan/hardware", response_model=list[HardwarePreset])
+def hardware() -> list[HardwarePreset]:
+    """The hardware presets a plan can be priced on."""
+    presets = []
+    for name in hardware_names():
+        found = load_hardware(name)
+        presets.append(
+            HardwarePreset(
+                name=found.name,
+                description=found.description,
+                gpu=found.gpu_name,
+                memory_bytes=int(found.memory_bytes.value),
+                gpus_per_node=found.node_size,
+            )
+        )
+    return presets
