@@ -220,9 +220,14 @@ def _pick(table: Sequence[Candidate], budget: int | None) -> Candidate | None:
     return min(feasible, key=lambda c: (c.step_s, -c.grad_worker_fraction))
 
 
-def plan_job(request: PlanRequest) -> PlanReport:
-    """Price every strategy and interval pair for ``request``; the tuner's choices."""
-    hardware = load_hardware(request.hardware)
+def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanReport:
+    """Price every strategy and interval pair for ``request``; the tuner's choices.
+
+    Args:
+        hardware: a profile to use instead of loading ``request.hardware`` (a variant built
+            in code, e.g. to ask what a faster matmul would change).
+    """
+    hardware = hardware or load_hardware(request.hardware)
     params = dict(request.params)
     job = workload(
         request.model,
