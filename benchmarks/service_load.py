@@ -146,14 +146,19 @@ class Service:
 
 
 @contextlib.contextmanager
-def running_service(data_dir: Path, timeout_s: float = 180) -> Iterator[Service]:
+def running_service(
+    data_dir: Path, timeout_s: float = 180, extra: list[str] | None = None
+) -> Iterator[Service]:
+    """``kaisa-ray serve`` (with ``extra`` flags) on a free port, its token in the
+    environment; yields once it is ready, stops it after."""
     port = free_port()
     token = secrets.token_hex(16)
     data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir / "service.log"
     command = [KAISA_RAY, "serve", "--port", str(port), "--data-dir", str(data_dir)]
-    command += ["--token", token]
+    command += extra or []
     env = {**os.environ, "PATH": venv_path(), "RAY_USAGE_STATS_ENABLED": "0"}
+    env["KAISA_RAY_TOKEN"] = token
     env.pop("RAY_ADDRESS", None)
     with log.open("ab") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)

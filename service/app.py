@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import secrets
+import signal
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -189,7 +191,14 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
             if runner is not None:
                 active: Runner = runner
             else:
+                handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
                 active, head = await run_in_threadpool(_connect, settings)
+                # ray.init installs Ray's own SIGTERM handler, which aborts the process: put
+                # uvicorn's back, so that SIGTERM drains (the lifespan's end below) as SIGINT
+                # does. Only the main thread may set handlers: the lifespan runs there.
+                for sig, handler in handlers.items():
+                    if callable(handler) and threading.current_thread() is threading.main_thread():
+                        signal.signal(sig, handler)
             jobs = Jobs(store, active, Hub(), idempotency_ttl_s=settings.idempotency_ttl_s)
             follower = Follower(
                 jobs,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 import threading
 import time
@@ -184,6 +185,9 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
     # uvicorn drains on SIGTERM as on SIGINT (what systemd, Docker and Kubernetes send): the
     # lifespan then stops the follower and the embedded Ray head, and logs "shutdown complete".
     logging.getLogger("service").setLevel(logging.INFO)
+    # uvicorn re-raises the signal it stopped on once it has shut down; after a SIGTERM the
+    # drain is done by then, so the process ends with status 0 (as a service manager expects).
+    signal.signal(signal.SIGTERM, _drained)
     uvicorn.run(
         app,
         host=settings.host,
@@ -191,6 +195,10 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
         log_level="info",
         timeout_graceful_shutdown=5,  # event streams never end on their own
     )
+
+
+def _drained(signum: int, frame: Any) -> None:
+    """SIGTERM, re-raised by uvicorn after its graceful shutdown: nothing left to do."""
 
 
 def _submit_when_up(base: str, token: str | None, file: Path) -> None:

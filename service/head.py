@@ -33,7 +33,6 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +102,7 @@ class RayHead:
         """
         # Ray's job drivers run in sessions of their own (Ray starts them so): found by descent
         # from the head before it goes, and killed with it.
-        family = _descendants(self.pid)
+        family = descendants(self.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -111,9 +110,9 @@ class RayHead:
             time.sleep(0.1)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
-        for process in family:
-            with contextlib.suppress(Exception):
-                process.kill()
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         # Like `ray stop`: forget this head as the machine's default cluster, so that a later
         # local ray.init() starts its own instead of trying to reach this dead one.
         address_file = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
@@ -134,14 +133,24 @@ class RayHead:
             return None
 
 
-def _descendants(pid: int) -> list[Any]:
-    """Every process below ``pid`` now (psutil's, which Ray depends on)."""
-    import psutil  # type: ignore[import-untyped]
-
-    try:
-        found: list[Any] = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
+def descendants(pid: int) -> list[int]:
+    """The ids of every process below ``pid`` now (from /proc: each process's parent)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # it ended meanwhile
+            continue
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
     return found
 
 

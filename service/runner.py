@@ -105,6 +105,25 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
+def _warm_train_coordinator() -> None:
+    """Create Ray Train's AutoscalingCoordinator actor now (detached, one per cluster).
+
+    Every Ray Train run asks it for resources first, with a 5 s timeout; created by that
+    first request on a busy machine, it misses the timeout and the job's log gets a harmless
+    but alarming traceback. Best effort (a private Ray API, which may move): a failure is
+    logged and changes nothing else."""
+    import ray
+
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+
+        ray.get(get_or_create_autoscaling_coordinator().__ray_ready__.remote(), timeout=120)  # type: ignore[no-untyped-call]
+    except Exception as err:  # best effort: jobs run without it
+        logger.warning("could not create Ray Train's autoscaling coordinator ahead: %s", err)
+
+
 class RayRunner:
     """``Runner`` on a real Ray cluster (this process is connected to it as a driver)."""
 
@@ -136,6 +155,7 @@ class RayRunner:
         self.driver_cpus = driver_cpus
         self._client = JobSubmissionClient(dashboard_url)
         self._sink: Any = None
+        _warm_train_coordinator()
 
     def submit(self, job_id: str, spec: dict[str, Any]) -> str:
         sid = submission_id(job_id)

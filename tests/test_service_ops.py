@@ -1,0 +1,236 @@
+"""The service as an operator runs it, with real parts (issue 18): two ``kaisa-ray serve``
+processes, each with its embedded Ray head, side by side on one machine; their Ray
+processes' environments; SIGTERM; and the README's service quickstart run verbatim.
+
+Two service start-ups for the module (shared by its tests) plus the README's own."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ray_head import TEST_ENV
+from service_process import ServiceProcess, start_service
+
+from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
+from service.head import RayHead, descendants, free_port
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "ops-token-0123456789"
+MARKER = "KAISA_RAY_MAX_WORKERS"  # a service variable set in the services' environment
+
+
+def quick_job(name: str, steps: int) -> dict[str, Any]:
+    return {
+        "name": name,
+        "model": {"name": "mlp", "params": {"hidden": [32]}},
+        "dataset": {"name": "synthetic", "batch_size": 32, "limit": 512},
+        "kfac": "off",
+        "scaling": {"workers": 1},
+        "stop": {"max_steps": steps},
+        "eval_every": 10,
+        "checkpoint": {"every_steps": 1000},
+    }
+
+
+def wait_for(check: Any, what: str, timeout_s: float = 120) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def head_of(service: ServiceProcess) -> RayHead:
+    head = RayHead.load(service.log.parent / "ray" / "head.json")
+    assert head is not None, service.log.read_text()
+    return head
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServiceProcess]]:
+    """Two services, each on its own data directory with its own embedded Ray head."""
+    env = {MARKER: "8", "KAISA_RAY_EMBEDDED_CPUS": "3"}
+    started: dict[str, ServiceProcess] = {}
+    try:
+        for name in ("a", "b"):
+            started[name] = start_service(
+                tmp_path_factory.mktemp(f"ops-{name}"), token=TOKEN, env=env, timeout_s=180
+            )
+        yield started
+    finally:
+        for service in started.values():
+            if service.process.poll() is None:
+                service.stop()
+                head = RayHead.load(service.log.parent / "ray" / "head.json")
+                if head is not None:
+                    head.stop(grace_s=1)
+
+
+def ray_processes(head: RayHead) -> list[int]:
+    return [head.pid, *descendants(head.pid)]
+
+
+def environ(pid: int) -> dict[str, str] | None:
+    """A process's environment (None: it ended meanwhile)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    """Running, and not a zombie (ended, waiting for its parent to read its status)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_two_services_side_by_side_each_job_sees_only_its_own_cluster(
+    services: dict[str, ServiceProcess],
+) -> None:
+    """A job on each service runs to SUCCEEDED; neither log mentions other Ray instances or
+    the other cluster's address; while a long job runs, no Ray process of either head (head,
+    raylet, workers, the job's driver and train worker) has a service variable or the
+    service's token in its environment; the long job is then cancelled on the real Ray."""
+    a, b = services["a"], services["b"]
+    heads = {name: head_of(service) for name, service in services.items()}
+    assert heads["a"].gcs_address != heads["b"].gcs_address
+    assert heads["a"].temp_dir != heads["b"].temp_dir
+    clients = {name: service.client() for name, service in services.items()}
+    long = clients["a"].submit(quick_job("long", 1_000_000))
+    short = {name: clients[name].submit(quick_job(f"short-{name}", 30)) for name in services}
+    wait_for(
+        lambda: clients["a"].job(long["id"])["progress"]["step"] >= 10, "the long job to train"
+    )
+    checked = 0
+    for name, head in heads.items():
+        for pid in ray_processes(head):
+            found = environ(pid)
+            if found is None:  # it ended meanwhile
+                continue
+            leaked = sorted(k for k in found if k.startswith("KAISA_RAY_"))
+            assert not leaked, (name, cmdline(pid)[:80], leaked)
+            assert TOKEN not in "\0".join(f"{k}={v}" for k, v in found.items())
+            checked += 1
+    drivers = [pid for pid in ray_processes(heads["a"]) if "kaisa-ray train" in cmdline(pid)]
+    assert drivers, "the long job's driver is not among the head's processes"
+    assert checked > 10
+    for name in services:
+        done = wait_for(
+            lambda name=name: (
+                (j := clients[name].job(short[name]["id"]))["state"] in ("SUCCEEDED", "FAILED")
+                and j
+            ),
+            f"job {name} to end",
+        )
+        assert done["state"] == "SUCCEEDED", done["failure_reason"]
+        log = clients[name].logs(short[name]["id"])
+        other = heads["b" if name == "a" else "a"]
+        assert "finished at step 30" in log
+        assert "multiple active Ray instances" not in log
+        assert other.gcs_address.rsplit(":", 1)[1] not in log
+        assert "Traceback" not in log
+    clients["a"].cancel(long["id"])
+    wait_for(lambda: clients["a"].job(long["id"])["state"] == "CANCELLED", "CANCELLED", 60)
+    assert a.process.poll() is None
+    assert b.process.poll() is None
+
+
+def test_sigterm_stops_the_service_its_head_and_every_process_it_started(
+    services: dict[str, ServiceProcess],
+) -> None:
+    """What systemd, Docker and Kubernetes send: within 15 s the service, its Ray head and
+    every process below them are gone, and the log says the shutdown completed."""
+    service = services["b"]
+    job = service.client().submit(quick_job("running-at-sigterm", 1_000_000))
+    wait_for(lambda: service.client().job(job["id"])["state"] == "RUNNING", "a running job")
+    family = [service.process.pid, *descendants(service.process.pid)]
+    assert any("kaisa-ray train" in cmdline(pid) for pid in family)  # the job's driver too
+    assert len(family) > 5
+    began = time.monotonic()
+    service.process.send_signal(signal.SIGTERM)
+    service.process.wait(timeout=15)
+    wait_for(
+        lambda: not [pid for pid in family if alive(pid)],
+        "every process to go",
+        timeout_s=max(0.1, 15 - (time.monotonic() - began)),
+    )
+    took = time.monotonic() - began
+    assert took < 15
+    assert service.process.returncode == 0
+    log = service.log.read_text()
+    assert "shutdown complete" in log
+    print(f"SIGTERM: {len(family)} processes gone in {took:.1f} s")
+
+
+README_BLOCKS = re.compile(r"```bash\n(.*?)```", re.S)
+
+
+def readme_quickstart() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("<!-- service-quickstart:begin -->")[1]
+    section = section.split("<!-- service-quickstart:end -->")[0]
+    return "\n".join(README_BLOCKS.findall(section))
+
+
+@pytest.mark.skipif(
+    not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
+)
+@pytest.mark.timeout(600)
+def test_the_readme_service_quickstart_runs_verbatim(tmp_path: Path) -> None:
+    """The README's service blocks, as written, in a fresh home and a checkout-like folder,
+    for a user who never activated the venv (no venv on PATH): serve, submit --follow, jobs,
+    the REST quickstart, follow the events, cancel, SIGTERM."""
+    script = readme_quickstart()
+    assert ".venv/bin/kaisa-ray serve &" in script
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    for name in (".venv", "examples"):
+        (clone / name).symlink_to(ROOT / name)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KAISA_RAY_", "RAY_", "VIRTUAL_ENV"))
+    }
+    env.update(TEST_ENV)
+    env.update(HOME=str(home), KAISA_RAY_PORT=str(free_port()), PATH="/usr/bin:/bin")
+    done = subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + script],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    assert re.search(r"job \w+: SUCCEEDED", output), output[-4000:]
+    assert '"state":"SUCCEEDED"' in output  # the REST job's event stream, to its end
+    assert re.search(r"job \w+: CANCELL(ING|ED)", output), output[-4000:]
+    assert "shutdown complete" in output
+    assert (clone / "job.json").is_file()
+    assert (home / "kaisa-ray" / "jobs.db").is_file()  # the default data directory, fresh
