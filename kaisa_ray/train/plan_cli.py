@@ -184,7 +184,8 @@ def render_plan(report: dict[str, Any]) -> str:
             lines.append(f"  budget {budget}: {_choice_text(choice['chosen'])}")
     lines.append("Where the choice changes as the budget grows:")
     for change in report["changes"]:
-        lines.append(f"  from {_gib(change['from_budget_bytes'])}: {_choice_text(change)}")
+        need = change["from_budget_bytes"]
+        lines.append(f"  from {need / 2**20:,.1f} MiB: {_choice_text(change)}")
     return "\n".join(lines)
 
 
