@@ -164,7 +164,7 @@ def _connect(settings: Settings) -> tuple[Runner, RayHead | None]:
     head = None
     address = settings.ray_address
     if address is None:
-        head, adopted = adopt_or_start(settings.data_dir, num_cpus=settings.embedded_cpus)
+        head, adopted = adopt_or_start(settings.data_dir, num_cpus=settings.head_cpus)
         address = head.gcs_address
         # Ray reads its auth settings when first imported: this must precede RayRunner.
         os.environ["RAY_AUTH_MODE"] = "token"

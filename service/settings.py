@@ -4,6 +4,7 @@ variables over these defaults (pydantic-settings)."""
 from __future__ import annotations
 
 import ipaddress
+import os
 from pathlib import Path
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
@@ -96,7 +97,18 @@ class Settings(BaseSettings):
     status_interval_s: float = Field(
         default=1.0, gt=0, description="how often the follower asks Ray for the jobs' status"
     )
-    embedded_cpus: int | None = Field(default=None, gt=0)
+    embedded_cpus: int | None = Field(
+        default=None,
+        gt=0,
+        description="logical CPUs of the embedded Ray head [default: the machine's cores and "
+        "one more, the job drivers' share: each driver reserves driver_cpus, so a job whose "
+        "workers take every core still starts]",
+    )
+
+    @property
+    def head_cpus(self) -> int:
+        """The embedded head's logical CPUs (see ``embedded_cpus``)."""
+        return self.embedded_cpus or (os.cpu_count() or 1) + 1
 
     @field_validator("storage_path")
     @classmethod
