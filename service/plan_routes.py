@@ -13,6 +13,7 @@ import dataclasses
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, status
+from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
@@ -25,7 +26,6 @@ from kaisa_ray.train.planning import (
     request_from_spec,
 )
 from kaisa_ray.train.spec import JobSpec
-from service.errors import ServiceError
 from service.schemas import ErrorBody, ValidationErrorBody
 
 MAX_WORKERS = 4096
@@ -83,24 +83,29 @@ class HardwarePreset(BaseModel):
     gpus_per_node: int
 
 
-class PlanError(ServiceError):
-    status = 422
+def refused(message: str, field: str = "body") -> RequestValidationError:
+    """A body that names no job to plan, as the API answers every bad body: 422 with the
+    field and the reason (``service.app``'s handler writes it)."""
+    return RequestValidationError(
+        [{"type": "value_error", "loc": ("body", field), "msg": message, "input": None}]
+    )
 
 
 def _request(body: PlanBody) -> PlanRequest:
     if body.hardware not in hardware_names():
-        raise PlanError(
+        raise refused(
             f"unknown hardware {body.hardware!r}: one of {', '.join(hardware_names())} "
-            "(GET /v1/plan/hardware); a measured profile is used with the CLI's --hardware FILE"
+            "(GET /v1/plan/hardware); a measured profile is used with the CLI's --hardware FILE",
+            "hardware",
         )
     budgets = tuple(int(b) for b in body.budgets)
     if body.spec is not None:
         if body.model is not None:
-            raise PlanError("give spec or model (with workers and batch_size), not both")
+            raise refused("give spec or model (with workers and batch_size), not both")
         request = request_from_spec(body.spec, body.hardware, budgets, body.gpus_per_node)
     else:
         if body.model is None or body.workers is None or body.batch_size is None:
-            raise PlanError("give spec, or model with workers and batch_size")
+            raise refused("give spec, or model with workers and batch_size")
         request = PlanRequest(
             model=body.model,
             batch_size=body.batch_size,
@@ -125,7 +130,9 @@ def _request(body: PlanBody) -> PlanRequest:
         overrides["skip_layers"] = tuple(body.skip_layers)
     request = dataclasses.replace(request, **overrides)
     if request.workers > MAX_WORKERS:
-        raise PlanError(f"workers={request.workers}: plans go up to {MAX_WORKERS} GPUs here")
+        raise refused(
+            f"workers={request.workers}: plans go up to {MAX_WORKERS} GPUs here", "workers"
+        )
     return request
 
 
@@ -141,7 +148,19 @@ router = APIRouter(
     status_code=status.HTTP_200_OK,
     response_model=PlanResult,
     responses={
-        422: {"model": ValidationErrorBody, "description": "a bad body, or a job not to plan"}
+        413: {"model": ErrorBody, "description": "the body is over the size limit"},
+        422: {"model": ValidationErrorBody, "description": "a bad body, or a job not to plan"},
+        429: {
+            "model": ErrorBody,
+            "description": "over the rate limit of POSTs per client: retry after Retry-After "
+            "seconds (the service's middleware applies it to every POST)",
+            "headers": {
+                "Retry-After": {
+                    "description": "seconds to wait before retrying",
+                    "schema": {"type": "integer"},
+                }
+            },
+        },
     },
 )
 def plan(body: PlanBody) -> PlanResult:
@@ -150,7 +169,7 @@ def plan(body: PlanBody) -> PlanResult:
     try:
         report = plan_job(_request(body)).to_json()
     except ConfigurationError as err:
-        raise PlanError(str(err)) from err
+        raise refused(str(err)) from err
     return PlanResult.model_validate(report)
 
 
