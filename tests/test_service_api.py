@@ -1412,6 +1412,8 @@ API_RESPONSES = {
     ("POST", "/v1/jobs/{job_id}/cancel"): {"200", "401", "404", "409", "422", "429"},
     ("GET", "/v1/events"): {"200", "401"},
     ("GET", "/v1/registry"): {"200", "401"},
+    ("POST", "/v1/plan"): {"200", "401", "413", "422", "429"},
+    ("GET", "/v1/plan/hardware"): {"200", "401"},
 }
 SERVICE_RESPONSES = {
     ("GET", "/healthz"): {"200"},
