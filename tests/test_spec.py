@@ -59,7 +59,10 @@ def test_every_bad_field_is_named_at_once() -> None:
         parse_job_spec(bad)
     problems = "\n".join(caught.value.problems)
     assert len(caught.value.problems) == 5
-    assert "model.name: unknown model 'resnet-9000'; choose one of lenet, mlp, resnet20" in problems
+    assert (
+        "model.name: unknown model 'resnet-9000'; choose one of bert-large, lenet, mlp, "
+        "resnet20, resnet50" in problems
+    )
     assert "memory_budget:" in problems
     assert "write a size such as '2GiB'" in problems
     assert "scaling.workers: Input should be greater than 0" in problems
