@@ -516,8 +516,9 @@ def _health(settings: Settings) -> APIRouter:
     router = APIRouter(tags=["service"])
 
     @router.get("/healthz", response_model=Health)
-    def healthz() -> Health:
-        """The process answers."""
+    async def healthz() -> Health:
+        """The process answers (on the event loop itself: no worker thread, which a burst of
+        requests may all be holding)."""
         return Health(status="ok")
 
     @router.get(

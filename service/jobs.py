@@ -354,11 +354,12 @@ class Follower(threading.Thread):
     # -- the pass ------------------------------------------------------------------------
 
     def _active(self) -> list[Job]:
-        """``store.active()``, read again only after a write to the store (most passes
-        find nothing new: the query would hold the GIL the requests need)."""
+        """``store.following()``: the jobs in Ray and the head of the queue (as many as
+        admission could take), read again only after a write to the store (most passes find
+        nothing new: the query would hold the GIL the requests need)."""
         version = self.jobs.store.version_now()
         if version != self._active_version:
-            self._active_jobs = self.jobs.store.active()
+            self._active_jobs = self.jobs.store.following(queued=self.capacity().limit)
             self._active_version = version
         return self._active_jobs
 

@@ -385,6 +385,21 @@ class JobStore:
         with self._sessions() as session:
             return [Job.of(r) for r in session.scalars(query).all()]
 
+    def following(self, queued: int) -> list[Job]:
+        """What the follower follows: every job in Ray or being cancelled, and the first
+        ``queued`` jobs waiting for admission (a burst may queue thousands; reading them all
+        on every pass would hold the GIL the requests need). Oldest first."""
+        waiting = (JobRow.state == JobState.QUEUED.value) & JobRow.submission_id.is_(None)
+        in_ray = (
+            select(JobRow)
+            .where(JobRow.state.in_([s.value for s in ACTIVE]), ~waiting)
+            .order_by(JobRow.created_at)
+        )
+        first = select(JobRow).where(waiting).order_by(JobRow.created_at, JobRow.id).limit(queued)
+        with self._sessions() as session:
+            rows = [*session.scalars(in_ray).all(), *session.scalars(first).all()]
+        return sorted((Job.of(r) for r in rows), key=lambda job: (job.created_at, job.id))
+
     def counts(self) -> dict[JobState, int]:
         with self._sessions() as session:
             rows = session.execute(select(JobRow.state, func.count()).group_by(JobRow.state))

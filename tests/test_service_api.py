@@ -116,6 +116,8 @@ def start(
         "poll_interval_s": 0.02,
         "status_interval_s": 0.02,
         "lost_grace_s": 0.2,
+        "post_rate": 1e6,  # the rate limit has its own test (test_service_abuse.py)
+        "post_burst": 10**6,
     }
     options.update(settings)
     app = create_app(Settings(**options), runner=fake)

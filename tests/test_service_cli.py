@@ -147,6 +147,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         token=SecretStr(TOKEN),
         poll_interval_s=0.02,
         status_interval_s=0.02,
+        post_rate=1e6,  # the rate limit has its own test (test_service_abuse.py)
+        post_burst=10**6,
     )
     app = create_app(settings, runner=fake)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
