@@ -67,14 +67,13 @@ def start_service(
         str(port),
         "--data-dir",
         str(data_dir),
-        "--token",
-        token,
     ]
     if ray_address is not None:
         command += ["--ray-address", ray_address]
     data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir / log_name
-    child_env = {**os.environ, **(env or {}), "PATH": venv_path()}
+    # The token in the environment, as the README says (a command line is visible to all).
+    child_env = {**os.environ, **(env or {}), "PATH": venv_path(), "KAISA_RAY_TOKEN": token}
     child_env.pop("RAY_ADDRESS", None)
     with log.open("ab") as out:
         process = subprocess.Popen(command, env=child_env, stdout=out, stderr=subprocess.STDOUT)
