@@ -381,8 +381,7 @@ def main() -> None:
         write_block("plan-kaisa-choices", choice_text)
         write_block(
             "plan-kaisa-crossovers",
-            stamp
-            + "\n\nWhere the order of two strategies changes as the world grows (predicted "
+            stamp + "\n\nWhere the order of two strategies changes as the world grows (predicted "
             "K-FAC time per step; K-FAC memory per GPU):\n\n"
             + "\n".join(f"- {line}" for line in crossings),
         )
