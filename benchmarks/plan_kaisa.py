@@ -47,7 +47,7 @@ WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
 GLOBAL_BATCH = 65536  # BERT phase 1, config/bert_pretraining_phase1_config.json
 MICRO_BATCH = 96  # its local_batch_size
 
-PAPER = {
+PAPER: dict[str, dict[str, Any]] = {
     "resnet50": {
         "strategy": "COMM-OPT",
         "fraction": 1.0,
