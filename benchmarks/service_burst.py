@@ -11,8 +11,9 @@ Measured throughout, each in a thread of its own:
 
 - ``/healthz`` every 20 ms on a keep-alive connection (latency in the client);
 - what runs in Ray, from Ray's own job server (``GET /api/jobs/`` of the head's dashboard,
-  with the head's token) every 0.25 s: the Ray Jobs PENDING or RUNNING, never to exceed the
-  service's maximum.
+  with the head's token) every 0.25 s: the service's Ray Jobs (submission ids
+  ``kaisa-ray-*``; Ray lists every driver too, the service's own connection among them)
+  PENDING or RUNNING, never to exceed the service's maximum.
 
 The run goes on ``--observe`` seconds (60) after the last submission was stored, so that
 jobs finish and the next ones are admitted; then the service is stopped (SIGINT), and the
@@ -139,8 +140,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 return (time.perf_counter() - began) * 1000
 
             def in_ray() -> int:
+                # The service's Ray Jobs only: Ray lists its drivers too (the service's own
+                # connection to the cluster is one, always RUNNING).
                 listed = ray_api.get("/api/jobs/").json()
-                return sum(1 for job in listed if job["status"] in ("PENDING", "RUNNING"))
+                return sum(
+                    1
+                    for job in listed
+                    if str(job.get("submission_id") or "").startswith("kaisa-ray-")
+                    and job["status"] in ("PENDING", "RUNNING")
+                )
 
             samplers = {"healthz": Sampler(healthz, 0.02), "ray": Sampler(in_ray, 0.25)}
             for sampler in samplers.values():
