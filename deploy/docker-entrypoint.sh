@@ -14,7 +14,7 @@
 # The list of subcommands must match `kaisa-ray --help` (tests/test_deploy.py checks it).
 set -e
 case "${1:-}" in
-    "" | -* | cancel | example | jobs | serve | submit | sweep | train | tune | validate)
+    "" | -* | cancel | example | jobs | measure-node | plan | serve | submit | sweep | train | tune | validate)
         exec kaisa-ray "$@" ;;
 esac
 exec "$@"
