@@ -63,7 +63,10 @@ from service.views import ViewCache
 logger = logging.getLogger(__name__)
 
 API_VERSION = "v1"
-_bearer = HTTPBearer(auto_error=False, description="the service's token (kaisa-ray serve --token)")
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="the service's token ($KAISA_RAY_TOKEN or --token-file of kaisa-ray serve)",
+)
 
 
 def _error(code: int, what: str) -> dict[int | str, dict[str, Any]]:
@@ -290,7 +293,7 @@ class UnauthorizedError(ServiceError):
     def __init__(self) -> None:
         super().__init__(
             "missing or wrong token: send 'Authorization: Bearer <token>' with the token the "
-            "service was started with (kaisa-ray serve --token, or $KAISA_RAY_TOKEN)"
+            "service was started with ($KAISA_RAY_TOKEN, or the file of --token-file)"
         )
 
 

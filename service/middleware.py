@@ -174,7 +174,7 @@ class BearerAuth:
 
 UNAUTHORIZED_DETAIL = (
     "missing or wrong token: send 'Authorization: Bearer <token>' with the token the "
-    "service was started with (kaisa-ray serve --token, or $KAISA_RAY_TOKEN)"
+    "service was started with ($KAISA_RAY_TOKEN, or the file of --token-file)"
 )
 
 

@@ -362,7 +362,7 @@ PROTECTED = [
 ]
 UNAUTHORIZED = (
     "missing or wrong token: send 'Authorization: Bearer <token>' with the token the service "
-    "was started with (kaisa-ray serve --token, or $KAISA_RAY_TOKEN)"
+    "was started with ($KAISA_RAY_TOKEN, or the file of --token-file)"
 )
 WRONG = {
     "none": None,
