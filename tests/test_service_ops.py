@@ -12,6 +12,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +63,22 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Ser
     """Two services, each on its own data directory with its own embedded Ray head."""
     env = {MARKER: "8", "KAISA_RAY_EMBEDDED_CPUS": "3"}
     started: dict[str, ServiceProcess] = {}
+    dirs = {name: tmp_path_factory.mktemp(f"ops-{name}") for name in ("a", "b")}
     try:
-        for name in ("a", "b"):
-            started[name] = start_service(
-                tmp_path_factory.mktemp(f"ops-{name}"), token=TOKEN, env=env, timeout_s=180
-            )
+        with ThreadPoolExecutor(2) as pool:  # both start at once: the start-ups overlap
+            futures = {
+                name: pool.submit(start_service, where, token=TOKEN, env=env, timeout_s=180)
+                for name, where in dirs.items()
+            }
+            failed: list[BaseException] = []
+            for name, future in futures.items():
+                error = future.exception()
+                if error is None:
+                    started[name] = future.result()
+                else:
+                    failed.append(error)
+        if failed:  # the other one is stopped below
+            raise failed[0]
         yield started
     finally:
         for service in started.values():

@@ -65,7 +65,7 @@ LIMITS: dict[str, str] = {
     "dataset.batch_size": "a worker's batch beyond 65536 samples does not fit a worker's memory",
     "dataset.limit": "no dataset here has more than a billion samples",
     "dataset.data_dir": "a path longer than the system's 4096-byte limit cannot exist",
-    "optimizer.lr": "a learning rate above 100 diverges at once",
+    "optimizer.lr": "a learning rate above 10000 only diverges",
     "optimizer.weight_decay": "a weight decay above 10 erases the weights",
     "optimizer.schedule.warmup_steps": STEPS_REASON,
     "optimizer.schedule.step_every": STEPS_REASON,
@@ -263,7 +263,7 @@ class ScheduleSpec(_Strict):
 
 class OptimizerSpec(_Strict):
     name: Literal["sgd", "adam", "adamw"] = "sgd"
-    lr: Annotated[float, Field(gt=0, le=100)] = 0.05
+    lr: Annotated[float, Field(gt=0, le=1e4)] = 0.05
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
     nesterov: bool = True
     weight_decay: Annotated[float, Field(ge=0, le=10)] = 0.0
