@@ -94,7 +94,7 @@ LIMITS: dict[str, str] = {
     "max_failures": "each failure restarts the whole worker group: more than 100 means the "
     "job cannot run",
     "seed": f"seeds are 32-bit (0 to {MAX_SEED}), as numpy's are",
-    "memory_budget": "between 1 MiB and 1 PiB per worker",
+    "memory_budget": "at most 1 PiB per worker",
     "sweep.space": "a sweep searches at most 32 fields",
     "sweep.trials": "a sweep runs at most 1024 trials",
     "sweep.concurrent": "at most 64 trials at once (each takes the job's workers)",
@@ -483,7 +483,7 @@ class JobSpec(_Strict):
     optimizer: OptimizerSpec = OptimizerSpec()
     kfac: KFACSpec | Literal["off"] = KFACSpec()
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    memory_budget: Annotated[ByteSize, Field(ge=2**20, le=2**50)] | None = None
+    memory_budget: Annotated[ByteSize, Field(gt=0, le=2**50)] | None = None
     scaling: ScalingSpec = ScalingSpec()
     stop: StopSpec
     eval_every: Steps = 25
