@@ -6,11 +6,26 @@ two lines::
     preconditioner = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=10)
     ...
     loss.backward(); preconditioner.step(); optimizer.step()
+
+``KFACPreconditioner`` is imported when first used, so that the closed sets (``enums``) and
+the exception tree (``errors``) load without torch (the service's client commands use them).
 """
 
-from kaisa_ray.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACApprox
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kaisa_ray.enums import (
+    AssignmentStrategy,
+    ComputeMethod,
+    DistributedStrategy,
+    KFACApprox,
+    Precision,
+)
 from kaisa_ray.errors import ConfigurationError, KaisaRayError, StateDictError
-from kaisa_ray.preconditioner import KFACPreconditioner
+
+if TYPE_CHECKING:
+    from kaisa_ray.preconditioner import KFACPreconditioner
 
 __all__ = [
     "AssignmentStrategy",
@@ -20,7 +35,16 @@ __all__ = [
     "KFACApprox",
     "KFACPreconditioner",
     "KaisaRayError",
+    "Precision",
     "StateDictError",
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KFACPreconditioner":
+        from kaisa_ray.preconditioner import KFACPreconditioner
+
+        return KFACPreconditioner
+    raise AttributeError(f"module 'kaisa_ray' has no attribute {name!r}")

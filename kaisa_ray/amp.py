@@ -27,25 +27,16 @@ Example::
 
 from __future__ import annotations
 
-import enum
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from kaisa_ray.enums import parse_enum
+from kaisa_ray.enums import Precision, parse_enum
 from kaisa_ray.errors import ConfigurationError
 
 __all__ = ["MixedPrecision", "Precision", "optimizer_step"]
-
-
-class Precision(enum.StrEnum):
-    """The dtype the forward pass computes in: float32, or autocast to bfloat16/float16."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
 
 
 _DTYPES = {
@@ -68,10 +59,7 @@ class MixedPrecision:
     device_type: str = "cpu"
 
     def __post_init__(self) -> None:
-        try:
-            mode = parse_enum(Precision, self.mode, "precision")
-        except ValueError as err:
-            raise ConfigurationError(str(err)) from None
+        mode = parse_enum(Precision, self.mode, "precision")
         object.__setattr__(self, "mode", mode)
         if mode is Precision.FP32:
             return

@@ -1,5 +1,8 @@
 """Closed sets of options, accepted as strings or enums at the public edge.
 
+Each closed set of the project's K-FAC options is defined here once; the JobSpec (pydantic),
+the tuner, the service and the dashboard (through ``GET /v1/registry``) use these enums.
+
 Strings are matched case-insensitively with ``-`` and ``_`` interchangeable, and any ``Enum``
 member whose name matches is accepted too, so the reference implementation's enums
 (``kfac.enums.ComputeMethod.EIGEN`` and friends) work unchanged.
@@ -9,6 +12,8 @@ from __future__ import annotations
 
 import enum
 from typing import TypeVar
+
+from kaisa_ray.errors import ConfigurationError
 
 _E = TypeVar("_E", bound=enum.Enum)
 
@@ -47,6 +52,14 @@ class KFACApprox(enum.StrEnum):
     REDUCE = "reduce"
 
 
+class Precision(enum.StrEnum):
+    """The dtype the forward pass computes in: float32, or autocast to bfloat16/float16."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
 def _normalise(text: str) -> str:
     return text.strip().lower().replace("_", "-")
 
@@ -55,7 +68,8 @@ def parse_enum(enum_cls: type[_E], value: object, argument: str) -> _E:
     """Convert ``value`` (string, this enum, or a same-named foreign enum) to ``enum_cls``.
 
     Raises:
-        ValueError: naming ``argument`` and listing the accepted values.
+        ConfigurationError: (a ``KaisaRayError`` and a ``ValueError``) naming ``argument``
+            and listing the accepted values.
     """
     if isinstance(value, enum_cls):
         return value
@@ -67,4 +81,4 @@ def parse_enum(enum_cls: type[_E], value: object, argument: str) -> _E:
             if wanted in (_normalise(member.name), _normalise(str(member.value))):
                 return member
     choices = ", ".join(repr(str(m.value)) for m in enum_cls)
-    raise ValueError(f"{argument}={value!r} is not valid; choose one of {choices}.")
+    raise ConfigurationError(f"{argument}={value!r} is not valid; choose one of {choices}.")

@@ -2,6 +2,12 @@
 
 Shared by the preconditioner and by ``plan()``, so a plan priced from a model describes the
 layers the preconditioner will actually register.
+
+A layer whose weight (or bias) is the same parameter as another module's (a language model's
+output head tied to its input embedding) is left to the optimizer, and the construction log
+says so: its gradient sums every use of the parameter, and the layer's Kronecker factors
+describe only its own use, so preconditioning it as the layer would replace the other
+modules' share of the gradient with the layer's.
 """
 
 from __future__ import annotations
@@ -58,7 +64,41 @@ def compile_patterns(skip_layers: Iterable[str] | str | None) -> list[re.Pattern
         ) from exc
 
 
-def _skip_reason(name: str, module: nn.Module, patterns: list[re.Pattern[str]]) -> str | None:
+def _holders(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """Each parameter (by identity) and the modules that hold it directly, by their names."""
+    holders: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append((name or "<root>", module))
+    return holders
+
+
+def _tied(module: nn.Module, holders: dict[int, list[tuple[str, nn.Module]]]) -> str | None:
+    """Why ``module`` cannot be preconditioned on its own: a parameter it shares with other
+    modules (their names and kinds), or None."""
+    for part in ("weight", "bias"):
+        param = getattr(module, part, None)
+        if not isinstance(param, nn.Parameter):
+            continue
+        others = [
+            f"{name} ({type(other).__name__})"
+            for name, other in holders.get(id(param), [])
+            if other is not module
+        ]
+        if others:
+            return (
+                f"{part} tied with {', '.join(others)}; its gradient sums every use of the "
+                "shared parameter, which this layer's factors do not describe"
+            )
+    return None
+
+
+def _skip_reason(
+    name: str,
+    module: nn.Module,
+    patterns: list[re.Pattern[str]],
+    holders: dict[int, list[tuple[str, nn.Module]]],
+) -> str | None:
     cls = type(module).__name__
     if any(p.match(name) or p.match(cls) for p in patterns):
         return "skip_layers"
@@ -72,7 +112,7 @@ def _skip_reason(name: str, module: nn.Module, patterns: list[re.Pattern[str]]) 
         )
     if not isinstance(weight, torch.Tensor) or not weight.requires_grad:
         return "frozen"
-    return None
+    return _tied(module, holders)
 
 
 def _dtype(requested: torch.dtype | None, module: nn.Module, argument: str) -> torch.dtype:
@@ -102,13 +142,14 @@ def discover(
     found: list[Registered] = []
     seen: set[nn.Module] = set()
     skipped: list[str] = []
+    holders = _holders(unwrap(model))
     for name, module in unwrap(model).named_modules():
         helper = make_helper(module, approx)
         if helper is None:
             if any(True for _ in module.parameters(recurse=False)):
                 skipped.append(f"{name or '<root>'} ({type(module).__name__})")
             continue
-        reason = _skip_reason(name, module, patterns)
+        reason = _skip_reason(name, module, patterns, holders)
         if reason is not None:
             skipped.append(f"{name} ({type(module).__name__}: {reason})")
             continue

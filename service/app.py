@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kaisa_ray.train.registry import dataset_names, model_names
 from kaisa_ray.train.spec import JobSpec, field_problems
-from service.errors import JobNotFoundError, RayUnavailableError, ServiceError
+from service.errors import JobNotFoundError, RayUnavailableError, ServiceError, UnauthorizedError
 from service.head import RayHead
 from service.hub import EVERY_JOB, Hub
 from service.jobs import Follower, Jobs
@@ -285,16 +285,6 @@ def _authorizer(settings: Settings) -> Any:
             raise UnauthorizedError
 
     return authorize
-
-
-class UnauthorizedError(ServiceError):
-    status = 401
-
-    def __init__(self) -> None:
-        super().__init__(
-            "missing or wrong token: send 'Authorization: Bearer <token>' with the token the "
-            "service was started with ($KAISA_RAY_TOKEN, or the file of --token-file)"
-        )
 
 
 RuntimeDep = Annotated[Runtime, Depends(_runtime)]

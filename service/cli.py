@@ -145,8 +145,9 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
     from pydantic import ValidationError
 
     from service.app import create_app
+    from service.errors import DatabaseInUseError
     from service.settings import Settings
-    from service.store import DatabaseInUseError, sole_writer
+    from service.store import sole_writer
 
     if flags.get("token"):
         click.echo(

@@ -17,15 +17,20 @@ from typing import Any
 
 import httpx
 
+from kaisa_ray.errors import KaisaRayError
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
-class ServiceClientError(Exception):
+class ServiceClientError(KaisaRayError):
     """The service refused a request or could not be reached; the message says why."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+    def __reduce__(self) -> tuple[type[ServiceClientError], tuple[str, int | None]]:
+        return (type(self), (str(self), self.status))
 
 
 class ServiceClient:

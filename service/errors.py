@@ -1,9 +1,15 @@
-"""The service's exceptions. Each maps to one HTTP status in one handler (``service.app``)."""
+"""The service's exceptions. Each maps to one HTTP status in one handler (``service.app``).
+
+They are ``KaisaRayError``s, so one ``except KaisaRayError`` catches every error the project
+raises on purpose, and they pickle (those with their own constructor arguments say how).
+"""
 
 from __future__ import annotations
 
+from kaisa_ray.errors import KaisaRayError
 
-class ServiceError(Exception):
+
+class ServiceError(KaisaRayError):
     """Base of the service's errors; ``status`` is the HTTP status it maps to."""
 
     status = 500
@@ -13,7 +19,11 @@ class JobNotFoundError(ServiceError):
     status = 404
 
     def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
         super().__init__(f"no job {job_id!r}; GET /v1/jobs lists the jobs there are")
+
+    def __reduce__(self) -> tuple[type[JobNotFoundError], tuple[str]]:
+        return (type(self), (self.job_id,))
 
 
 class JobConflictError(ServiceError):
@@ -25,3 +35,31 @@ class JobConflictError(ServiceError):
 
 class RayUnavailableError(ServiceError):
     status = 503
+
+
+class UnauthorizedError(ServiceError):
+    status = 401
+
+    def __init__(self) -> None:
+        super().__init__(
+            "missing or wrong token: send 'Authorization: Bearer <token>' with the token the "
+            "service was started with ($KAISA_RAY_TOKEN, or the file of --token-file)"
+        )
+
+    def __reduce__(self) -> tuple[type[UnauthorizedError], tuple[()]]:
+        return (type(self), ())
+
+
+class DatabaseInUseError(ServiceError, RuntimeError):
+    """Another service process has this SQLite database, or this data directory, open."""
+
+
+class RayJobMissingError(ServiceError, LookupError):
+    """Ray has no Ray Job of this submission id (its cluster was restarted, or it was
+    deleted)."""
+
+    status = 404
+
+
+class InsecureBindError(ServiceError, ValueError):
+    """A service reachable from other machines with no token."""

@@ -18,10 +18,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.errors import RayJobMissingError
 from service.hub import Hub, Update
 from service.lifecycle import IllegalTransitionError, JobEvent, JobState, transition
 from service.records import clean
-from service.runner import RayJobInfo, RayJobMissingError, RayJobStatus, Runner
+from service.runner import RayJobInfo, RayJobStatus, Runner
 from service.store import Job, JobStore, Metric, Progress
 from service.sweeps import SWEEP_KINDS, finite
 from service.sweeps import ended as trials_ended

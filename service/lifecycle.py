@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from service.errors import ServiceError
+
 
 class JobState(StrEnum):
     QUEUED = "QUEUED"
@@ -64,8 +66,11 @@ TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
 }
 
 
-class IllegalTransitionError(ValueError):
-    """An event that cannot happen to a job in its current state."""
+class IllegalTransitionError(ServiceError, ValueError):
+    """An event that cannot happen to a job in its current state (409 when a request asks
+    for it)."""
+
+    status = 409
 
     def __init__(self, state: JobState, event: JobEvent) -> None:
         self.state, self.event = state, event

@@ -16,6 +16,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kaisa_ray.errors import KaisaRayError
+
 
 def _limit_message(max_bytes: int) -> str:
     return (
@@ -24,12 +26,16 @@ def _limit_message(max_bytes: int) -> str:
     )
 
 
-class _TooLargeError(HTTPException):
+class _TooLargeError(HTTPException, KaisaRayError):
     """An HTTPException, so FastAPI re-raises it from its body parsing (it turns any other
     exception raised while reading the body into a 400) and the app's handler answers 413."""
 
     def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
         super().__init__(413, _limit_message(max_bytes))
+
+    def __reduce__(self) -> tuple[type[_TooLargeError], tuple[int]]:
+        return (type(self), (self.max_bytes,))
 
 
 class BodyLimit:

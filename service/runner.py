@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
+from service.errors import RayJobMissingError, RayUnavailableError
+
 logger = logging.getLogger(__name__)
 
 
@@ -55,11 +57,6 @@ SPEC_NAMESPACE = "kaisa-ray"
 def spec_key(job_id: str) -> str:
     """Where the job's spec waits for its driver in the cluster's key-value store."""
     return f"spec/{job_id}"
-
-
-class RayJobMissingError(LookupError):
-    """Ray has no Ray Job of this submission id (its cluster was restarted, or it was
-    deleted)."""
 
 
 def entrypoint(job_id: str, spec: dict[str, Any], storage_path: str | None) -> str:
@@ -144,7 +141,7 @@ class RayRunner:
         if dashboard_url is None:
             found = context.dashboard_url
             if not found:
-                raise RuntimeError(
+                raise RayUnavailableError(
                     f"the Ray cluster at {address} has no dashboard, so no job server: start it "
                     "with --include-dashboard=true (needs ray[default]) or pass --dashboard-url"
                 )
@@ -159,12 +156,8 @@ class RayRunner:
 
     def submit(self, job_id: str, spec: dict[str, Any]) -> str:
         sid = submission_id(job_id)
-        try:
-            self._client.get_job_info(sid)
+        if self._known(sid):
             return sid  # submitted before (by an earlier life of this service)
-        except RuntimeError as err:
-            if "404" not in str(err) and "does not exist" not in str(err):
-                raise
         from ray.experimental.internal_kv import _internal_kv_put
 
         _internal_kv_put(
@@ -192,13 +185,16 @@ class RayRunner:
         }
         return {sid: found.get(sid, RayJobInfo(RayJobStatus.MISSING)) for sid in submission_ids}
 
+    def _known(self, submission_id: str) -> bool:
+        """Whether Ray's job server has this Ray Job. Read from its list: for a job it does
+        not have, Ray's client raises a bare ``RuntimeError`` with only a message to tell it
+        from any other failure."""
+        return any(d.submission_id == submission_id for d in self._client.list_jobs())
+
     def stop(self, submission_id: str) -> None:
-        try:
-            self._client.stop_job(submission_id)
-        except RuntimeError as err:
-            if "404" in str(err) or "does not exist" in str(err):
-                raise RayJobMissingError(submission_id) from err
-            raise
+        if not self._known(submission_id):
+            raise RayJobMissingError(f"Ray has no Ray Job {submission_id}")
+        self._client.stop_job(submission_id)
 
     def cpus(self) -> float | None:
         import ray

@@ -10,11 +10,9 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.errors import InsecureBindError
+
 MAX_WORKERS = 4096  # the JobSpec's own bound (kaisa_ray.train.spec.MAX_WORKERS)
-
-
-class InsecureBindError(ValueError):
-    """A service reachable from other machines with no token."""
 
 
 class Settings(BaseSettings):

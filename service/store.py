@@ -27,7 +27,7 @@ from sqlalchemy import Engine, create_engine, delete, event, func, make_url, sel
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.errors import JobConflictError, JobNotFoundError
+from service.errors import DatabaseInUseError, JobConflictError, JobNotFoundError
 from service.lifecycle import (
     ACTIVE,
     FINISHED,
@@ -164,10 +164,6 @@ def migrate(engine: Engine) -> None:
     with engine.begin() as connection:
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
-
-
-class DatabaseInUseError(RuntimeError):
-    """Another service process has this SQLite database, or this data directory, open."""
 
 
 def sqlite_file(url: str) -> Path | None:

@@ -6,13 +6,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from service.runner import (
-    RayJobInfo,
-    RayJobMissingError,
-    RayJobStatus,
-    entrypoint,
-    submission_id,
-)
+from service.errors import RayJobMissingError
+from service.runner import RayJobInfo, RayJobStatus, entrypoint, submission_id
 
 
 class FakeRunner:

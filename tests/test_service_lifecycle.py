@@ -8,6 +8,7 @@ import pickle
 
 import pytest
 
+from service.errors import ServiceError
 from service.lifecycle import (
     ACTIVE,
     FINISHED,
@@ -110,8 +111,9 @@ def test_the_message_lists_what_the_state_allows() -> None:
     assert str(caught.value) == "a SUCCEEDED job cannot run; SUCCEEDED is final"
 
 
-def test_the_error_is_a_value_error_and_pickles() -> None:
+def test_the_error_is_a_service_error_and_pickles() -> None:
     err = IllegalTransitionError(JobState.CANCELLED, JobEvent.SUCCEED)
+    assert isinstance(err, ServiceError)  # a KaisaRayError, answered 409 by the API
     assert isinstance(err, ValueError)
     copy = pickle.loads(pickle.dumps(err))
     assert type(copy) is IllegalTransitionError

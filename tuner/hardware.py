@@ -38,8 +38,12 @@ class HardwareProfileError(ConfigurationError):
 
     def __init__(self, problems: Sequence[str], origin: str = "hardware profile") -> None:
         self.problems = list(problems)
+        self.origin = origin
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"{origin} is invalid ({len(self.problems)} problem(s)):\n{lines}")
+
+    def __reduce__(self) -> tuple[type[HardwareProfileError], tuple[list[str], str]]:
+        return (type(self), (self.problems, self.origin))
 
 
 @dataclass(frozen=True, kw_only=True)

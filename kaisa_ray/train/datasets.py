@@ -18,6 +18,8 @@ from typing import Literal
 
 import torch
 
+from kaisa_ray.errors import KaisaRayError
+
 __all__ = [
     "DEFAULT_FASHION_MNIST_DIR",
     "DatasetNotFoundError",
@@ -53,11 +55,11 @@ _PREFIXES: dict[str, str] = {"train": "train", "test": "t10k"}
 Split = Literal["train", "test"]
 
 
-class DatasetNotFoundError(FileNotFoundError):
+class DatasetNotFoundError(KaisaRayError, FileNotFoundError):
     """The data directory, or one of the IDX files in it, does not exist."""
 
 
-class IDXFormatError(ValueError):
+class IDXFormatError(KaisaRayError, ValueError):
     """An IDX file is corrupt, truncated, or does not hold what the loader expects."""
 
 

@@ -647,8 +647,12 @@ class JobSpecError(ConfigurationError):
 
     def __init__(self, problems: list[str], source: str = "job spec") -> None:
         self.problems = problems
+        self.source = source
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"{source} is invalid ({len(problems)} problem(s)):\n{lines}")
+
+    def __reduce__(self) -> tuple[type[JobSpecError], tuple[list[str], str]]:
+        return (type(self), (self.problems, self.source))
 
 
 def _field_path(loc: tuple[int | str, ...]) -> tuple[str, ...]:
