@@ -88,6 +88,8 @@ def restore(
             tensor = entry.get(key)
             value = None if tensor is None else tensor.to(device, layer.factor_dtype).clone()
             setattr(layer, key, value)
+        # Checkpoints from before bias correction hold factors to be used as they are.
+        layer.average_weight = float(entry.get("average_weight", 1.0))
         decomposition = entry.get("decomposition") or {}
         if not assignment.is_grad_worker(layer.name, rank):
             layer.decomposition.clear()  # another rank preconditions this layer now

@@ -11,6 +11,11 @@ Eigen method (KAISA, eq. 9; George et al. 2018): with ``A = Q_A diag(λ_A) Q_A�
 with row-major ``vec``. Inverse method (Martens & Grosse 2015, factored Tikhonov damping):
 ``(G + γI)⁻¹ ∇W (A + γI)⁻¹``.
 
+With π-damping (Martens & Grosse 2015, §6.3) the damping is split between the factors,
+``π√γ`` on A and ``√γ/π`` on G with ``π = sqrt((tr A / dim A) / (tr G / dim G))``, and both
+methods compute the same thing: ``(G + √γ/π I)⁻¹ ∇W (A + π√γ I)⁻¹``; the eigen method as
+``Q_G [(Q_Gᵀ ∇W Q_A) / ((λ_G + √γ/π)(λ_A + π√γ)ᵀ)] Q_Aᵀ`` (traces from the eigenvalues).
+
 Decompositions run in float32 at least. If ``eigh`` (or the Cholesky factorisation behind
 the inverse) fails, it is retried in float64; if that fails too, the previous decomposition
 is kept and a warning says which layer and factor.
@@ -19,6 +24,7 @@ is kept and a warning says which layer and factor.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from abc import ABC, abstractmethod
 
@@ -52,11 +58,29 @@ def robust_eigh(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     return None
 
 
-def robust_damped_inverse(factor: torch.Tensor, damping: float) -> torch.Tensor | None:
-    """``(factor + damping·I)⁻¹`` through Cholesky (the matrix is SPD), or ``None``."""
+def pi_ratio(a_diagonal: torch.Tensor, g_diagonal: torch.Tensor) -> torch.Tensor:
+    """π per group, ``(k, 1, 1)``, from the diagonals (or eigenvalues) ``(k, n)`` of A and G:
+    ``sqrt(mean(A) / mean(G))``, 1 where either factor has no positive trace."""
+    mean_a = a_diagonal.to(torch.float64).mean(dim=-1)
+    mean_g = g_diagonal.to(torch.float64).mean(dim=-1)
+    valid = (mean_a > 0) & (mean_g > 0)
+    ratio = torch.where(valid, mean_a / torch.where(valid, mean_g, 1.0), 1.0).sqrt()
+    return ratio.to(a_diagonal.dtype).reshape(-1, 1, 1)
+
+
+def _per_group(damping: float | torch.Tensor, like: torch.Tensor) -> float | torch.Tensor:
+    """A scalar damping, or per-group values ``(k, 1, 1)`` cast to ``like``'s dtype."""
+    return damping if isinstance(damping, float) else damping.to(like.dtype)
+
+
+def robust_damped_inverse(
+    factor: torch.Tensor, damping: float | torch.Tensor
+) -> torch.Tensor | None:
+    """``(factor + damping·I)⁻¹`` through Cholesky (the matrix is SPD), or ``None``; a tensor
+    damping is per group, ``(k, 1, 1)``."""
     eye = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
     for dtype in _attempt_dtypes(factor.dtype):
-        damped = (factor + damping * eye).to(dtype)
+        damped = (factor + _per_group(damping, factor) * eye).to(dtype)
         chol, info = torch.linalg.cholesky_ex(damped)
         if bool((info != 0).any()):
             logger.debug("Cholesky failed in %s; retrying in higher precision", dtype)
@@ -91,10 +115,12 @@ class Decomposition(ABC):
         )
 
     @abstractmethod
-    def compute_a(self, a_factor: torch.Tensor, damping: float) -> None: ...
+    def compute_a(self, a_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
+        """Decompose A; ``damping`` is what the inverse method adds to A (a float, or per
+        group ``(k, 1, 1)``); the eigen method applies damping later."""
 
     @abstractmethod
-    def compute_g(self, g_factor: torch.Tensor, damping: float) -> None: ...
+    def compute_g(self, g_factor: torch.Tensor, damping: float | torch.Tensor) -> None: ...
 
     def finish(self, damping: float) -> None:  # noqa: B027 (optional hook)
         """Combine A and G results (only the eigen method's outer product needs it)."""
@@ -144,9 +170,12 @@ class EigenDecomposition(Decomposition):
     tiny), so a failed decomposition of one factor can keep its previous value.
     """
 
-    def __init__(self, *, name: str, inv_dtype: torch.dtype, outer_product: bool) -> None:
+    def __init__(
+        self, *, name: str, inv_dtype: torch.dtype, outer_product: bool, pi: bool = False
+    ) -> None:
         super().__init__(name=name, inv_dtype=inv_dtype)
         self.outer_product = outer_product
+        self.pi = pi
         self.qa: torch.Tensor | None = None
         self.da: torch.Tensor | None = None
         self.qg: torch.Tensor | None = None
@@ -176,18 +205,27 @@ class EigenDecomposition(Decomposition):
             eigenvectors.to(self.inv_dtype).contiguous(),
         )
 
-    def compute_a(self, a_factor: torch.Tensor, damping: float) -> None:
+    def compute_a(self, a_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
         self.da, self.qa = self._decompose(a_factor, (self.da, self.qa), "A")
 
-    def compute_g(self, g_factor: torch.Tensor, damping: float) -> None:
+    def compute_g(self, g_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
         self.dg, self.qg = self._decompose(g_factor, (self.dg, self.qg), "G")
+
+    def _denominator(self, da: torch.Tensor, dg: torch.Tensor, damping: float) -> torch.Tensor:
+        """``λ_G λ_Aᵀ + γ``, or with π-damping ``(λ_G + √γ/π)(λ_A + π√γ)ᵀ``: ``(k, g, a)``."""
+        if not self.pi:
+            return dg.unsqueeze(-1) * da.unsqueeze(-2) + damping
+        pi = pi_ratio(da, dg)  # (k, 1, 1)
+        root = math.sqrt(damping)
+        denominator: torch.Tensor = (dg.unsqueeze(-1) + root / pi) * (da.unsqueeze(-2) + pi * root)
+        return denominator
 
     def finish(self, damping: float) -> None:
         if not self.outer_product:
             return
         if self.da is None or self.dg is None:
             raise RuntimeError(f"layer {self.name!r}: finish() before both factors decomposed")
-        self.dgda = 1.0 / (self.dg.unsqueeze(-1) * self.da.unsqueeze(-2) + damping)
+        self.dgda = 1.0 / self._denominator(self.da, self.dg, damping)
 
     def precondition(self, grad_out_by_in: torch.Tensor, damping: float) -> torch.Tensor:
         if self.qa is None or self.qg is None:
@@ -199,7 +237,7 @@ class EigenDecomposition(Decomposition):
         else:
             if self.da is None or self.dg is None:
                 raise RuntimeError(f"layer {self.name!r} has no eigenvalues")
-            rotated = rotated / (self.dg.unsqueeze(-1) * self.da.unsqueeze(-2) + damping)
+            rotated = rotated / self._denominator(self.da, self.dg, damping)
         return (self.qg @ rotated @ self.qa.transpose(-1, -2)).to(grad_out_by_in.dtype)
 
     def parts(self) -> tuple[str, ...]:
@@ -231,7 +269,11 @@ class InverseDecomposition(Decomposition):
         self.g_inv: torch.Tensor | None = None
 
     def _invert(
-        self, factor: torch.Tensor, damping: float, old: torch.Tensor | None, which: str
+        self,
+        factor: torch.Tensor,
+        damping: float | torch.Tensor,
+        old: torch.Tensor | None,
+        which: str,
     ) -> torch.Tensor:
         inverse = robust_damped_inverse(factor, damping)
         if inverse is None:
@@ -240,13 +282,13 @@ class InverseDecomposition(Decomposition):
                 return old
             k, n, _ = factor.shape
             eye = torch.eye(n, dtype=self.inv_dtype, device=factor.device)
-            return (eye / (1.0 + damping)).expand(k, n, n).clone()
+            return (eye / (1.0 + _per_group(damping, eye))).expand(k, n, n).clone()
         return inverse.to(self.inv_dtype).contiguous()
 
-    def compute_a(self, a_factor: torch.Tensor, damping: float) -> None:
+    def compute_a(self, a_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
         self.a_inv = self._invert(a_factor, damping, self.a_inv, "A")
 
-    def compute_g(self, g_factor: torch.Tensor, damping: float) -> None:
+    def compute_g(self, g_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
         self.g_inv = self._invert(g_factor, damping, self.g_inv, "G")
 
     def precondition(self, grad_out_by_in: torch.Tensor, damping: float) -> torch.Tensor:

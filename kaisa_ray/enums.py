@@ -52,6 +52,35 @@ class KFACApprox(enum.StrEnum):
     REDUCE = "reduce"
 
 
+class RunningAverage(enum.StrEnum):
+    """Where the factors' running averages start.
+
+    ``identity`` (the reference's convention) starts ``A`` and ``G`` at the identity, which
+    then outweighs the measured curvature for about ``1 / (1 - factor_decay)`` updates;
+    ``debiased`` starts them at zero and divides by ``1 - Π decay`` as Adam does, so the
+    first update is exactly the first batch's factor and every later one a weighted mean of
+    the batches seen.
+    """
+
+    IDENTITY = "identity"
+    DEBIASED = "debiased"
+
+
+class FactorScale(enum.StrEnum):
+    """The units of the K-FAC factors, and so of the damping.
+
+    ``reference`` follows kfac-pytorch: ``G`` from the gradients of the mean loss (so it
+    shrinks with the batch size as ``1/B²``) and Conv2d rows divided by the number of output
+    positions. ``fisher`` builds the Kronecker factors of the Fisher itself: ``G`` from
+    per-example gradients (the mean-loss gradients times the number of examples) and, for
+    Conv2d, the factors of Grosse & Martens (2016, ``expand``) or Eschenhagen et al. (2023,
+    ``reduce``), so a damping value means the same at every batch size.
+    """
+
+    REFERENCE = "reference"
+    FISHER = "fisher"
+
+
 class Precision(enum.StrEnum):
     """The dtype the forward pass computes in: float32, or autocast to bfloat16/float16."""
 

@@ -1,22 +1,31 @@
 """The K-FAC state of one registered layer: running factors, batch buffers, decomposition.
 
-Shapes as in ``layers.py``. The running averages start from the identity (the reference's
-convention, and what keeps an early ``eigh`` well-conditioned):
+Shapes as in ``layers.py``. The running averages are
 
     A ← decay·A + (1 − decay)·A_batch,    G ← decay·G + (1 − decay)·G_batch
 
 where ``A_batch`` is the mean of the factors of the micro-batches seen since the last factor
-update, so ``accumulation_steps`` micro-batches give the factors of one combined batch.
+update, so ``accumulation_steps`` micro-batches give the factors of one combined batch. With
+``RunningAverage.IDENTITY`` (the reference's convention) they start from the identity; with
+``DEBIASED`` they start from zero and the factors used are ``A / w`` with
+``w ← decay·w + (1 − decay)`` (``w = 1 − decayⁿ`` for a constant decay), Adam's bias
+correction: after one update the factor is exactly the first batch's.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from kaisa_ray.decomposition import Decomposition, EigenDecomposition, InverseDecomposition
-from kaisa_ray.enums import ComputeMethod
+from kaisa_ray.decomposition import (
+    Decomposition,
+    EigenDecomposition,
+    InverseDecomposition,
+    pi_ratio,
+)
+from kaisa_ray.enums import ComputeMethod, FactorScale, RunningAverage
 from kaisa_ray.layers import LayerHelper
 
 
@@ -52,6 +61,15 @@ class BatchFactor:
     def reset(self) -> None:
         self.count = 0
 
+    def overwrite(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The buffer, for a value written into it that counts as one micro-batch."""
+        if self.total is None or tuple(self.total.shape) != shape or self.total.dtype != dtype:
+            self.total = torch.zeros(shape, dtype=dtype, device=device)
+        self.count = 1
+        return self.total
+
     def nbytes(self) -> int:
         return _nbytes(self.total)
 
@@ -68,45 +86,105 @@ class KFACLayer:
         outer_product: bool,
         factor_dtype: torch.dtype,
         inv_dtype: torch.dtype,
+        running_average: RunningAverage = RunningAverage.IDENTITY,
+        factor_scale: FactorScale = FactorScale.REFERENCE,
+        pi_damping: bool = False,
+        factor_samples: int | None = None,
     ) -> None:
         self.name = name
         self.helper = helper
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
+        self.running_average = running_average
+        self.fisher = factor_scale is FactorScale.FISHER
+        self.pi_damping = pi_damping
+        self.factor_samples = factor_samples
         self.a_factor: torch.Tensor | None = None
         self.g_factor: torch.Tensor | None = None
+        # Weight of the measured batches in the running averages (bias correction).
+        self.average_weight = 0.0
         self.a_batch = BatchFactor()
         self.g_batch = BatchFactor()
         # Only used with update_factors_in_hook=False: raw tensors, factored in step().
-        self.saved_inputs: list[torch.Tensor] = []
-        self.saved_grad_outputs: list[torch.Tensor] = []
+        self._saved_inputs: list[torch.Tensor] = []
+        self._saved_grad_outputs: list[tuple[torch.Tensor, float]] = []
         self.decomposition: Decomposition
         if compute_method is ComputeMethod.EIGEN:
             self.decomposition = EigenDecomposition(
-                name=name, inv_dtype=inv_dtype, outer_product=outer_product
+                name=name, inv_dtype=inv_dtype, outer_product=outer_product, pi=pi_damping
             )
         else:
             self.decomposition = InverseDecomposition(name=name, inv_dtype=inv_dtype)
 
     # -- factors ---------------------------------------------------------------------------
 
+    def _sampled(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The first ``factor_samples`` examples of a batch (an unbiased estimate of the
+        batch's factor at a fraction of its cost)."""
+        n = self.factor_samples
+        return tensor if n is None or tensor.shape[0] <= n else tensor[:n]
+
     def add_input(self, inputs: torch.Tensor) -> None:
-        self.a_batch.add(self.helper.a_factor(inputs.detach().to(self.factor_dtype)))
+        x = self._sampled(inputs.detach()).to(self.factor_dtype)
+        self.a_batch.add(self.helper.a_factor(x, self.fisher))
 
-    def add_grad_output(self, grad_output: torch.Tensor, scale: float) -> None:
+    def add_grad_output(self, grad_output: torch.Tensor, divisor: float) -> None:
+        """Add the G factor of an output gradient.
+
+        ``divisor``: what the gradient is divided by: the loss scale times the world size
+        under the reference scaling (gradients of the global batch's mean loss), the loss
+        scale over ``accumulation_steps`` under the Fisher's, where the gradient is then
+        multiplied by the number of examples the loss averages over (per-example gradients).
+        """
         g = grad_output.detach().to(self.factor_dtype)
-        if scale != 1.0:
-            g = g / scale
-        self.g_batch.add(self.helper.g_factor(g))
+        if self.fisher:
+            multiplier = self.helper.examples(g) / divisor
+            g = self._sampled(g) * multiplier
+        else:
+            g = self._sampled(g)
+            if divisor != 1.0:
+                g = g / divisor
+        self.g_batch.add(self.helper.g_factor(g, self.fisher))
 
-    def factor_saved(self, grad_scale: float) -> None:
+    def save_input(self, inputs: torch.Tensor) -> None:
+        """Keep an input until ``factor_saved`` (update_factors_in_hook off)."""
+        self._saved_inputs.append(self._sampled(inputs.detach()).clone())
+
+    def save_grad_output(self, grad_output: torch.Tensor) -> None:
+        """Keep an output gradient, with its batch's example count, until ``factor_saved``."""
+        examples = float(self.helper.examples(grad_output))
+        self._saved_grad_outputs.append((self._sampled(grad_output.detach()).clone(), examples))
+
+    def factor_saved(self, divisor: float) -> None:
         """Turn the tensors kept by the hooks into batch factors (update_factors_in_hook off)."""
-        for inputs in self.saved_inputs:
-            self.add_input(inputs)
-        for grad_output in self.saved_grad_outputs:
-            self.add_grad_output(grad_output, grad_scale)
-        self.saved_inputs.clear()
-        self.saved_grad_outputs.clear()
+        for inputs in self._saved_inputs:
+            self.a_batch.add(self.helper.a_factor(inputs.to(self.factor_dtype), self.fisher))
+        for grad_output, examples in self._saved_grad_outputs:
+            g = grad_output.to(self.factor_dtype)
+            if self.fisher:
+                g = g * (examples / divisor)
+            elif divisor != 1.0:
+                g = g / divisor
+            self.g_batch.add(self.helper.g_factor(g, self.fisher))
+        self._saved_inputs.clear()
+        self._saved_grad_outputs.clear()
+
+    def batch_complete(self, micro_batches: int) -> bool:
+        """Whether this step's G factor has seen all its micro-batches."""
+        return self.g_batch.count >= micro_batches
+
+    def reduced_buffer(self, part: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The buffer that receives the all-reduced batch factor ``part`` ('a' or 'g'), which
+        then counts as this step's only micro-batch."""
+        batch, dim = (
+            (self.a_batch, self.helper.a_dim)
+            if part == "a"
+            else (
+                self.g_batch,
+                self.helper.g_dim,
+            )
+        )
+        return batch.overwrite((self.helper.groups, dim, dim), dtype, device)
 
     def batch_factors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Mean batch factors since the last update, or None unless both A and G were seen."""
@@ -120,34 +198,68 @@ class KFACLayer:
         return eye.expand(self.helper.groups, dim, dim).clone()
 
     def fold(self, a_new: torch.Tensor, g_new: torch.Tensor, decay: float) -> None:
-        """Update the running averages (identity start) with this step's batch factors."""
+        """Update the running averages with this step's batch factors."""
+        debiased = self.running_average is RunningAverage.DEBIASED
         if self.a_factor is None:
-            self.a_factor = self._identity(a_new.shape[-1], a_new.device)
+            self.a_factor = (
+                torch.zeros_like(a_new)
+                if debiased
+                else self._identity(a_new.shape[-1], a_new.device)
+            )
         if self.g_factor is None:
-            self.g_factor = self._identity(g_new.shape[-1], g_new.device)
+            self.g_factor = (
+                torch.zeros_like(g_new)
+                if debiased
+                else self._identity(g_new.shape[-1], g_new.device)
+            )
         self.a_factor.mul_(decay).add_(a_new, alpha=1.0 - decay)
         self.g_factor.mul_(decay).add_(g_new, alpha=1.0 - decay)
+        self.average_weight = decay * self.average_weight + (1.0 - decay)
 
     def reset_batch(self) -> None:
         self.a_batch.reset()
         self.g_batch.reset()
-        self.saved_inputs.clear()
-        self.saved_grad_outputs.clear()
+        self._saved_inputs.clear()
+        self._saved_grad_outputs.clear()
 
     # -- second-order information ----------------------------------------------------------
 
-    def factors_or_identity(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The factors to decompose: the running averages (bias-corrected when debiased), or
+        the identity before any factor update."""
         device = self.helper.weight().device
+        if self.running_average is RunningAverage.DEBIASED:
+            if self.a_factor is None or self.g_factor is None or self.average_weight <= 0.0:
+                return (
+                    self._identity(self.helper.a_dim, device),
+                    self._identity(self.helper.g_dim, device),
+                )
+            if self.average_weight == 1.0:
+                return self.a_factor, self.g_factor
+            return self.a_factor / self.average_weight, self.g_factor / self.average_weight
         if self.a_factor is None:
             self.a_factor = self._identity(self.helper.a_dim, device)
         if self.g_factor is None:
             self.g_factor = self._identity(self.helper.g_dim, device)
         return self.a_factor, self.g_factor
 
+    def factor_dampings(
+        self, a: torch.Tensor, g: torch.Tensor, damping: float
+    ) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+        """The damping added to A and to G by the inverse method: γ on each (the reference's
+        factored Tikhonov damping) or, with ``pi_damping``, ``π√γ`` and ``√γ/π`` per group
+        with ``π = sqrt((tr A / dim A) / (tr G / dim G))`` (Martens & Grosse 2015, §6.3)."""
+        if not self.pi_damping:
+            return damping, damping
+        pi = pi_ratio(a.diagonal(dim1=-2, dim2=-1), g.diagonal(dim1=-2, dim2=-1))
+        root = math.sqrt(damping)
+        return pi * root, root / pi
+
     def update_decomposition(self, damping: float) -> None:
-        a, g = self.factors_or_identity()
-        self.decomposition.compute_a(a, damping)
-        self.decomposition.compute_g(g, damping)
+        a, g = self.factors()
+        damp_a, damp_g = self.factor_dampings(a, g, damping)
+        self.decomposition.compute_a(a, damp_a)
+        self.decomposition.compute_g(g, damp_g)
         self.decomposition.finish(damping)
 
     def precondition(self, grad_out_by_in: torch.Tensor, damping: float) -> torch.Tensor:
@@ -174,7 +286,8 @@ class KFACLayer:
     # -- accounting and checkpoints --------------------------------------------------------
 
     def memory_usage(self) -> dict[str, int]:
-        saved = sum(_nbytes(t) for t in self.saved_inputs + self.saved_grad_outputs)
+        saved = sum(_nbytes(t) for t in self._saved_inputs)
+        saved += sum(_nbytes(t) for t, _ in self._saved_grad_outputs)
         return {
             "factors": _nbytes(self.a_factor) + _nbytes(self.g_factor),
             "decompositions": self.decomposition.nbytes(),
@@ -188,6 +301,7 @@ class KFACLayer:
         return {
             "a_factor": copy(self.a_factor),
             "g_factor": copy(self.g_factor),
+            "average_weight": self.average_weight,
             "decomposition": {
                 k: v.detach().clone() for k, v in self.decomposition.tensors().items()
             },

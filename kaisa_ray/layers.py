@@ -8,10 +8,17 @@ Shapes, named once for the whole file (``k`` is the number of groups, 1 unless a
 - ``grad_out_by_in``: ``(k, g_dim, a_dim)``: the weight gradient flattened row-major with the
   bias gradient as the last column, which is the layout ``(G ⊗ A + γI)⁻¹ vec(∇W)`` refers to.
 
-Scaling follows the reference implementation (kfac-pytorch) so that a damping value means the
-same thing to users who switch: A and G are means over rows; for Conv2d the rows are
-(sample, output position) pairs and both the patches (with their bias column of ones) and the
-output gradients are divided by the number of output positions.
+Two scalings (``FactorScale``). ``reference`` follows the reference implementation
+(kfac-pytorch) so that a damping value means the same thing to users who switch: A and G are
+means over rows; for Conv2d the rows are (sample, output position) pairs and both the patches
+(with their bias column of ones) and the output gradients are divided by the number of output
+positions ``P``. ``fisher`` gives the Kronecker factors of the Fisher itself, from output
+gradients that the caller has already turned into per-example gradients (times
+``examples()``): for Linear the same means over rows; for Conv2d ``expand`` the factors of
+Grosse & Martens (2016), ``A = E_{n,p}[a aᵀ]`` and ``G = P · E_{n,p}[d dᵀ]``, and for
+``reduce`` those of Eschenhagen et al. (2023), ``A = E_n[ā āᵀ]`` (``ā`` the sample's mean
+patch) and ``G = E_n[(Σ_p d)(Σ_p d)ᵀ]``. With one example and a Linear layer, ``G ⊗ A`` is
+then exactly that example's gradient outer product.
 """
 
 from __future__ import annotations
@@ -78,12 +85,18 @@ class LayerHelper(ABC):
         """Width of one group's G factor."""
 
     @abstractmethod
-    def a_factor(self, inputs: torch.Tensor) -> torch.Tensor:
+    def a_factor(self, inputs: torch.Tensor, fisher: bool = False) -> torch.Tensor:
         """Batch A factor ``(k, a_dim, a_dim)`` from the module's input."""
 
     @abstractmethod
-    def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
-        """Batch G factor ``(k, g_dim, g_dim)`` from the gradient w.r.t. the module's output."""
+    def g_factor(self, grad_output: torch.Tensor, fisher: bool = False) -> torch.Tensor:
+        """Batch G factor ``(k, g_dim, g_dim)`` from the gradient w.r.t. the module's output
+        (with ``fisher``, per-example gradients: see the module docstring)."""
+
+    def examples(self, grad_output: torch.Tensor) -> int:
+        """How many examples a mean loss averages ``grad_output`` over: every leading index
+        (samples, or samples × tokens for a sequence model) unless a subclass says otherwise."""
+        return grad_output.numel() // max(1, grad_output.shape[-1])
 
     def weight(self) -> torch.Tensor:
         weight = self.module.weight
@@ -140,11 +153,11 @@ class LinearHelper(LayerHelper):
     def g_dim(self) -> int:
         return self.module.out_features
 
-    def a_factor(self, inputs: torch.Tensor) -> torch.Tensor:
+    def a_factor(self, inputs: torch.Tensor, fisher: bool = False) -> torch.Tensor:
         rows = inputs.reshape(-1, inputs.shape[-1])
         return _covariance_features_first(rows.t().unsqueeze(0), 1.0, rows.shape[0], self.has_bias)
 
-    def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
+    def g_factor(self, grad_output: torch.Tensor, fisher: bool = False) -> torch.Tensor:
         rows = grad_output.reshape(-1, grad_output.shape[-1])
         return _covariance(rows.unsqueeze(0), 1.0, rows.shape[0])
 
@@ -230,10 +243,15 @@ class Conv2dHelper(LayerHelper):
             (s_c, dh * s_h, dw * s_w, s_b, sh * s_h, sw * s_w),
         )
 
-    def a_factor(self, inputs: torch.Tensor) -> torch.Tensor:
+    def examples(self, grad_output: torch.Tensor) -> int:
+        """A convolution's loss averages over samples, not over output positions."""
+        return int(grad_output.shape[0])
+
+    def a_factor(self, inputs: torch.Tensor, fisher: bool = False) -> torch.Tensor:
         k, batch = self.groups, inputs.shape[0]
         view = self.patch_view(inputs)  # (C, kh, kw, batch, oh, ow)
         positions = view.shape[-1] * view.shape[-2]
+        scale = 1.0 if fisher else 1.0 / positions
         if self.approx is KFACApprox.REDUCE:
             # each sample's patch averaged over positions, reduced on the view without a copy
             rows = view.mean(dim=(-2, -1)).reshape(k, -1, batch)
@@ -241,17 +259,22 @@ class Conv2dHelper(LayerHelper):
         else:
             rows = view.reshape(k, -1, batch * positions)
             count = batch * positions
-        return _covariance_features_first(rows, 1.0 / positions, count, self.has_bias)
+        return _covariance_features_first(rows, scale, count, self.has_bias)
 
-    def g_factor(self, grad_output: torch.Tensor) -> torch.Tensor:
+    def g_factor(self, grad_output: torch.Tensor, fisher: bool = False) -> torch.Tensor:
         batch, channels, oh, ow = grad_output.shape
         k, positions = self.groups, oh * ow
         if self.approx is KFACApprox.REDUCE:
+            if fisher:  # E_n[(Σ_p d)(Σ_p d)ᵀ]
+                rows = grad_output.sum(dim=(-2, -1)).reshape(batch, k, -1).transpose(0, 1)
+                return _covariance(rows, 1.0, batch)
             rows = grad_output.mean(dim=(-2, -1)).reshape(batch, k, -1).transpose(0, 1)
             return _covariance(rows, 1.0 / positions, batch)
         # (batch, k, g, positions) -> (k, g, batch * positions): features first, one copy
         rows = grad_output.reshape(batch, k, channels // k, positions).permute(1, 2, 0, 3)
         rows = rows.reshape(k, channels // k, batch * positions)
+        if fisher:  # P · E_{n,p}[d dᵀ] = Σ_{n,p} d dᵀ / batch
+            return _covariance_features_first(rows, 1.0, batch, bias=False)
         return _covariance_features_first(rows, 1.0 / positions, batch * positions, bias=False)
 
     def describe(self) -> str:

@@ -36,7 +36,9 @@ from kaisa_ray.enums import (
     AssignmentStrategy,
     ComputeMethod,
     DistributedStrategy,
+    FactorScale,
     KFACApprox,
+    RunningAverage,
     parse_enum,
 )
 from kaisa_ray.errors import ConfigurationError, user_stacklevel
@@ -120,6 +122,19 @@ class KFACPreconditioner:
             than keeping inputs and output gradients until ``step()``.
         loglevel: level of the preconditioner's log lines.
         kfac_approx: 'expand' or 'reduce' factors for Conv2d layers (Eschenhagen et al. 2023).
+        running_average: 'identity' (the reference: the averages start at the identity) or
+            'debiased' (they start at zero and are bias-corrected as in Adam, so the first
+            update is the first batch's factor).
+        factor_scale: 'reference' (kfac-pytorch's units: G from the mean loss's gradients,
+            conv rows divided by the positions) or 'fisher' (the Fisher's own Kronecker
+            factors from per-example gradients: damping in natural units, the same at every
+            batch size; the loss must be a mean over the examples, or over the rows a Linear
+            layer sees, e.g. tokens).
+        pi_damping: split the damping between A and G by π (Martens & Grosse 2015, §6.3)
+            instead of adding γ to ``λ_G λ_A`` (eigen) or to each factor (inverse).
+        factor_samples: build each step's factors from at most this many examples of each
+            (micro-)batch per rank (an unbiased estimate that costs a fraction at large
+            batches); None uses them all.
     """
 
     def __init__(
@@ -147,6 +162,10 @@ class KFACPreconditioner:
         update_factors_in_hook: bool = True,
         loglevel: int = logging.INFO,
         kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
+        running_average: RunningAverage | str = RunningAverage.IDENTITY,
+        factor_scale: FactorScale | str = FactorScale.REFERENCE,
+        pi_damping: bool = False,
+        factor_samples: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigurationError(
@@ -172,6 +191,17 @@ class KFACPreconditioner:
                 f"accumulation_steps={accumulation_steps!r} must be a positive integer: the "
                 "number of forward/backward passes per optimizer step (1 without accumulation)."
             )
+        if factor_samples is not None and (
+            isinstance(factor_samples, bool)
+            or not isinstance(factor_samples, int)
+            or factor_samples < 1
+        ):
+            raise ConfigurationError(
+                f"factor_samples={factor_samples!r} must be a positive integer (the examples "
+                "of each batch the factors are built from), or None to use every example."
+            )
+        if not isinstance(pi_damping, bool):
+            raise ConfigurationError(f"pi_damping={pi_damping!r} must be True or False.")
         if not allreduce_bucket_cap_mb > 0:
             raise ConfigurationError(
                 f"allreduce_bucket_cap_mb={allreduce_bucket_cap_mb!r} must be positive (25 is "
@@ -197,6 +227,10 @@ class KFACPreconditioner:
             AssignmentStrategy, assignment_strategy, "assignment_strategy"
         )
         self.kfac_approx = parse_enum(KFACApprox, kfac_approx, "kfac_approx")
+        self.running_average = parse_enum(RunningAverage, running_average, "running_average")
+        self.factor_scale = parse_enum(FactorScale, factor_scale, "factor_scale")
+        self.pi_damping = pi_damping
+        self.factor_samples = factor_samples
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
@@ -250,6 +284,10 @@ class KFACPreconditioner:
                 outer_product=compute_eigenvalue_outer_product,
                 factor_dtype=reg.factor_dtype,
                 inv_dtype=reg.inv_dtype,
+                running_average=self.running_average,
+                factor_scale=self.factor_scale,
+                pi_damping=pi_damping,
+                factor_samples=factor_samples,
             )
             self._layers.append(layer)
             self._by_module[reg.module] = layer
@@ -361,16 +399,16 @@ class KFACPreconditioner:
             if self.update_factors_in_hook:
                 layer.add_input(inputs)
             else:
-                layer.saved_inputs.append(inputs.detach().clone())
+                layer.save_input(inputs)
 
         def on_grad(grad: torch.Tensor) -> None:
             with torch.no_grad():
                 if not self.update_factors_in_hook:
-                    layer.saved_grad_outputs.append(grad.detach().clone())
+                    layer.save_grad_output(grad)
                     return
                 with self.times.phase("factors"):
-                    layer.add_grad_output(grad, self._g_scale())
-                if layer.g_batch.count >= self.accumulation_steps:
+                    layer.add_grad_output(grad, self._g_divisor())
+                if layer.batch_complete(self.accumulation_steps):
                     # Final for this step: start its share of the factor all-reduce now, so
                     # communication overlaps the rest of backpropagation.
                     with self.times.phase("communication"):
@@ -378,26 +416,23 @@ class KFACPreconditioner:
 
         output.register_hook(on_grad)  # type: ignore[no-untyped-call]
 
-    def _g_scale(self) -> float:
-        """Divisor of output gradients: the loss scale, and the world size, because each rank's
-        loss is a mean over its own shard: dividing by W gives the gradients of the mean over
-        the global batch, so factors (and the meaning of damping) do not depend on W."""
+    def _g_divisor(self) -> float:
+        """Divisor of output gradients. Reference scaling: the loss scale, and the world size,
+        because each rank's loss is a mean over its own shard: dividing by W gives the
+        gradients of the mean over the global batch, so factors (and the meaning of damping)
+        do not depend on W. Fisher scaling: the loss scale over the accumulation steps (each
+        micro-batch's loss is divided by them); the layer then multiplies by the examples the
+        loss averages over, which gives per-example gradients at any W."""
+        if self.factor_scale is FactorScale.FISHER:
+            return self._grad_scale() / self.accumulation_steps
         return self._grad_scale() * self.world_size
 
     def _batch_of(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self._by_name[name].batch_factors()
 
     def _store_reduced(self, name: str, part: str, flat: torch.Tensor) -> None:
-        layer = self._by_name[name]
-        batch = layer.a_batch if part == "a" else layer.g_batch
-        dim = layer.helper.a_dim if part == "a" else layer.helper.g_dim
-        if batch.total is None or batch.count == 0:
-            batch.add(
-                torch.zeros(layer.helper.groups, dim, dim, dtype=flat.dtype, device=flat.device)
-            )
-        assert batch.total is not None
-        unpack_into(batch.total, flat, self.symmetry_aware)
-        batch.count = 1
+        buffer = self._by_name[name].reduced_buffer(part, flat.dtype, flat.device)
+        unpack_into(buffer, flat, self.symmetry_aware)
 
     # -- the step --------------------------------------------------------------------------
 
@@ -421,7 +456,7 @@ class KFACPreconditioner:
             if not self.update_factors_in_hook:
                 with times.phase("factors"):
                     for layer in self._layers:
-                        layer.factor_saved(self._g_scale())
+                        layer.factor_saved(self._g_divisor())
             with times.phase("communication"):
                 self._comm.reduce_factors(self._batch_of, self._store_reduced)
         with times.phase("factors"):
@@ -479,11 +514,14 @@ class KFACPreconditioner:
         with times.phase("decompositions"):
             for layer in self._layers:
                 place = self.assignment.placements[layer.name]
-                a, g = layer.factors_or_identity()
+                a, g = layer.factors()
+                if rank not in (place.a_rank, place.g_rank):
+                    continue
+                damp_a, damp_g = layer.factor_dampings(a, g, damping)
                 if rank == place.a_rank:
-                    layer.decomposition.compute_a(a, damping)
+                    layer.decomposition.compute_a(a, damp_a)
                 if rank == place.g_rank:
-                    layer.decomposition.compute_g(g, damping)
+                    layer.decomposition.compute_g(g, damp_g)
 
         def get(name: str, part: str) -> torch.Tensor:
             return self._by_name[name].decomposition.tensors()[part]

@@ -57,8 +57,13 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+# The curvature options of issue 19 (Fisher-scale factors, debiased averages, pi-damping).
+NATURAL = {"running_average": "debiased", "factor_scale": "fisher", "pi_damping": True}
+
+
 def kfac_options(combo: dict[str, Any]) -> dict[str, Any]:
-    return {
+    curvature = NATURAL if combo.get("curvature") == "natural" else {}
+    return curvature | {
         "factor_update_steps": FACTOR_EVERY,
         "inv_update_steps": INVERSE_EVERY,
         "damping": 0.01,

@@ -29,10 +29,14 @@ EXTRAS: dict[int, list[dict[str, Any]]] = {
     # Gradients averaged by the user instead of DDP.
     2: [
         {"model": "cnn", "method": "eigen", "strategy": "mem-opt", "ddp": False},
+        # Fisher-scale factors, debiased averages and pi-damping: still one process's result.
+        {"model": "cnn", "method": "eigen", "strategy": "hybrid-opt", "curvature": "natural"},
+        {"model": "cnn", "method": "inverse", "strategy": "mem-opt", "curvature": "natural"},
         # Factors computed and all-reduced in step() instead of the backward hooks.
         {"model": "cnn", "method": "inverse", "strategy": "comm-opt", "in_hook": False},
     ],
     4: [
+        {"model": "mlp", "method": "eigen", "strategy": "comm-opt", "curvature": "natural"},
         # Upper triangles only, factors of a layer on different ranks, tiny buckets so that
         # the two different worker groups of the same size ({0, 2}, {1, 3}) both have many.
         {
@@ -65,8 +69,9 @@ def combos_for(world_size: int) -> list[dict[str, Any]]:
 
 
 @functools.cache
-def reference(model: str, method: str) -> list[torch.Tensor]:
-    return reference_params({"model": model, "method": method, "strategy": "comm-opt"})
+def reference(model: str, method: str, curvature: str = "reference") -> list[torch.Tensor]:
+    combo = {"model": model, "method": method, "strategy": "comm-opt", "curvature": curvature}
+    return reference_params(combo)
 
 
 def assert_relative_close(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
@@ -87,7 +92,8 @@ def test_strategies_equal_single_process_kfac(world_size: int) -> None:
             assert result["memory"] == result["planned_memory"], f"{label}, rank {rank}"
             for a, b in zip(result["params"], results[0]["params"], strict=True):
                 assert torch.equal(a, b), f"{label}: rank {rank} differs from rank 0"
-        assert_relative_close(results[0]["params"], reference(combo["model"], combo["method"]))
+        expected = reference(combo["model"], combo["method"], combo.get("curvature", "reference"))
+        assert_relative_close(results[0]["params"], expected)
 
 
 def test_strategies_trade_memory_for_communication() -> None:
