@@ -279,7 +279,7 @@ def main() -> None:
     )
     text = summarize(runs, header)
     choices = [
-        f"seed {r.seed}: f={r.tuning['chosen']['strategy']:g}, intervals "
+        f"seed {r.seed}: f={r.tuning['chosen']['grad_worker_fraction']:g}, intervals "
         f"{r.tuning['chosen']['factor_update_steps']}/{r.tuning['chosen']['inv_update_steps']}, "
         + (
             "profile from the tuner's cache"

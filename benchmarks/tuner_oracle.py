@@ -37,8 +37,8 @@ import ray
 import yaml
 from report import git_commit, machine, table, write_block
 
-from kaisa_ray.train.job import measure_candidates, tune_job
 from kaisa_ray.train.spec import parse_job_spec
+from kaisa_ray.train.tuning import measure_candidates, tune_job
 from tuner.actor import tuner_actor
 from tuner.cost import NoFeasibleCandidateError
 
@@ -59,8 +59,6 @@ def spec_for(workers: int, budget: int | str, limit: int | None) -> Any:
 
 
 def key(row: dict[str, Any]) -> tuple[float, int, int]:
-    if "strategy" in row:
-        return (row["strategy"], row["factor_update_steps"], row["inv_update_steps"])
     return (row["grad_worker_fraction"], row["factor_update_steps"], row["inv_update_steps"])
 
 
@@ -71,13 +69,10 @@ def name(k: tuple[float, int, int]) -> str:
 def one_world(workers: int, args: argparse.Namespace, storage: Path) -> dict[str, Any]:
     ray.get(tuner_actor().forget.remote())
     first = tune_job(spec_for(workers, "2GiB", args.limit), storage_path=storage)
-    record = first.record
-    candidates = [
-        {"strategy": k[0], "factor_update_steps": k[1], "inv_update_steps": k[2]}
-        for k in (key(row) for row in record["candidates"])
-    ]
+    record = first.record.wire()
+    candidates = [row.choice() for row in first.record.candidates]
     measured = {
-        key(m["candidate"]): m
+        m.candidate.key(): m.wire()
         for m in measure_candidates(
             spec_for(workers, "2GiB", args.limit),
             candidates,
@@ -124,7 +119,7 @@ def one_world(workers: int, args: argparse.Namespace, storage: Path) -> dict[str
                 }
             )
             continue
-        pick = next(r for r in rows if r["candidate"] == key(chosen.decided))
+        pick = next(r for r in rows if r["candidate"] == chosen.decided.key())
         picks.append(
             {
                 "budget": label,
@@ -132,7 +127,7 @@ def one_world(workers: int, args: argparse.Namespace, storage: Path) -> dict[str
                 "tuner": pick["candidate"],
                 "tuner_ms": pick["measured_ms"],
                 "tuner_bytes": pick["measured_bytes"],
-                "cache": chosen.record["cache"],
+                "cache": chosen.record.cache,
                 "oracle": None if oracle is None else oracle["candidate"],
                 "oracle_ms": None if oracle is None else oracle["measured_ms"],
             }

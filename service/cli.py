@@ -1,11 +1,13 @@
-"""The ``kaisa-ray`` command line: ``serve`` runs the service; ``submit``, ``jobs`` and
-``cancel`` talk to a running one over REST; the training commands (``train``, ``validate``,
-``tune``, ``sweep``, ``example``, ``plan``, ``measure-node``, from ``kaisa_ray.train.cli``) are
-loaded only when one of them runs, so that the client commands start in a fraction of a
-second: they import neither torch nor Ray."""
+"""The ``kaisa-ray`` command line, one group defined here: ``serve`` runs the service;
+``submit``, ``jobs`` and ``cancel`` talk to a running one over REST; the training commands
+(``train``, ``validate``, ``tune``, ``sweep``, ``example`` from ``kaisa_ray.train.cli``, and
+``plan`` and ``measure-node`` from ``kaisa_ray.train.plan_cli``) are loaded only when one of
+them runs, so that the client commands start in a fraction of a second: they import neither
+torch nor Ray."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import signal
@@ -18,6 +20,7 @@ from typing import Any
 import click
 
 from service.client import ServiceClient, ServiceClientError
+from service.lifecycle import JobState
 
 __all__ = ["main"]
 
@@ -30,8 +33,17 @@ token_option = click.option(
     "--token", default=None, help="The service's token [default: $KAISA_RAY_TOKEN]."
 )
 
-TRAINING_COMMANDS = ("example", "validate", "train", "tune", "sweep", "plan", "measure-node")
-"""``kaisa_ray.train.cli``'s commands: they import torch (and Ray), so only when they run."""
+TRAINING_COMMANDS = {
+    "example": "kaisa_ray.train.cli:example",
+    "validate": "kaisa_ray.train.cli:validate",
+    "train": "kaisa_ray.train.cli:train",
+    "tune": "kaisa_ray.train.cli:tune",
+    "sweep": "kaisa_ray.train.cli:sweep",
+    "plan": "kaisa_ray.train.plan_cli:plan",
+    "measure-node": "kaisa_ray.train.plan_cli:measure_node",
+}
+"""The training commands, by where they are defined: they import torch (and Ray), so they
+are imported only when they run."""
 
 
 class _Commands(click.Group):
@@ -39,10 +51,11 @@ class _Commands(click.Group):
         return sorted({*super().list_commands(ctx), *TRAINING_COMMANDS})
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name in TRAINING_COMMANDS:
-            from kaisa_ray.train.cli import main as training
-
-            return training.get_command(ctx, name)
+        where = TRAINING_COMMANDS.get(name)
+        if where is not None:
+            module, attribute = where.split(":")
+            command: click.Command = getattr(importlib.import_module(module), attribute)
+            return command
         return super().get_command(ctx, name)
 
 
@@ -284,7 +297,7 @@ def submit(
         + (f", test accuracy {accuracy:.4f}" if isinstance(accuracy, float) else "")
         + (f": {final['failure_reason']}" if final.get("failure_reason") else "")
     )
-    if final["state"] != "SUCCEEDED":
+    if final["state"] != JobState.SUCCEEDED:
         sys.exit(1)
 
 
@@ -293,53 +306,35 @@ def _follow(client: ServiceClient, job_id: str) -> dict[str, Any]:
     one progress bar redrawn in place (it ends at 100% for a job that met its target, with
     no time left to guess); elsewhere (a log, a pipe), a line per change of state and per
     evaluation, so that nothing is printed twice."""
-    from tqdm import tqdm
+    from kaisa_ray.train.follow import Follower
+    from kaisa_ray.train.records import StartRecord, try_record
 
-    live = sys.stderr.isatty()
-    bar = tqdm(
-        total=None, unit="step", desc=job_id, file=sys.stderr, dynamic_ncols=True, disable=not live
-    )
+    follower = Follower(job_id, out=sys.stderr, bar_file=sys.stderr)
     job: dict[str, Any] = {}
     shown_state = ""
-
-    def say(text: str) -> None:
-        if live:
-            tqdm.write(text, sys.stderr)
-        else:
-            click.echo(text, err=True)
-
     try:
         for event, data in client.events(job_id):
-            if event == "state":
-                job = data
-                progress = data["progress"]
-                if data["state"] != shown_state:
-                    shown_state = data["state"]
-                    if not live:
-                        say(f"job {job_id}: {_progress_text(data)}")
-                if progress["total"] and bar.total != progress["total"]:
-                    bar.total = progress["total"]
-                    bar.refresh()
-                bar.set_description(f"{job_id} {data['state']}", refresh=False)
-                _advance(bar, progress["step"])
-                if data["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
-                    if data["state"] == "SUCCEEDED":
-                        bar.total = bar.n  # done: 100%, no time left to estimate
-                    bar.bar_format = (
-                        "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
-                    )
-                    bar.refresh()
-            elif event == "progress":
-                _advance(bar, int(data.get("step") or 0))
-                bar.set_postfix(loss=f"{data.get('loss') or float('nan'):.3f}", refresh=False)
-            elif event == "eval":
-                accuracy = data.get("test_accuracy")
-                if isinstance(accuracy, float):
-                    say(f"step {data.get('step')}: test accuracy {accuracy:.4f}")
-            elif event == "tuner":
-                say(f"tuner chose {data.get('chosen')} ({data.get('how')})")
+            if event != "state":
+                record, _ = try_record(data)  # the event's data is the record (with its kind)
+                if record is not None and not isinstance(record, StartRecord):
+                    follower.take(record)
+                continue
+            job = data
+            progress = data["progress"]
+            state = JobState(data["state"])
+            if state != shown_state:
+                shown_state = state
+                if not follower.live:
+                    follower.say(f"job {job_id}: {_progress_text(data)}")
+            if progress["total"] and follower.bar.total != progress["total"]:
+                follower.bar.total = progress["total"]
+                follower.bar.refresh()
+            follower.bar.set_description(f"{job_id} {state}", refresh=False)
+            follower.advance(progress["step"])
+            if state.finished:
+                follower.finish(done=state is JobState.SUCCEEDED)
     finally:
-        bar.close()
+        follower.close()
     return job or client.job(job_id)
 
 
@@ -348,9 +343,9 @@ def _progress_text(job: dict[str, Any]) -> str:
     ``SUCCEEDED: target met at step 250 of 1000``."""
     state = job["state"]
     progress = job["progress"]
-    if state == "QUEUED" and job.get("queue_position"):
+    if state == JobState.QUEUED and job.get("queue_position"):
         return f"QUEUED (#{job['queue_position']} in line)"
-    if state == "SUCCEEDED":
+    if state == JobState.SUCCEEDED:
         if progress.get("target_met"):
             return f"SUCCEEDED: target met at step {progress['step']} of {progress['total']}"
         return f"SUCCEEDED at step {progress['step']}"
@@ -359,29 +354,12 @@ def _progress_text(job: dict[str, Any]) -> str:
     return str(state)
 
 
-def _advance(bar: Any, step: int) -> None:
-    if step > bar.n:
-        bar.update(step - bar.n)
-
-
 @main.command()
 @click.option(
     "--state",
     "states",
     multiple=True,
-    type=click.Choice(
-        [
-            "QUEUED",
-            "PROFILING",
-            "RUNNING",
-            "RECOVERING",
-            "CANCELLING",
-            "SUCCEEDED",
-            "FAILED",
-            "CANCELLED",
-        ],
-        case_sensitive=False,
-    ),
+    type=click.Choice([state.value for state in JobState], case_sensitive=False),
     help="Only jobs in this state (repeatable).",
 )
 @click.option("--limit", type=click.IntRange(1, 500), default=50, show_default=True)
@@ -400,14 +378,14 @@ def jobs(states: tuple[str, ...], limit: int, url: str | None, token: str | None
     for job in page["jobs"]:
         progress = job["progress"]
         done = f"{progress['step']}/{progress['total']}" if progress["total"] else "-"
-        if job["state"] == "SUCCEEDED":
+        if job["state"] == JobState.SUCCEEDED:
             done = "done (target met)" if progress.get("target_met") else "done"
-        elif job["state"] == "QUEUED" and job.get("queue_position"):
+        elif job["state"] == JobState.QUEUED and job.get("queue_position"):
             done = f"queued #{job['queue_position']}"
         metrics = job["metrics"]
         kfac = job["spec"].get("kfac")
         strategy = (
-            f"auto→{job['decision']['strategy']}"
+            f"auto→{job['decision']['grad_worker_fraction']:g}"
             if job.get("decision")
             else (kfac.get("strategy") if isinstance(kfac, dict) else str(kfac))
         )

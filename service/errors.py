@@ -37,19 +37,6 @@ class RayUnavailableError(ServiceError):
     status = 503
 
 
-class UnauthorizedError(ServiceError):
-    status = 401
-
-    def __init__(self) -> None:
-        super().__init__(
-            "missing or wrong token: send 'Authorization: Bearer <token>' with the token the "
-            "service was started with ($KAISA_RAY_TOKEN, or the file of --token-file)"
-        )
-
-    def __reduce__(self) -> tuple[type[UnauthorizedError], tuple[()]]:
-        return (type(self), ())
-
-
 class DatabaseInUseError(ServiceError, RuntimeError):
     """Another service process has this SQLite database, or this data directory, open."""
 

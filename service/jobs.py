@@ -18,20 +18,42 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kaisa_ray.train.records import (
+    CheckpointRecord,
+    EvalRecord,
+    ProfilingRecord,
+    RecordKind,
+    StartRecord,
+    StepRecord,
+    SweepRecord,
+    SweepStartRecord,
+    TrialRecord,
+    TunerRecord,
+    WorkerRecord,
+    try_record,
+)
 from service.errors import RayJobMissingError
 from service.hub import Hub, Update
 from service.lifecycle import IllegalTransitionError, JobEvent, JobState, transition
 from service.records import clean
 from service.runner import RayJobInfo, RayJobStatus, Runner
 from service.store import Job, JobStore, Metric, Progress
-from service.sweeps import SWEEP_KINDS, finite
 from service.sweeps import ended as trials_ended
+from service.sweeps import finite
 from service.sweeps import merge as merge_sweep
 
 logger = logging.getLogger(__name__)
 
 STEP_FIELDS = ("loss", "accuracy", "lr", "samples_per_s", "ms_per_step", "kfac_ms_per_step")
 EVAL_FIELDS = ("test_loss", "test_accuracy")
+EVENT_OF = {
+    RecordKind.STEP: "progress",
+    RecordKind.EVAL: "eval",
+    RecordKind.TUNER: "tuner",
+    RecordKind.TRIAL: "trial",
+    RecordKind.SWEEP: "sweep",
+}
+"""The event a record is sent as on the event streams (its data: the record)."""
 
 
 class Jobs:
@@ -117,51 +139,52 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
         reading.problems += cleaned.problems
         if cleaned.record is None:
             continue
-        record = cleaned.record
-        kind = record.get("kind")
-        values = {k: v for k, v in record.items() if k not in ("kind", "seq", "time")}
-        at = record.get("time")
-        at = float(at) if isinstance(at, int | float) and not isinstance(at, bool) else time.time()
-        seq = record.get("seq") or 0
-        if kind == "worker" and record.get("rank") == 0:
-            attempts += 1
-            progress.attempts = attempts
-            if attempts > 1:
-                fire(JobEvent.RECOVER)
-        elif kind == "profiling":
+        record, problem = try_record(cleaned.record)
+        if record is None:
+            reading.problems.append(str(problem))
+            continue
+        values = finite(record.values())
+        at = record.time if record.time is not None else time.time()
+        # What the event streams send: the record, with its kind and when the sink took it.
+        data = {"kind": record.kind.value, **values, "time": at}
+        if isinstance(record, WorkerRecord):
+            if record.rank == 0:
+                attempts += 1
+                progress.attempts = attempts
+                if attempts > 1:
+                    fire(JobEvent.RECOVER)
+        elif isinstance(record, ProfilingRecord):
             fire(JobEvent.PROFILE)
-        elif kind == "start":
+        elif isinstance(record, StartRecord):
             fire(JobEvent.RUN)
-            if record.get("total_steps") is not None:
-                progress.total_steps = record["total_steps"]
-        elif kind == "tuner":
+            if record.total_steps is not None:
+                progress.total_steps = record.total_steps
+        elif isinstance(record, TunerRecord):
             progress.tuner = values
-            reading.updates.append(("tuner", values))
-        elif kind in ("step", "eval"):
-            step = record.get("step")
-            progress.metrics.append(Metric(seq=seq, kind=kind, step=step, at=at, values=values))
-            names = STEP_FIELDS if kind == "step" else EVAL_FIELDS
-            progress.latest.update({k: values[k] for k in names if k in values})
-            if step is not None:
-                progress.step = max(progress.step or 0, step)
-                progress.latest["step"] = progress.step
-            reading.updates.append(
-                ("progress" if kind == "step" else "eval", {**values, "time": at})
+            reading.updates.append((EVENT_OF[record.kind], data))
+        elif isinstance(record, StepRecord | EvalRecord):
+            metric = Metric(
+                seq=record.seq or 0, kind=record.kind.value, step=record.step, at=at, values=values
             )
-        elif kind == "checkpoint":
-            progress.latest["checkpoint_step"] = record.get("step")
-        elif kind in SWEEP_KINDS:
-            record, values = finite(record), finite(values)
+            progress.metrics.append(metric)
+            names = STEP_FIELDS if isinstance(record, StepRecord) else EVAL_FIELDS
+            progress.latest.update({k: values[k] for k in names if k in values})
+            progress.step = max(progress.step or 0, record.step)
+            progress.latest["step"] = progress.step
+            reading.updates.append((EVENT_OF[record.kind], data))
+        elif isinstance(record, CheckpointRecord):
+            progress.latest["checkpoint_step"] = record.step
+        elif isinstance(record, SweepStartRecord | TrialRecord | SweepRecord):
             sweep = merge_sweep(sweep, record, spec=job.spec)
             progress.sweep = sweep
             progress.step = trials_ended(sweep)
-            if kind == "sweep-start":
+            if isinstance(record, SweepStartRecord):
                 fire(JobEvent.RUN)
                 planned = sweep.get("trials_planned")
                 if isinstance(planned, int) and 0 <= planned <= 2**53:
                     progress.total_steps = planned
             else:
-                reading.updates.append((str(kind), {**values, "time": at}))
+                reading.updates.append((EVENT_OF[record.kind], data))
     progress.events = list(reading.events)  # stored with the records, in one transaction
     return reading
 

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+import yaml
+from pydantic import BaseModel, Field, ValidationError
 
+from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
+from kaisa_ray.train.records import (
+    TRIAL_METRICS,
+    Direction,
+    KFACChoice,
+    RecordKind,
+    SweepMetric,
+    TrialState,
+    TunerRecord,
+)
 from service.lifecycle import JobState
 from service.store import Job, Metric, Transition
-from service.sweeps import TRIAL_METRICS, TrialState, ended, plan
+from service.sweeps import ended, plan
+
+logger = logging.getLogger(__name__)
 
 
 def _when(seconds: float | None) -> datetime | None:
@@ -56,10 +70,11 @@ class JobView(BaseModel):
         description="the latest step and evaluation metrics (loss, accuracy, samples_per_s, "
         "ms_per_step, test_loss, test_accuracy, ...)"
     )
-    decision: dict[str, Any] | None = Field(
-        description="kfac: auto: what the tuner chose (strategy and intervals)"
+    decision: KFACChoice | None = Field(
+        description="kfac: auto: what the tuner chose (the gradient worker fraction and the "
+        "intervals)"
     )
-    tuner: dict[str, Any] | None = Field(
+    tuner: TunerRecord | None = Field(
         description="kfac: auto: the tuner's record: how it chose, the budget, and every "
         "candidate with its predicted memory and time (and why it was ruled out)"
     )
@@ -109,11 +124,11 @@ class BestTrialView(BaseModel):
 
 
 class SweepView(BaseModel):
-    metric: Literal["test_accuracy", "test_loss", "time_to_target"] = Field(
+    metric: SweepMetric = Field(
         description="what ranks the trials: the final test_accuracy or test_loss, or the "
         "training seconds until stop.target was met"
     )
-    mode: Literal["max", "min"] = Field(description="whether a larger or smaller metric is better")
+    mode: Direction = Field(description="whether a larger or smaller metric is better")
     trials_planned: int | None = Field(description="how many trials the sweep runs")
     concurrent: int | None = Field(description="how many trials run at once")
     space: dict[str, dict[str, Any]] = Field(
@@ -127,6 +142,10 @@ class SweepView(BaseModel):
     )
     best_spec: dict[str, Any] | None = Field(
         description="the best trial's JobSpec (without a sweep), ready to submit as a job"
+    )
+    best_spec_yaml: str | None = Field(
+        default=None,
+        description="the best spec as a job file (kaisa-ray train --config), as the CLI prints it",
     )
     seconds: float | None = Field(description="the sweep's duration, once it ended")
 
@@ -162,9 +181,34 @@ class MetricHistory(BaseModel):
     next_since: int = Field(description="pass as since to read only newer points")
 
 
+class NamedMetric(BaseModel):
+    name: SweepMetric
+    direction: Direction = Field(description="whether a larger or smaller value is better")
+
+
 class Registry(BaseModel):
+    """What a JobSpec may name, and every closed set the API's answers use (defined once, in
+    the project's enums: a client such as the dashboard reads them here)."""
+
     models: list[str] = Field(description="what a JobSpec's model.name may be")
     datasets: list[str] = Field(description="what a JobSpec's dataset.name may be")
+    optimizers: list[str] = Field(description="what optimizer.name may be")
+    strategies: list[str] = Field(
+        description="what kfac.strategy may name (it may also be a fraction in (0, 1])"
+    )
+    compute_methods: list[ComputeMethod] = Field(description="kfac.compute_method")
+    kfac_approximations: list[KFACApprox] = Field(description="kfac.kfac_approx")
+    precisions: list[Precision] = Field(description="precision")
+    job_states: list[JobState] = Field(description="a job's states, in lifecycle order")
+    finished_states: list[JobState] = Field(description="the states a job ends in")
+    trial_states: list[TrialState] = Field(description="a sweep trial's states")
+    ended_trial_states: list[TrialState] = Field(description="those of a trial that is over")
+    sweep_metrics: list[NamedMetric] = Field(description="what ranks a sweep's trials")
+    trial_metrics: list[str] = Field(description="what a trial's evaluations report")
+    record_kinds: list[RecordKind] = Field(description="the kinds of progress records")
+    events: dict[str, str] = Field(
+        description="the server-sent event each record kind is streamed as (others are not)"
+    )
 
 
 class ErrorBody(BaseModel):
@@ -199,7 +243,7 @@ def job_view(job: Job, queue_position: int | None = None) -> JobView:
     )
     if succeeded:
         percent = 100.0
-    tuner = job.tuner
+    tuner = _tuner(job)
     return JobView(
         id=job.id,
         name=job.name,
@@ -207,7 +251,7 @@ def job_view(job: Job, queue_position: int | None = None) -> JobView:
         queue_position=queue_position,
         progress=ProgressView(step=job.step, total=total, percent=percent, target_met=target_met),
         metrics={k: v for k, v in job.latest.items() if isinstance(v, int | float) or v is None},
-        decision=tuner.get("chosen") if tuner else None,
+        decision=tuner.chosen if tuner else None,
         tuner=tuner,
         failure_reason=job.failure_reason,
         submission_id=job.submission_id,
@@ -217,6 +261,17 @@ def job_view(job: Job, queue_position: int | None = None) -> JobView:
         finished_at=_when(job.finished_at),
         spec=job.spec,
     )
+
+
+def _tuner(job: Job) -> TunerRecord | None:
+    """The job's stored tuner record, read as one (None, logged, if it does not read)."""
+    if job.tuner is None:
+        return None
+    try:
+        return TunerRecord.model_validate(job.tuner)
+    except ValidationError as err:
+        logger.warning("job %s: its tuner record does not read: %s", job.id, err)
+        return None
 
 
 def _is_number(value: Any) -> bool:
@@ -247,7 +302,7 @@ def sweep_view(job: Job) -> SweepView | None:
     trials = [
         TrialView(
             trial_id=trial_id,
-            state=trial.get("state", "RUNNING"),
+            state=trial.get("state", TrialState.RUNNING),
             params=_numbers(trial.get("params")),
             step=trial.get("step"),
             metrics=_metrics(trial.get("metrics")),
@@ -259,8 +314,9 @@ def sweep_view(job: Job) -> SweepView | None:
     ]
     best = view.get("best")
     return SweepView(
-        metric=view.get("metric", "test_accuracy"),
-        mode=view.get("mode", "max"),
+        metric=view.get("metric") or SweepMetric.TEST_ACCURACY,
+        mode=view.get("mode")
+        or SweepMetric(view.get("metric") or SweepMetric.TEST_ACCURACY).direction,
         trials_planned=view.get("trials_planned"),
         concurrent=view.get("concurrent"),
         space=dict(view.get("space") or {}),
@@ -278,6 +334,9 @@ def sweep_view(job: Job) -> SweepView | None:
             run=best.get("run"),
         ),
         best_spec=view.get("best_spec"),
+        best_spec_yaml=None
+        if view.get("best_spec") is None
+        else yaml.safe_dump(view["best_spec"], sort_keys=False),
         seconds=view.get("seconds"),
     )
 

@@ -1,6 +1,6 @@
 """A sweep job's view: its plan, its trials and the best one, built from the sweep's
-progress-sink records (``sweep-start``, ``trial`` and ``sweep``; ``kaisa_ray.train.sweep``
-pushes them under the job's id).
+progress-sink records (``SweepStartRecord``, ``TrialRecord`` and ``SweepRecord`` of
+``kaisa_ray.train.records``; ``kaisa_ray.train.sweep`` pushes them under the job's id).
 
 The store keeps the view as one JSON value on the job (``jobs.sweep``)::
 
@@ -22,27 +22,31 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
-TrialState = Literal["RUNNING", "SUCCEEDED", "STOPPED", "FAILED"]
-TRIAL_STATES: tuple[TrialState, ...] = ("RUNNING", "SUCCEEDED", "STOPPED", "FAILED")
-ENDED = frozenset({"SUCCEEDED", "STOPPED", "FAILED"})
-"""A trial in one of these states is over (STOPPED: early, by the ASHA scheduler)."""
-TRIAL_METRICS = ("test_accuracy", "test_loss", "train_s", "time_to_target_s")
-SWEEP_KINDS = frozenset({"sweep-start", "trial", "sweep"})
+from kaisa_ray.train.records import (
+    TRIAL_METRICS,
+    SweepMetric,
+    SweepRecord,
+    SweepStartRecord,
+    TrialRecord,
+    TrialState,
+)
+
+SweepRecords = SweepStartRecord | TrialRecord | SweepRecord
 
 
 def plan(section: Mapping[str, Any] | None) -> dict[str, Any]:
     """A view with no trials yet, from a JobSpec's ``sweep`` section (as JSON): what the
     sweep's ``sweep-start`` record will say (empty fields where there is no section)."""
     section = section or {}
-    metric = section.get("metric", "test_accuracy")
-    mode = section.get("mode") or ("max" if metric == "test_accuracy" else "min")
+    metric = SweepMetric(section.get("metric") or SweepMetric.TEST_ACCURACY)
+    mode = section.get("mode") or metric.direction
     return {
         "trials_planned": section.get("trials"),
         "concurrent": section.get("concurrent"),
-        "metric": metric,
-        "mode": mode,
+        "metric": str(metric),
+        "mode": str(mode),
         "space": {
             # As the sweep-start record has them: only the distribution given (the stored
             # spec has the others too, as null).
@@ -58,18 +62,18 @@ def plan(section: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def merge(
-    view: Mapping[str, Any] | None, record: Mapping[str, Any], *, spec: Mapping[str, Any]
+    view: Mapping[str, Any] | None, record: SweepRecords, *, spec: Mapping[str, Any]
 ) -> dict[str, Any]:
     """``view`` with one sweep record merged in (a new value). A record that comes before
     any plan (``view`` None) starts from the plan in the job's ``spec``."""
     merged = copy.deepcopy(dict(view)) if view is not None else plan(spec.get("sweep"))
-    kind = record.get("kind")
-    if kind == "sweep-start":
-        _start(merged, record)
-    elif kind == "trial":
-        _trial(merged, record)
-    elif kind == "sweep":
-        _result(merged, record)
+    data = finite(record.wire())  # the fields the record has, as JSON
+    if isinstance(record, SweepStartRecord):
+        _start(merged, data)
+    elif isinstance(record, TrialRecord):
+        _trial(merged, data)
+    else:
+        _result(merged, data)
     return merged
 
 
@@ -89,7 +93,11 @@ def finite(value: Any) -> Any:
 def ended(view: Mapping[str, Any] | None) -> int:
     """How many of the view's trials are over."""
     trials = (view or {}).get("trials") or {}
-    return sum(1 for trial in trials.values() if trial.get("state") in ENDED)
+    return sum(1 for trial in trials.values() if _ended(trial.get("state")))
+
+
+def _ended(state: Any) -> bool:
+    return state in set(TrialState) and TrialState(state).ended
 
 
 def _start(view: dict[str, Any], record: Mapping[str, Any]) -> None:
@@ -105,7 +113,14 @@ def _start(view: dict[str, Any], record: Mapping[str, Any]) -> None:
 def _entry(view: dict[str, Any], trial_id: str) -> dict[str, Any]:
     trials: dict[str, Any] = view.setdefault("trials", {})
     entry: dict[str, Any] = trials.setdefault(
-        trial_id, {"state": "RUNNING", "params": {}, "step": None, "metrics": {}, "error": None}
+        trial_id,
+        {
+            "state": TrialState.RUNNING.value,
+            "params": {},
+            "step": None,
+            "metrics": {},
+            "error": None,
+        },
     )
     return entry
 
@@ -113,8 +128,10 @@ def _entry(view: dict[str, Any], trial_id: str) -> dict[str, Any]:
 def _set_state(entry: dict[str, Any], state: Any) -> None:
     # A trial that is over stays over: a late RUNNING record (an evaluation pushed before the
     # end but read after it) does not bring it back.
-    if state in TRIAL_STATES and not (entry.get("state") in ENDED and state == "RUNNING"):
-        entry["state"] = state
+    if state in set(TrialState) and not (
+        _ended(entry.get("state")) and state == TrialState.RUNNING
+    ):
+        entry["state"] = str(state)
 
 
 def _update(

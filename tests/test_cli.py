@@ -1,4 +1,4 @@
-"""Tests for the kaisa-ray command line (kaisa_ray.train.cli)."""
+"""The kaisa-ray command line (service.cli) and its training commands (kaisa_ray.train.cli)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kaisa_ray.train.cli import main
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
+from service.cli import main
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from kaisa_ray import ComputeMethod, KFACPreconditioner
 from kaisa_ray.enums import parse_enum
 from kaisa_ray.errors import ConfigurationError, KaisaRayError, StateDictError
 from kaisa_ray.train.datasets import DatasetNotFoundError, IDXFormatError
-from kaisa_ray.train.loop import TrainingDivergedError
 from kaisa_ray.train.spec import JobSpecError
+from kaisa_ray.train.worker import TrainingDivergedError
 from service.client import ServiceClientError
 from service.errors import (
     DatabaseInUseError,
@@ -29,7 +29,6 @@ from service.errors import (
     RayJobMissingError,
     RayUnavailableError,
     ServiceError,
-    UnauthorizedError,
 )
 from service.lifecycle import IllegalTransitionError, JobEvent, JobState
 from service.middleware import _TooLargeError
@@ -51,7 +50,6 @@ EXAMPLES: list[BaseException] = [
     JobNotFoundError("0123abcd"),
     JobConflictError("the job is not finished"),
     RayUnavailableError("cannot reach Ray"),
-    UnauthorizedError(),
     DatabaseInUseError("another service uses the database"),
     RayJobMissingError("Ray has no Ray Job kaisa-ray-0123"),
     InsecureBindError("refusing to serve on 0.0.0.0 without a token"),

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
-from kaisa_ray.train.loop import load_checkpoint_file
+from kaisa_ray.train.state import load_checkpoint_file
 
 pytestmark = [
     pytest.mark.slow,

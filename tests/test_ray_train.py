@@ -20,14 +20,14 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from ray_head import RAY, RayHead
 
 from kaisa_ray import KFACPreconditioner
-from kaisa_ray.train.cli import main
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset
 from kaisa_ray.train.example import evaluate
 from kaisa_ray.train.job import JobResult, run_job
-from kaisa_ray.train.loop import load_checkpoint_file
 from kaisa_ray.train.models import LeNetCNN
 from kaisa_ray.train.progress import read_progress
 from kaisa_ray.train.spec import parse_job_spec
+from kaisa_ray.train.state import load_checkpoint_file
+from service.cli import main
 from tuner.actor import tuner_actor
 
 pytestmark = [
@@ -76,7 +76,7 @@ def test_two_worker_kfac_job_end_to_end(ray_head: RayHead, tmp_path: Path) -> No
     assert steps[-1]["loss"] < 0.8 * steps[0]["loss"], [r["loss"] for r in steps]
     evals = records(result.run_name, "eval")
     assert [r["step"] for r in evals] == [20, 40]
-    assert result.evals == evals  # the driver followed the sink while the job ran
+    assert [e.wire() for e in result.evals] == evals  # the driver followed the sink meanwhile
     assert evals[-1]["test_loss"] < evals[0]["test_loss"]
 
     # The checkpoint loads: the model reproduces the reported accuracy, K-FAC state restores.
@@ -128,7 +128,7 @@ def test_kfac_auto_profiles_on_the_workers_chooses_and_trains(
     fastest = min(feasible, key=lambda row: row["ms_per_step"])
     chosen = tuning["chosen"]
     assert chosen == {
-        "strategy": fastest["grad_worker_fraction"],
+        "grad_worker_fraction": fastest["grad_worker_fraction"],
         "factor_update_steps": fastest["factor_update_steps"],
         "inv_update_steps": fastest["inv_update_steps"],
     }
@@ -169,7 +169,7 @@ def test_kfac_auto_verify_measures_the_best_candidates_in_tune_trials(
         assert row["memory_bytes"] == pytest.approx(row["measured_memory_bytes"], rel=0.10)
     fastest = min(measured, key=lambda row: row["measured_ms_per_step"])
     assert tuning["chosen"] == {
-        "strategy": fastest["grad_worker_fraction"],
+        "grad_worker_fraction": fastest["grad_worker_fraction"],
         "factor_update_steps": fastest["factor_update_steps"],
         "inv_update_steps": fastest["inv_update_steps"],
     }

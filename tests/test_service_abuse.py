@@ -252,7 +252,9 @@ def test_admission_keeps_at_most_max_running_in_ray_and_shows_the_queue(
         service = Service(app, client, fake)
         jobs = [service.submit(f"q{i}") for i in range(5)]
         wait_for(lambda: len(fake.submitted) == 2, "two jobs in Ray")
-        time.sleep(0.2)  # several passes: no third one
+        follower = app.state.runtime.follower
+        passes = follower.passes
+        wait_for(lambda: follower.passes >= passes + 3, "three more passes")  # no third one
         assert len(fake.submitted) == 2
         views = [service.job(j["id"]) for j in jobs]
         assert [v["queue_position"] for v in views] == [None, None, 1, 2, 3]

@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 import test_service_sweeps as sweeps
+import yaml
 from fake_runner import FakeRunner
 from fastapi import FastAPI
 from polling import wait_for, wait_for_job
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.exc import OperationalError
 
+from kaisa_ray.train.records import CandidateRow, KFACChoice, TunerRecord
 from service.app import create_app
 from service.lifecycle import JobEvent
 from service.runner import RayJobStatus, submission_id
@@ -511,11 +513,37 @@ def test_an_unknown_job_is_404(service: Service) -> None:
     }
 
 
-CHOSEN = {"strategy": "comm-opt", "grad_worker_fraction": 1.0, "factor_update_steps": 5}
+CHOSEN = KFACChoice(grad_worker_fraction=1.0, factor_update_steps=5, inv_update_steps=50)
 CANDIDATES = [
-    {"strategy": "comm-opt", "memory_bytes": 1000, "step_ms": 12.5, "ruled_out": None},
-    {"strategy": "mem-opt", "memory_bytes": 500, "step_ms": 20.0, "ruled_out": "slower"},
+    CandidateRow(
+        grad_worker_fraction=1.0,
+        factor_update_steps=5,
+        inv_update_steps=50,
+        memory_bytes=1000,
+        kfac_state_bytes=400,
+        ms_per_step=12.5,
+        rejected=None,
+    ),
+    CandidateRow(
+        grad_worker_fraction=0.5,
+        factor_update_steps=5,
+        inv_update_steps=50,
+        memory_bytes=1200,
+        kfac_state_bytes=600,
+        ms_per_step=20.0,
+        rejected="needs 1.17 KiB, over the budget by 0.17 KiB",
+    ),
 ]
+TUNER = TunerRecord(
+    cache="miss",
+    profile_s=1.5,
+    budget_bytes=1100,
+    base_memory_bytes=500,
+    kfac_transient_bytes=100,
+    plain_ms_per_step=9.0,
+    chosen=CHOSEN,
+    candidates=CANDIDATES,
+)
 
 
 def test_a_job_shows_its_progress_metrics_and_decision(service: Service) -> None:
@@ -523,7 +551,7 @@ def test_a_job_shows_its_progress_metrics_and_decision(service: Service) -> None
     service.fake.push(
         job["id"],
         {"kind": "worker", "rank": 0},
-        {"kind": "tuner", "chosen": CHOSEN, "candidates": CANDIDATES},
+        TUNER.wire(),
         {"kind": "start", "total_steps": 200},
         {"kind": "step", "step": 10, "loss": 2.5, "accuracy": 0.25, "samples_per_s": 900.0},
         {"kind": "step", "step": 20, "loss": 1.5, "accuracy": 0.5, "samples_per_s": 1000.0},
@@ -543,9 +571,9 @@ def test_a_job_shows_its_progress_metrics_and_decision(service: Service) -> None
         "test_loss": 1.7,
         "test_accuracy": 0.45,
     }
-    assert shown["decision"] == CHOSEN
-    assert shown["tuner"] == {"chosen": CHOSEN, "candidates": CANDIDATES}
-    assert shown["tuner"]["candidates"] == CANDIDATES
+    assert shown["decision"] == CHOSEN.model_dump()
+    assert TunerRecord.model_validate(shown["tuner"]) == TUNER  # the record, typed
+    assert [c["rejected"] for c in shown["tuner"]["candidates"]] == [None, CANDIDATES[1].rejected]
     assert history(shown) == [(None, "QUEUED", "submit"), ("QUEUED", "RUNNING", "run")]
     assert shown["started_at"] is not None
     assert shown["finished_at"] is None
@@ -782,7 +810,7 @@ def test_events_follow_a_job_until_it_finishes(service: Service) -> None:
                     job["id"],
                     {"kind": "worker", "rank": 0},
                     {"kind": "start", "total_steps": 30},
-                    {"kind": "tuner", "chosen": CHOSEN, "candidates": []},
+                    TUNER.wire(),
                     {"kind": "step", "step": 10, "loss": 2.0},
                     {"kind": "step", "step": 20, "loss": 1.0},
                     {"kind": "eval", "step": 20, "test_accuracy": 0.5},
@@ -803,16 +831,16 @@ def test_events_follow_a_job_until_it_finishes(service: Service) -> None:
         "progress",
         "eval",
     ]
+    # Each record's event carries the record itself: its kind, its fields, the sink's time.
     assert [data for kind, data in received if kind == "progress"] == [
-        {"step": 10, "loss": 2.0, "time": 1.8e9},
-        {"step": 20, "loss": 1.0, "time": 1.8e9},
+        {"kind": "step", "step": 10, "loss": 2.0, "time": 1.8e9},
+        {"kind": "step", "step": 20, "loss": 1.0, "time": 1.8e9},
     ]
     assert [data for kind, data in received if kind == "eval"] == [
-        {"step": 20, "test_accuracy": 0.5, "time": 1.8e9}
+        {"kind": "eval", "step": 20, "test_accuracy": 0.5, "time": 1.8e9}
     ]
-    assert [data for kind, data in received if kind == "tuner"] == [
-        {"chosen": CHOSEN, "candidates": []}
-    ]
+    (tuner,) = [data for kind, data in received if kind == "tuner"]
+    assert TunerRecord.model_validate(tuner) == TUNER.model_copy(update={"time": 1.8e9})
     states = [data["state"] for kind, data in received if kind == "state"]
     assert states[-1] == "SUCCEEDED"
     assert "SUCCEEDED" not in states[:-1]
@@ -875,10 +903,10 @@ def test_the_stream_of_every_job_follows_two_jobs_and_a_deletion(service: Servic
     assert received[0] == ("ready", {"subscribed": True})
     ids = {data.get("id") or data.get("job_id") for _, data in received[1:]}
     assert ids == {first["id"], second["id"]}
-    assert ("progress", {"job_id": first["id"], "step": 10, "loss": 2.0, "time": 1.8e9}) in received
-    assert ("eval", {"job_id": first["id"], "step": 10, "test_accuracy": 0.4, "time": 1.8e9}) in (
-        received
-    )
+    step = {"job_id": first["id"], "kind": "step", "step": 10, "loss": 2.0, "time": 1.8e9}
+    assert ("progress", step) in received
+    evaluated = {"job_id": first["id"], "kind": "eval", "step": 10, "test_accuracy": 0.4}
+    assert ("eval", {**evaluated, "time": 1.8e9}) in received
     states = [(d["id"], d["state"]) for k, d in received if k == "state"]
     assert (second["id"], "QUEUED") in states  # a whole JobView, as GET /v1/jobs/{id} has it
     assert states.index((first["id"], "SUCCEEDED")) > 0
@@ -979,6 +1007,7 @@ def test_a_sweep_job_shows_its_trials_and_best_spec(service: Service) -> None:
         "trials": [],
         "best": None,
         "best_spec": None,
+        "best_spec_yaml": None,
         "seconds": None,
     }
 
@@ -1038,6 +1067,8 @@ def test_a_sweep_job_shows_its_trials_and_best_spec(service: Service) -> None:
         "run": sweeps.BEST["run"],
     }
     assert shown["best_spec"] == result["best_spec"]
+    # ... and as the job file the CLI prints (the dashboard shows this text).
+    assert yaml.safe_load(shown["best_spec_yaml"]) == result["best_spec"]
 
     service.fake.finish(job["id"], RayJobStatus.SUCCEEDED)
     done = service.wait_state(job["id"], "SUCCEEDED")
@@ -1068,12 +1099,11 @@ def test_the_events_of_a_sweep_job_carry_its_trials_and_result(service: Service)
     others = [(kind, data) for kind, data in received if kind != "state"]
     trial_records = [r for r in [*sweeps.FIRST, *sweeps.SECOND] if r["kind"] == "trial"]
     assert [kind for kind, _ in others] == ["trial"] * len(trial_records) + ["sweep"]
-    assert [data for _, data in others[:-1]] == [
-        {**{k: v for k, v in r.items() if k != "kind"}, "time": 1.8e9} for r in trial_records
-    ]
+    assert [data for _, data in others[:-1]] == [{**r, "time": 1.8e9} for r in trial_records]
     failed = [data for kind, data in others if kind == "trial" and data["state"] == "FAILED"]
     assert failed == [
-        {"trial": sweeps.C, "state": "FAILED", "error": sweeps.DIVERGED, "time": 1.8e9}
+        {"kind": "trial", "trial": sweeps.C, "state": "FAILED", "error": sweeps.DIVERGED}
+        | {"time": 1.8e9}
     ]
     _, last = others[-1]
     assert last["best"] == sweeps.BEST

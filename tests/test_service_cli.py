@@ -28,6 +28,7 @@ from fastapi import FastAPI
 from polling import wait_for, wait_for_job
 from pydantic import SecretStr
 
+from kaisa_ray.train.records import KFACChoice, TunerRecord
 from service.app import create_app
 from service.cli import main
 from service.runner import RayJobStatus, submission_id
@@ -374,7 +375,16 @@ def test_jobs_lists_the_jobs_as_a_table(service: Service) -> None:
     service.fake.push(
         running["id"],
         {"kind": "worker", "rank": 0},
-        {"kind": "tuner", "chosen": {"strategy": "mem-opt"}, "candidates": []},
+        TunerRecord(
+            cache="miss",
+            profile_s=1.0,
+            budget_bytes=None,
+            base_memory_bytes=2**20,
+            kfac_transient_bytes=0,
+            plain_ms_per_step=8.0,
+            chosen=KFACChoice(grad_worker_fraction=0.5, factor_update_steps=5, inv_update_steps=50),
+            candidates=[],
+        ).wire(),
         {"kind": "start", "total_steps": 100},
         {"kind": "step", "step": 10, "loss": 2.25},
         {"kind": "eval", "step": 10, "test_accuracy": 0.375},
@@ -396,7 +406,7 @@ def test_jobs_lists_the_jobs_as_a_table(service: Service) -> None:
             "10/100",
             "2.2500",
             "0.3750",
-            "auto→mem-opt",
+            "auto→0.5",
             created,
         ],
         [queued["id"], "waiting", "QUEUED", "-", "-", "-", "comm-opt", ours[1][-1]],

@@ -48,7 +48,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from kaisa_ray.train.records import CandidateRow, KFACChoice, TunerRecord
 from service.app import create_app
+from service.hub import EVERY_JOB
 from service.runner import RayJobStatus
 from service.settings import Settings
 
@@ -94,14 +96,29 @@ schema = schemathesis.openapi.from_dict(
     ),
 )
 
-TUNER: dict[str, Any] = {
-    "chosen": {"strategy": "comm-opt", "factor_update_steps": 5, "inv_update_steps": 50},
-    "budget_bytes": 2**31,
-    "candidates": [
-        {"grad_worker_fraction": 1.0, "predicted_bytes": 123456, "predicted_ms": 12.5},
-        {"grad_worker_fraction": 0.5, "predicted_bytes": 99999, "ruled_out": "over budget"},
-    ],
-}
+
+def _row(fraction: float, memory: int, ms: float, rejected: str | None) -> CandidateRow:
+    return CandidateRow(
+        grad_worker_fraction=fraction,
+        factor_update_steps=5,
+        inv_update_steps=50,
+        memory_bytes=memory,
+        kfac_state_bytes=memory // 2,
+        ms_per_step=ms,
+        rejected=rejected,
+    )
+
+
+TUNER = TunerRecord(
+    cache="miss",
+    profile_s=1.0,
+    budget_bytes=2**31,
+    base_memory_bytes=2**20,
+    kfac_transient_bytes=0,
+    plain_ms_per_step=8.0,
+    chosen=KFACChoice(grad_worker_fraction=1.0, factor_update_steps=5, inv_update_steps=50),
+    candidates=[_row(1.0, 123456, 12.5, None), _row(0.5, 99999, 14.0, "slower")],
+).wire()
 
 
 def job_spec(name: str, *, auto: bool = False, sweep: bool = False) -> dict[str, Any]:
@@ -142,7 +159,7 @@ class Service:
             return job_id
         records: list[dict[str, Any]] = []
         if kind == "auto":
-            records += [{"kind": "profiling"}, {"kind": "tuner", **TUNER}]
+            records += [{"kind": "profiling"}, TUNER]
         records += [
             {"kind": "worker", "rank": 0},
             {"kind": "start", "total_steps": 40},
@@ -234,6 +251,16 @@ def test_operations_on_real_jobs_conform_to_the_schema(
         assert response.status_code != 404, f"{case.method} {case.formatted_path}: {response.text}"
 
 
+def subscribed(service: Service, job_id: str) -> None:
+    """Wait until a stream of ``job_id`` (or ``EVERY_JOB``) is open: what it sends from then
+    on, it has subscribed to."""
+    hub = service.app.state.runtime.jobs.hub
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while hub.subscribers(job_id) == 0:
+        assert time.monotonic() < deadline, f"no stream of {job_id} opened"
+        time.sleep(0.01)
+
+
 def events(service: Service, job_id: str, timeout_s: float = CALL_TIMEOUT_S) -> str:
     case = schema[EVENTS]["GET"].Case(path_parameters={"job_id": job_id}, headers=dict(AUTH))
     response = call(case, service, timeout=timeout_s)
@@ -257,12 +284,12 @@ def test_the_event_stream_of_a_running_job_conforms(service: Service) -> None:
     job_id = service.job("running")
 
     def report() -> None:
-        time.sleep(0.5)  # once the stream is open
+        subscribed(service, job_id)
         service.runner.push(
             job_id,
             step(21),
             {"kind": "eval", "step": 21, "test_loss": 0.5, "test_accuracy": 0.85},
-            {"kind": "tuner", **TUNER},
+            TUNER,
         )
 
     reporter = threading.Thread(target=report)
@@ -279,8 +306,8 @@ def test_the_event_stream_of_every_job_conforms(service: Service) -> None:
     job_id = service.job("running")
 
     def report() -> None:
-        time.sleep(0.5)  # once the stream is open
-        service.runner.push(job_id, step(22), {"kind": "tuner", **TUNER})
+        subscribed(service, EVERY_JOB)
+        service.runner.push(job_id, step(22), TUNER)
         service.client.post(f"/v1/jobs/{service.job('running')}/cancel", headers=AUTH)
 
     reporter = threading.Thread(target=report)

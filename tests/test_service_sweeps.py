@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import kaisa_ray.train.cli as train_cli
+from kaisa_ray.train.records import TrialRecord, TrialState, parse_record
 from kaisa_ray.train.spec import parse_job_spec
 from service.cli import main as kaisa_ray_cli
 from service.jobs import Reading, interpret
@@ -265,6 +266,7 @@ def test_a_sweep_in_three_batches() -> None:
     # Every trial record goes to the event streams as it came (with its time), in order.
     assert [kind for kind, _ in first.updates] == ["trial"] * 4
     assert first.updates[0][1] == {
+        "kind": "trial",
         "trial": A,
         "state": "RUNNING",
         "params": A_PARAMS,
@@ -314,10 +316,7 @@ def test_a_sweep_in_three_batches() -> None:
     assert trials[C]["error"] == DIVERGED
     assert "value" not in trials[C]  # a failed trial has no value
     assert [kind for kind, _ in third.updates] == ["sweep"]
-    assert third.updates[0][1] == {
-        **{k: v for k, v in RESULT.items() if k != "kind"},
-        "time": 1.8e9 + len(FIRST) + len(SECOND),
-    }
+    assert third.updates[0][1] == {**RESULT, "time": 1.8e9 + len(FIRST) + len(SECOND)}
 
 
 def test_one_batch_or_three_give_the_same_job() -> None:
@@ -423,9 +422,9 @@ def test_the_plan_of_a_spec() -> None:
 
 
 def test_ended_counts_the_final_states() -> None:
-    view = merge(None, START, spec=sweep_spec())
+    view = merge(None, parse_record(START), spec=sweep_spec())
     assert ended(view) == 0
     for state, count in [("RUNNING", 0), ("SUCCEEDED", 1), ("STOPPED", 1), ("FAILED", 1)]:
-        one = merge(view, {"kind": "trial", "trial": A, "state": state}, spec={})
+        one = merge(view, TrialRecord(trial=A, state=TrialState(state)), spec={})
         assert ended(one) == count, state
     assert ended(None) == 0

@@ -10,7 +10,6 @@ import pytest
 from click.testing import CliRunner
 
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.cli import main
 from kaisa_ray.train.spec import JobSpecError, parse_job_spec
 from kaisa_ray.train.storage import (
     STORAGE_ENV,
@@ -19,6 +18,7 @@ from kaisa_ray.train.storage import (
     local_checkpoint,
     resolve_storage,
 )
+from service.cli import main
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fashion_mnist.yaml"
 

@@ -11,9 +11,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from kaisa_ray.train.cli import main
+from kaisa_ray.train.records import TrialOutcome, TrialRecord, TrialState
 from kaisa_ray.train.spec import JobSpecError, parse_job_spec, trial_spec
-from kaisa_ray.train.sweep import SweepResult, TrialOutcome, TrialTable, search_space
+from kaisa_ray.train.sweep import SweepResult, search_space
+from kaisa_ray.train.tables import TrialTable
+from service.cli import main
 
 
 def job(sweep: dict[str, Any] | None, **overrides: Any) -> dict[str, Any]:
@@ -119,10 +121,10 @@ def test_what_the_tuner_decides_and_fixed_strategies_are_refused() -> None:
 def test_the_table_says_what_changed() -> None:
     table = TrialTable(["optimizer.lr", "kfac.damping"])
     params = {"optimizer.lr": 0.05, "kfac.damping": 0.1}
-    start = {"kind": "trial", "trial": "t1", "state": "RUNNING", "params": params}
+    start = TrialRecord(trial="t1", state=TrialState.RUNNING, params=params)
     assert table.update(start) == "trial t1 RUNNING (lr=0.05, damping=0.1)"
-    assert table.update({"kind": "trial", "trial": "t1", "state": "RUNNING", "step": 20}) is None
-    stopped = table.update({"kind": "trial", "trial": "t1", "state": "STOPPED"})
+    assert table.update(TrialRecord(trial="t1", state=TrialState.RUNNING, step=20)) is None
+    stopped = table.update(TrialRecord(trial="t1", state=TrialState.STOPPED))
     assert stopped == (
         "trial t1 STOPPED (lr=0.05, damping=0.1) at step 20: stopped early by the scheduler"
     )
@@ -150,10 +152,10 @@ def test_the_cli_prints_the_trials_and_writes_the_best_spec(
     of trials with each one's fate, and the best spec as a job file, printed and written."""
     spec = parse_job_spec(job({"space": SPACE, "trials": 3}))
     best = TrialOutcome(
-        "t2",
-        "run.t2",
-        {"optimizer.lr": 0.02, "kfac.damping": 0.1},
-        "SUCCEEDED",
+        trial_id="t2",
+        run="run.t2",
+        params={"optimizer.lr": 0.02, "kfac.damping": 0.1},
+        state=TrialState.SUCCEEDED,
         step=60,
         metrics={"test_accuracy": 0.81},
         value=0.81,
@@ -161,14 +163,20 @@ def test_the_cli_prints_the_trials_and_writes_the_best_spec(
     )
     trials = [
         TrialOutcome(
-            "t1",
-            "run.t1",
-            {"optimizer.lr": 0.09, "kfac.damping": 0.2},
-            "FAILED",
+            trial_id="t1",
+            run="run.t1",
+            params={"optimizer.lr": 0.09, "kfac.damping": 0.2},
+            state=TrialState.FAILED,
             error="TrainingDivergedError: the loss diverged at step 3",
         ),
         best,
-        TrialOutcome("t3", "run.t3", {"optimizer.lr": 0.001, "kfac.damping": 0.3}, "STOPPED", 20),
+        TrialOutcome(
+            trial_id="t3",
+            run="run.t3",
+            params={"optimizer.lr": 0.001, "kfac.damping": 0.3},
+            state=TrialState.STOPPED,
+            step=20,
+        ),
     ]
     asked: dict[str, Any] = {}
 

@@ -9,16 +9,14 @@ import pytest
 import torch
 
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.job import run_job, unique_run_name
-from kaisa_ray.train.loop import (
-    Window,
-    build_optimizer,
-    load_checkpoint_file,
-    load_shard,
-    lr_factor,
-)
+from kaisa_ray.train.job import run_job
+from kaisa_ray.train.optimizers import build_optimizer, lr_factor
 from kaisa_ray.train.progress import ProgressStore
+from kaisa_ray.train.shard import load_shard
 from kaisa_ray.train.spec import OptimizerSpec, ScheduleSpec, parse_job_spec
+from kaisa_ray.train.state import load_checkpoint_file
+from kaisa_ray.train.trainer import unique_run_name
+from kaisa_ray.train.worker import Window
 
 
 def spec(**overrides: Any) -> Any:
@@ -62,7 +60,7 @@ def test_optimizers(name: str, kind: type) -> None:
 
 def test_shards_are_disjoint_and_each_step_reads_a_fixed_batch() -> None:
     job = spec()
-    shards = [load_shard(job, rank, 2) for rank in range(2)]
+    shards = [load_shard(job.dataset, job.seed, rank, 2) for rank in range(2)]
     assert shards[0].steps_per_epoch == 100 // 16
     # Both ranks' batches of one step are disjoint; together they cover fresh rows.
     x0, _ = shards[0].batch(1)
@@ -71,7 +69,7 @@ def test_shards_are_disjoint_and_each_step_reads_a_fixed_batch() -> None:
     rows1 = {tuple(r.flatten()[:8].tolist()) for r in x1}
     assert not rows0 & rows1
     # The batch of a step does not depend on what was read before (sampler position = step).
-    late = load_shard(job, 0, 2)
+    late = load_shard(job.dataset, job.seed, 0, 2)
     assert torch.equal(late.batch(14)[0], shards[0].batch(14)[0])
     assert shards[0].position(14) == (2, 1)
     # A new epoch is a new permutation.
@@ -80,7 +78,9 @@ def test_shards_are_disjoint_and_each_step_reads_a_fixed_batch() -> None:
 
 def test_batch_larger_than_the_shard_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="lower batch_size"):
-        load_shard(spec(dataset={"name": "synthetic", "batch_size": 64, "limit": 100}), 0, 2)
+        load_shard(
+            spec(dataset={"name": "synthetic", "batch_size": 64, "limit": 100}).dataset, 0, 0, 2
+        )
 
 
 def test_window_record() -> None:
@@ -88,14 +88,17 @@ def test_window_record() -> None:
     w.add_kfac({"factors": 0.04, "decompositions": 0.0, "precondition": 0.05})
     w.add_kfac({"communication": 0.01})
     record = w.record(step=20, epoch=1, lr=0.1, world=2)
-    assert record["loss"] == 1.5
-    assert record["accuracy"] == 0.75
-    assert record["samples_per_s"] == pytest.approx(128.0)
-    assert record["ms_per_step"] == pytest.approx(250.0)
-    assert record["kfac_ms_per_step"] == pytest.approx(50.0)
-    assert record["kfac_factors_ms"] == pytest.approx(20.0)
-    assert record["kfac_communication_ms"] == pytest.approx(5.0)
-    assert record["kfac_decompositions_ms"] == 0.0
+    assert record.loss == 1.5
+    assert record.accuracy == 0.75
+    assert record.samples_per_s == pytest.approx(128.0)
+    assert record.ms_per_step == pytest.approx(250.0)
+    assert record.kfac_ms_per_step == pytest.approx(50.0)
+    assert record.kfac_factors_ms == pytest.approx(20.0)
+    assert record.kfac_communication_ms == pytest.approx(5.0)
+    assert record.kfac_decompositions_ms == 0.0
+    # On the wire: every field, with its kind.
+    assert record.wire()["kind"] == "step"
+    assert record.wire()["kfac_precondition_ms"] == pytest.approx(25.0)
 
 
 def test_progress_store_sequences_filters_and_bounds() -> None:

@@ -7,9 +7,10 @@ import pytest
 import torch
 from test_tuner_cost import EVEN, MIB, profile
 
-from kaisa_ray.train.job import decision_line, tuning_table
-from kaisa_ray.train.loop import candidate_rows
 from kaisa_ray.train.models import MLP, LeNetCNN
+from kaisa_ray.train.records import KFACChoice, TunerRecord
+from kaisa_ray.train.tables import decision_line, tuning_table
+from kaisa_ray.train.tuning import candidate_rows
 from tuner.actor import TunerState, profile_key
 from tuner.cost import NoFeasibleCandidateError, choose
 
@@ -59,22 +60,21 @@ def test_the_cache_key_follows_model_batch_options_and_workers() -> None:
 def test_the_record_reads_as_a_table_with_the_choice_and_the_reasons() -> None:
     decision = choose(profile(world_size=2, layers=EVEN), 250 * MIB)
     chosen = decision.chosen
-    record = {
-        "kind": "tuner",
-        "how": "predicted",
-        "cache": "miss",
-        "profile_s": 1.5,
-        "budget_bytes": 250 * MIB,
-        "base_memory_bytes": 200 * MIB,
-        "kfac_transient_bytes": 0,
-        "plain_ms_per_step": 25.0,
-        "chosen": {
-            "strategy": chosen.grad_worker_fraction,
-            "factor_update_steps": chosen.factor_update_steps,
-            "inv_update_steps": chosen.inv_update_steps,
-        },
-        "candidates": candidate_rows(decision.candidates),
-    }
+    record = TunerRecord(
+        how="predicted",
+        cache="miss",
+        profile_s=1.5,
+        budget_bytes=250 * MIB,
+        base_memory_bytes=200 * MIB,
+        kfac_transient_bytes=0,
+        plain_ms_per_step=25.0,
+        chosen=KFACChoice(
+            grad_worker_fraction=chosen.grad_worker_fraction,
+            factor_update_steps=chosen.factor_update_steps,
+            inv_update_steps=chosen.inv_update_steps,
+        ),
+        candidates=candidate_rows(decision.candidates),
+    )
     text = tuning_table(record)
     lines = text.splitlines()
     assert lines[0].split() == [
@@ -91,4 +91,4 @@ def test_the_record_reads_as_a_table_with_the_choice_and_the_reasons() -> None:
     assert any("over the budget" in line for line in lines)  # COMM-OPT holds too much here
     assert "budget 250.00 MiB per worker" in text
     assert "1.5 s of profiling" in lines[-1]
-    assert "from the tuner's cache" in decision_line({**record, "cache": "hit"})
+    assert "from the tuner's cache" in decision_line(record.model_copy(update={"cache": "hit"}))

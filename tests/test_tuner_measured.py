@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from harness import run_distributed
 from torch.nn.parallel import DistributedDataParallel
 
-from kaisa_ray.train.loop import build_optimizer, load_shard
+from kaisa_ray.train.optimizers import build_optimizer
 from kaisa_ray.train.registry import model_factory
+from kaisa_ray.train.shard import load_shard
 from kaisa_ray.train.spec import JobSpec, KFACSpec, load_job_spec
 from tuner.cost import NoFeasibleCandidateError, choose
 from tuner.memory import TensorMemory
@@ -49,7 +50,7 @@ def example_worker(rank: int, world: int) -> dict[str, Any]:
     spec = _example()
     kfac = spec.kfac
     assert isinstance(kfac, KFACSpec)
-    shard = load_shard(spec, rank, world)
+    shard = load_shard(spec.dataset, spec.seed, rank, world)
     torch.manual_seed(spec.seed)
     model = DistributedDataParallel(model_factory(spec.model.name)(**spec.model.params))
     optimizer = build_optimizer(spec.optimizer, model.parameters())

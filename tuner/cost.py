@@ -34,6 +34,8 @@ from kaisa_ray.plan import Plan, StepType, plan
 from kaisa_ray.strategy import valid_fractions
 
 DEFAULT_INTERVALS: tuple[tuple[int, int], ...] = ((1, 10), (5, 50), (10, 100))
+PREDICTED, MEASURED = "predicted", "measured"
+"""How a ``Decision`` was made: by the cost model, or by measuring candidates in trials."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +146,14 @@ class Candidate:
     step_s: float  # predicted time per step on the slowest rank
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds per step per phase
     rejected: str | None = None
+    # What its verification trial measured (``tuner.verify``); None: not measured.
+    measured_memory_bytes: int | None = None
+    measured_step_s: float | None = None
+
+    @property
+    def key(self) -> tuple[float, int, int]:
+        """The strategy: (grad_worker_fraction, factor_update_steps, inv_update_steps)."""
+        return (self.grad_worker_fraction, self.factor_update_steps, self.inv_update_steps)
 
     @property
     def overhead(self) -> float:
@@ -157,7 +167,7 @@ class Decision:
     chosen: Candidate
     candidates: tuple[Candidate, ...]
     budget_bytes: int | None
-    how: str = "predicted"  # or "measured" (when verified by trials)
+    how: str = PREDICTED  # or MEASURED (``tuner.verify``: the pick of verification trials)
 
 
 class NoFeasibleCandidateError(ConfigurationError):

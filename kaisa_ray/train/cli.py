@@ -1,34 +1,29 @@
-"""The ``kaisa-ray`` command line."""
+"""The training commands of the ``kaisa-ray`` command line: ``example``, ``validate``,
+``train``, ``tune`` and ``sweep`` (``plan`` and ``measure-node`` are in ``plan_cli``).
+
+The command group is ``service.cli.main`` (the console script), which loads these commands
+only when one of them runs: they import torch and Ray.
+"""
 
 from __future__ import annotations
 
 import json
-import logging
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from kaisa_ray.enums import KFACApprox
 from kaisa_ray.train.datasets import DatasetNotFoundError, IDXFormatError
 from kaisa_ray.train.example import run_example
 
 if TYPE_CHECKING:
     from kaisa_ray.train.spec import JobSpec
 
-__all__ = ["main"]
+__all__ = ["example", "job_options", "storage_option", "sweep", "train", "tune", "validate"]
 
 
-@click.group()
-@click.option("-v", "--verbose", count=True, help="Log more: -v for INFO, -vv for DEBUG.")
-@click.version_option(package_name="kaisa-ray")
-def main(verbose: int) -> None:
-    """K-FAC second-order preconditioning in the KAISA style."""
-    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-@main.command()
+@click.command()
 @click.option(
     "--steps",
     type=click.IntRange(min=1),
@@ -72,8 +67,8 @@ def main(verbose: int) -> None:
 )
 @click.option(
     "--kfac-approx",
-    type=click.Choice(["expand", "reduce"]),
-    default="reduce",
+    type=click.Choice([m.value for m in KFACApprox]),
+    default=KFACApprox.REDUCE.value,
     show_default=True,
     help="K-FAC: Conv2d factors over every position (expand) or position means (reduce).",
 )
@@ -229,7 +224,7 @@ def _read_key(key: str) -> str:
     a spec of any size, where a command line has a limit."""
     from ray.experimental.internal_kv import _internal_kv_get
 
-    from kaisa_ray.train.job import ensure_ray
+    from kaisa_ray.train.trainer import ensure_ray
 
     ensure_ray()
     value = _internal_kv_get(key, namespace=SPEC_NAMESPACE)
@@ -266,14 +261,14 @@ def job_options(command: Any) -> Any:
     )(command)
 
 
-@main.command()
+@click.command()
 @config_option
 def validate(config: Path) -> None:
     """Check a job file and print it with every default filled in; exit 1 naming each bad field."""
     click.echo(_load(config).model_dump_json(indent=2))
 
 
-@main.command()
+@click.command()
 @job_options
 @storage_option
 @click.option(
@@ -342,7 +337,7 @@ def train(
     )
 
 
-@main.command()
+@click.command()
 @config_option
 @storage_option
 @click.option(
@@ -356,11 +351,12 @@ def tune(config: Path, storage_path: str | None, verify: int | None) -> None:
     """Choose K-FAC's strategy for a `kfac: auto` job without training: profile the job on its
     own workers, print the candidate table and the decision."""
     from kaisa_ray.errors import ConfigurationError
-    from kaisa_ray.train.job import tune_job, tuning_table
     from kaisa_ray.train.spec import KFACSpec
+    from kaisa_ray.train.tables import tuning_table
+    from kaisa_ray.train.tuning import tune_job
 
     spec = _load(config)
-    if verify is not None and isinstance(spec.kfac, KFACSpec) and spec.kfac.strategy == "auto":
+    if verify is not None and isinstance(spec.kfac, KFACSpec) and spec.kfac.auto:
         spec = spec.model_copy(update={"kfac": spec.kfac.model_copy(update={"verify": verify})})
     try:
         outcome = tune_job(spec, storage_path=storage_path)
@@ -369,7 +365,7 @@ def tune(config: Path, storage_path: str | None, verify: int | None) -> None:
     click.echo(tuning_table(outcome.record))
 
 
-@main.command()
+@click.command()
 @job_options
 @storage_option
 @click.option("--run-name", default=None, help="Name of the sweep [default: unique].")
@@ -397,14 +393,17 @@ def sweep(
     dry_run: bool,
 ) -> None:
     """Run a job's hyperparameter sweep on Ray Tune; print its trials and the best spec."""
-    import threading
-    import time
+    import sys
 
     import yaml
 
     from kaisa_ray.errors import ConfigurationError
-    from kaisa_ray.train.job import unique_run_name
-    from kaisa_ray.train.sweep import TrialTable, run_sweep
+    from kaisa_ray.train.follow import Follower
+    from kaisa_ray.train.progress import SinkReader
+    from kaisa_ray.train.records import RecordKind, TrialRecord
+    from kaisa_ray.train.sweep import run_sweep
+    from kaisa_ray.train.tables import TrialTable
+    from kaisa_ray.train.trainer import unique_run_name
 
     spec = _job(config, spec_json, spec_key)
     if spec.sweep is None:
@@ -416,52 +415,33 @@ def sweep(
         plan["direction"] = spec.sweep.direction
         click.echo(json.dumps(plan, indent=2))
         return
-    table = TrialTable(list(spec.sweep.space))
-    stop = threading.Event()
     run = run_name or unique_run_name(spec.name)
-    live = progress and sys.stdout.isatty()  # a table redrawn in place; else a line a change
-
-    def follow() -> None:
-        from kaisa_ray.train.progress import read_progress
-
-        since, drawn = 0, 0
-        while not stop.wait(0.5):
-            try:
-                page = read_progress(run, since, kinds=["trial"])
-            except Exception:  # the sink is best effort
-                continue
-            since = page["next"]
-            lines = [line for r in page["records"] if (line := table.update(r))]
-            if live and page["records"]:
-                text = table.render()
-                click.echo((f"\x1b[{drawn}F\x1b[J" if drawn else "") + text)
-                drawn = text.count("\n") + 1
-            elif progress:
-                for line in lines:
-                    click.echo(line)
-
-    watcher = threading.Thread(target=follow, daemon=True)
-    watcher.start()
+    # A table redrawn in place on a terminal; else a line a change.
+    table = TrialTable(list(spec.sweep.space))
+    follower = Follower(run, show=progress, live=sys.stdout.isatty(), table=table, bar=False)
+    reader = SinkReader(run, follower.take, kinds=[RecordKind.TRIAL])
+    reader.start()
     try:
         result = run_sweep(spec, storage_path=storage_path, run_name=run)
     except ConfigurationError as err:
         raise click.ClickException(str(err)) from err
     finally:
-        time.sleep(0.6)  # the last trial records
-        stop.set()
-        watcher.join(timeout=5)
+        reader.stop()  # its last read has every trial record (run_sweep waited for them)
+        follower.close()
     click.echo(f"\nsweep {result.run_name}: {len(result.trials)} trials in {result.seconds:.0f} s")
     for trial in result.trials:
+        metrics = {k: v for k, v in trial.metrics.items() if k != "step"}
         table.update(
-            {
-                "kind": "trial",
-                "trial": trial.trial_id,
-                "params": trial.params,
-                "state": trial.state,
-                "error": trial.error,
-                "step": trial.step,
-                **trial.metrics,
-            }
+            TrialRecord.model_validate(
+                {
+                    "trial": trial.trial_id,
+                    "params": trial.params,
+                    "state": trial.state,
+                    "error": trial.error,
+                    "step": trial.step,
+                    **metrics,
+                }
+            )
         )
     click.echo(table.render())
     if result.best is None or result.best_spec is None:
@@ -482,7 +462,3 @@ def sweep(
         click.echo(
             f"best spec written to {output}; run it with `kaisa-ray train --config {output}`"
         )
-
-
-# `plan` and `measure-node` live in their own module; importing it registers them on `main`.
-from kaisa_ray.train import plan_cli  # noqa: E402, F401

@@ -1,49 +1,28 @@
-"""End-to-end example: LeNetCNN on Fashion-MNIST with SGD, optionally K-FAC preconditioned."""
+"""End-to-end example: LeNetCNN on Fashion-MNIST with SGD, optionally K-FAC preconditioned.
+
+``run_example`` is a job (a ``JobSpec``) trained by the same loop as every job
+(``worker.train``), in this process (``session.LocalSession``): no Ray, one worker.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from tqdm.auto import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
-from kaisa_ray.train.datasets import load_idx_dataset
-from kaisa_ray.train.models import LeNetCNN
+from kaisa_ray.train.follow import Follower
+from kaisa_ray.train.records import EvalRecord, Record, StepRecord
+from kaisa_ray.train.session import LocalSession
+from kaisa_ray.train.shard import evaluate
+from kaisa_ray.train.spec import parse_job_spec
+from kaisa_ray.train.worker import train
+from kaisa_ray.train.worker_config import TrainConfig
 
 __all__ = ["evaluate", "run_example"]
 
 logger = logging.getLogger(__name__)
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 1000
-) -> float:
-    """Classification accuracy of a model over a whole data set.
-
-    Args:
-        model: The classifier; it is put in eval mode and back into its previous mode.
-        images: Inputs, batched along the first dimension.
-        labels: Integer class labels, one per input.
-        batch_size: How many inputs to push through the model at once.
-
-    Returns:
-        The fraction of inputs whose arg-max logit is the label (0.0 for an empty set).
-    """
-    was_training = model.training
-    model.eval()
-    correct = 0
-    for start in range(0, images.shape[0], batch_size):
-        logits = model(images[start : start + batch_size])
-        correct += int((logits.argmax(dim=1) == labels[start : start + batch_size]).sum())
-    model.train(was_training)
-    return correct / max(images.shape[0], 1)
 
 
 def _check_positive(**values: float | int) -> None:
@@ -85,16 +64,16 @@ def run_example(
         kl_clip: K-FAC: KL-clipping bound on the update size; None disables clipping.
         lr: SGD learning rate (also passed to K-FAC for KL clipping).
         kfac_approx: K-FAC's Conv2d factors, 'expand' or 'reduce'.
-
-    The defaults are the fastest K-FAC configuration of ``benchmarks/optimizers_fashion_mnist.py``
-    (the reference implementation's damping, KL clip and lr, with K-FAC-reduce at 5/50).
         momentum: SGD momentum; Nesterov momentum is used when it is positive.
         eval_every: Steps between test-set evaluations.
         seed: Seed for model initialisation and mini-batch shuffling.
         data_dir: Directory with the Fashion-MNIST IDX files; defaults to Debian's
             ``dataset-fashion-mnist`` location.
         threads: If given, the number of intra-op threads torch may use.
-        progress: Show a tqdm progress bar (on stderr).
+        progress: Show a progress bar (on stderr, on a terminal) and each evaluation.
+
+    The defaults are the fastest K-FAC configuration of ``benchmarks/optimizers_fashion_mnist.py``
+    (the reference implementation's damping, KL clip and lr, with K-FAC-reduce at 5/50).
 
     Returns:
         One dict per evaluation with keys ``step``, ``loss`` (mean training loss since the
@@ -122,88 +101,63 @@ def run_example(
     if threads is not None:
         _check_positive(threads=threads)
         torch.set_num_threads(threads)
-
-    train_x, train_y = load_idx_dataset(data_dir, "train")
-    test_x, test_y = load_idx_dataset(data_dir, "test")
+    dataset: dict[str, Any] = {"name": "fashion-mnist", "batch_size": batch_size}
+    if data_dir is not None:
+        dataset["data_dir"] = str(data_dir)
+    spec = parse_job_spec(
+        {
+            "name": "example",
+            "model": {"name": "lenet"},
+            "dataset": dataset,
+            "optimizer": {"name": "sgd", "lr": lr, "momentum": momentum, "nesterov": True},
+            "kfac": {
+                "strategy": "comm-opt",
+                "factor_update_steps": factor_update_steps,
+                "inv_update_steps": inv_update_steps,
+                "damping": damping,
+                "kl_clip": kl_clip,
+                "kfac_approx": kfac_approx,
+            }
+            if kfac
+            else "off",
+            "stop": {"max_steps": steps},
+            "eval_every": eval_every,
+            "checkpoint": {"every_steps": steps},
+            "seed": seed,
+        },
+        "the example",
+    )
     logger.info(
-        "training LeNetCNN for %d steps (batch %d, %s) on %d samples; testing on %d",
+        "training LeNetCNN for %d steps (batch %d, %s)",
         steps,
         batch_size,
         "K-FAC" if kfac else "plain SGD",
-        train_x.shape[0],
-        test_x.shape[0],
     )
-
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    model = LeNetCNN()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, nesterov=momentum > 0)
-    preconditioner = None
-    if kfac:
-        from kaisa_ray import KFACPreconditioner  # imported here: only the K-FAC path needs it
-
-        preconditioner = KFACPreconditioner(
-            model,
-            factor_update_steps=factor_update_steps,
-            inv_update_steps=inv_update_steps,
-            damping=damping,
-            kl_clip=kl_clip,
-            lr=lr,
-            kfac_approx=kfac_approx,
-        )
-    criterion = nn.CrossEntropyLoss()
-
+    follower = Follower("train", show=progress)
+    losses: dict[int, float | None] = {}
     history: list[dict[str, Any]] = []
-    order = torch.randperm(train_x.shape[0], generator=gen)
-    cursor = 0
-    loss_sum, loss_count, samples, train_s = 0.0, 0, 0, 0.0
-    accuracy = 0.0
-    start = time.perf_counter()
-    model.train()
-    # Route log records through tqdm while the bar is shown, so that they do not break it.
-    redirect = logging_redirect_tqdm() if progress else contextlib.nullcontext()
-    bar = tqdm(range(1, steps + 1), desc="train", unit="step", disable=not progress)
-    with redirect, bar:
-        for step in bar:
-            tick = time.perf_counter()
-            if cursor + batch_size > order.shape[0]:  # new epoch: reshuffle, drop the remainder
-                order = torch.randperm(train_x.shape[0], generator=gen)
-                cursor = 0
-            index = order[cursor : cursor + batch_size]
-            cursor += batch_size
-            optimizer.zero_grad(set_to_none=True)
-            loss = criterion(model(train_x[index]), train_y[index])
-            loss.backward()
-            if preconditioner is not None:
-                preconditioner.step()
-            optimizer.step()
-            train_s += time.perf_counter() - tick
-            samples += index.shape[0]
-            loss_value = float(loss.detach())
-            loss_sum += loss_value
-            loss_count += 1
 
-            if step % eval_every == 0 or step == steps:
-                accuracy = evaluate(model, test_x, test_y)
-                record = {
-                    "step": step,
-                    "loss": loss_sum / loss_count,
-                    "test_accuracy": accuracy,
-                    "elapsed_s": time.perf_counter() - start,
+    def on_record(record: Record) -> None:
+        follower.take(record)
+        if isinstance(record, StepRecord):
+            losses[record.step] = record.loss
+        elif isinstance(record, EvalRecord):
+            history.append(
+                {
+                    "step": record.step,
+                    "loss": losses.get(record.step),
+                    "test_accuracy": record.test_accuracy,
+                    "elapsed_s": record.elapsed_s,
                 }
-                history.append(record)
-                logger.info(
-                    "step %d: loss %.4f, test accuracy %.4f, %.1f s",
-                    step,
-                    record["loss"],
-                    accuracy,
-                    record["elapsed_s"],
-                )
-                loss_sum, loss_count = 0.0, 0
-            bar.set_postfix(
-                loss=f"{loss_value:.4f}",
-                acc=f"{accuracy:.4f}" if history else "-",
-                samples_s=f"{samples / max(train_s, 1e-9):.0f}",
-                refresh=False,
             )
+
+    try:
+        # Step records as often as evaluations: each evaluation's loss is the mean since the
+        # one before.
+        train(
+            TrainConfig(spec=spec, run="example", progress_every=eval_every),
+            LocalSession(on_record),
+        )
+    finally:
+        follower.close()
     return history

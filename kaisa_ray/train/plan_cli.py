@@ -11,8 +11,9 @@ from typing import Any
 import click
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.cli import _job, main
+from kaisa_ray.train.cli import _job
 from kaisa_ray.train.planning import (
     HARDWARE_DIR,
     PlanRequest,
@@ -201,7 +202,7 @@ def _params(pairs: tuple[str, ...]) -> dict[str, Any]:
     return params
 
 
-@main.command()
+@click.command()
 @click.option(
     "--config",
     "config",
@@ -228,9 +229,9 @@ def _params(pairs: tuple[str, ...]) -> dict[str, Any]:
 )
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=None)
 @click.option("--intervals", default=None, help="factor/inverse pairs, e.g. 1/10,10/100.")
-@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default=None)
-@click.option("--kfac-approx", type=click.Choice(["expand", "reduce"]), default=None)
-@click.option("--compute-method", type=click.Choice(["eigen", "inverse"]), default=None)
+@click.option("--precision", type=click.Choice([m.value for m in Precision]), default=None)
+@click.option("--kfac-approx", type=click.Choice([m.value for m in KFACApprox]), default=None)
+@click.option("--compute-method", type=click.Choice([m.value for m in ComputeMethod]), default=None)
 @click.option("--optimizer", type=click.Choice(["sgd", "adam", "adamw", "lamb"]), default=None)
 @click.option("--accumulation", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Language models.")
@@ -317,7 +318,7 @@ def plan(
         click.echo(render_plan(report))
 
 
-@main.command(name="measure-node")
+@click.command(name="measure-node")
 @click.option(
     "--base",
     default="a100-80gb-hdr",

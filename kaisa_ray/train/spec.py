@@ -2,7 +2,8 @@
 
 Loaded from YAML or JSON (the job file of ``ray job submit``, the body of a REST request), and
 validated before anything starts: every bad field is reported at once, each with what is
-wrong and how to fix it. Pydantic stays at this boundary; the train loop gets plain values.
+wrong and how to fix it. Pydantic stays at this boundary: the workers get the validated, frozen
+``JobSpec`` itself (``worker_config.py``) and never validate it again.
 
 Example (YAML)::
 
@@ -42,8 +43,10 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from kaisa_ray.enums import ComputeMethod, DistributedStrategy, KFACApprox, Precision
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.strategy import resolve_grad_worker_fraction
+from kaisa_ray.train.records import Direction, SweepMetric
 from kaisa_ray.train.registry import dataset_entry, dataset_names, model_factory, model_names
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -110,6 +113,9 @@ LIMITS: dict[str, str] = {
     "first two",
 }
 
+
+AUTO = "auto"
+"""``kfac.strategy: auto``: the tuner chooses the strategy and the intervals."""
 
 Steps = Annotated[int, Field(gt=0, le=MAX_STEPS)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
@@ -279,16 +285,16 @@ class KFACSpec(_Strict):
     and ``inv_update_steps`` are then ignored. ``verify: K`` measures the K best predicted
     candidates in short trials and takes the fastest measured one that fits."""
 
-    strategy: (
-        Literal["auto", "comm-opt", "hybrid-opt", "mem-opt"] | Annotated[float, Field(gt=0, le=1)]
-    ) = "comm-opt"
+    strategy: Literal["auto"] | DistributedStrategy | Annotated[float, Field(gt=0, le=1)] = (
+        DistributedStrategy.COMM_OPT
+    )
     factor_update_steps: Annotated[int, Field(gt=0, le=10**6)] = 5
     inv_update_steps: Annotated[int, Field(gt=0, le=10**6)] = 50
     damping: Annotated[float, Field(gt=0, le=1e6)] = 0.1
     factor_decay: Annotated[float, Field(ge=0, lt=1)] = 0.95
     kl_clip: Annotated[float, Field(gt=0, le=1e6)] | None = 0.001
-    compute_method: Literal["eigen", "inverse"] = "eigen"
-    kfac_approx: Literal["expand", "reduce"] = "reduce"
+    compute_method: ComputeMethod = ComputeMethod.EIGEN
+    kfac_approx: KFACApprox = KFACApprox.REDUCE
     max_overhead: Annotated[float, Field(gt=0, le=1000)] | None = None
     intervals: (
         Annotated[
@@ -301,6 +307,20 @@ class KFACSpec(_Strict):
     ) = None
     verify: Annotated[int, Field(ge=0, le=32)] = 0
 
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _known_strategy(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in (AUTO, *DistributedStrategy):
+            try:
+                float(value)
+            except ValueError:
+                names = ", ".join((AUTO, *DistributedStrategy))
+                raise ValueError(
+                    f"{value!r} is not a strategy: use one of {names}, or a gradient worker "
+                    "fraction f in (0, 1]"
+                ) from None
+        return value
+
     @field_validator("intervals")
     @classmethod
     def _multiples(cls, pairs: list[tuple[int, int]] | None) -> list[tuple[int, int]] | None:
@@ -312,9 +332,14 @@ class KFACSpec(_Strict):
                 )
         return pairs
 
+    @property
+    def auto(self) -> bool:
+        """The tuner chooses (``strategy: auto``)."""
+        return self.strategy == AUTO
+
     @model_validator(mode="after")
     def _auto_only(self) -> KFACSpec:
-        if self.strategy != "auto":
+        if not self.auto:
             # By value, not by fields set: a spec dumped to JSON and read back (as the workers
             # do) has every field set.
             defaults = {"max_overhead": None, "intervals": None, "verify": 0}
@@ -458,8 +483,8 @@ class SweepSpec(_Strict):
         dict[Annotated[str, Field(max_length=128)], Distribution],
         Field(min_length=1, max_length=32),
     ]
-    metric: Literal["test_accuracy", "test_loss", "time_to_target"] = "test_accuracy"
-    mode: Literal["max", "min"] | None = None
+    metric: SweepMetric = SweepMetric.TEST_ACCURACY
+    mode: Direction | None = None
     trials: Annotated[int, Field(gt=0, le=1024)] = 8
     concurrent: Annotated[int, Field(gt=0, le=64)] = 1
     scheduler: Literal["asha", "none"] = "asha"
@@ -467,11 +492,9 @@ class SweepSpec(_Strict):
     seed: Seed = 0
 
     @property
-    def direction(self) -> Literal["max", "min"]:
-        """``mode``, or the metric's own: max for accuracy, min for loss and time."""
-        if self.mode is not None:
-            return self.mode
-        return "max" if self.metric == "test_accuracy" else "min"
+    def direction(self) -> Direction:
+        """``mode``, or the metric's own (``SweepMetric.direction``)."""
+        return self.mode or self.metric.direction
 
 
 class JobSpec(_Strict):
@@ -482,7 +505,7 @@ class JobSpec(_Strict):
     dataset: DatasetSpec
     optimizer: OptimizerSpec = OptimizerSpec()
     kfac: KFACSpec | Literal["off"] = KFACSpec()
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Precision = Precision.FP32
     memory_budget: Annotated[ByteSize, Field(gt=0, le=2**50)] | None = None
     scaling: ScalingSpec = ScalingSpec()
     stop: StopSpec
@@ -495,11 +518,11 @@ class JobSpec(_Strict):
     @field_validator("kfac", mode="before")
     @classmethod
     def _auto_shorthand(cls, value: Any) -> Any:
-        return {"strategy": "auto"} if value == "auto" else value
+        return {"strategy": AUTO} if value == AUTO else value
 
     @model_validator(mode="after")
     def _strategy_fits_workers(self) -> JobSpec:
-        if isinstance(self.kfac, KFACSpec) and self.kfac.strategy != "auto":
+        if isinstance(self.kfac, KFACSpec) and not self.kfac.auto:
             try:
                 resolve_grad_worker_fraction(self.kfac.strategy, self.scaling.workers)
             except ConfigurationError as exc:
@@ -579,7 +602,7 @@ def sweep_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
     sweep = spec.sweep
     assert sweep is not None
     problems: list[tuple[tuple[str, ...], str]] = []
-    if isinstance(spec.kfac, KFACSpec) and spec.kfac.strategy != "auto":
+    if isinstance(spec.kfac, KFACSpec) and not spec.kfac.auto:
         problems.append(
             (
                 ("kfac", "strategy"),
@@ -589,7 +612,7 @@ def sweep_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
         )
     if isinstance(spec.kfac, KFACSpec) and spec.kfac.verify:
         problems.append((("kfac", "verify"), "verification cannot run inside sweep trials"))
-    if sweep.metric == "time_to_target" and spec.stop.target is None:
+    if sweep.metric is SweepMetric.TIME_TO_TARGET and spec.stop.target is None:
         problems.append(
             (
                 ("sweep", "metric"),
@@ -657,11 +680,14 @@ class JobSpecError(ConfigurationError):
 
 def _field_path(loc: tuple[int | str, ...]) -> tuple[str, ...]:
     """The field names in an error location, without pydantic's union-branch and validator
-    tags (``KFACSpec``, ``literal['off']``, ``function-after[...]``)."""
+    tags (``KFACSpec``, ``literal['off']``, ``function-after[...]``, ``constrained-float``)."""
     return tuple(
         str(part)
         for part in loc
-        if not (isinstance(part, str) and ("[" in part or part[:1].isupper()))
+        if not (
+            isinstance(part, str)
+            and ("[" in part or part[:1].isupper() or part.startswith("constrained-"))
+        )
     )
 
 
@@ -684,6 +710,9 @@ def field_problems(items: Sequence[Any]) -> list[tuple[str, str]]:
         path = _field_path(item["loc"])
         if literal_branch(item) and path[:1] in structural:
             continue
+        number = isinstance(item.get("input"), int | float) and not isinstance(item["input"], bool)
+        if item["type"] == "enum" and number:
+            continue  # a number given to a name-or-number field: its number branch says why
         where = ".".join(path) or "(top level)"
         message = item["msg"].removeprefix("Value error, ")
         kind = item["type"]

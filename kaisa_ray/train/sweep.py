@@ -12,9 +12,9 @@ cleaner frees its workers' resources once Ray's State API says the trial's contr
 a cluster needs its dashboard for that (a local Ray started by ``kaisa-ray`` has it).
 
 Progress goes to the progress sink under the sweep's run name, as the service and the CLI
-read it: ``sweep-start`` (the plan), one ``trial`` record per trial event (state, params,
-step, metrics, error) and ``sweep`` at the end (every trial, and the best one's spec and
-checkpoint).
+read it (``records.py``): ``sweep-start`` (the plan), one ``trial`` record per trial event
+(state, params, step, metrics, error) and ``sweep`` at the end (every trial, and the best
+one's spec and checkpoint).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,26 +32,27 @@ import ray.tune
 from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.job import build_trainer, ensure_ray, unique_run_name
-from kaisa_ray.train.loop import CHECKPOINT_FILE
+from kaisa_ray.errors import ConfigurationError, KaisaRayError
 from kaisa_ray.train.progress import progress_sink
+from kaisa_ray.train.records import (
+    TRIAL_METRICS,
+    Direction,
+    SweepMetric,
+    SweepRecord,
+    SweepStartRecord,
+    TrialOutcome,
+    TrialRecord,
+    TrialState,
+)
 from kaisa_ray.train.spec import Distribution, JobSpec, SweepSpec, trial_spec
+from kaisa_ray.train.state import CHECKPOINT_FILE
 from kaisa_ray.train.storage import latest_checkpoint, resolve_storage
+from kaisa_ray.train.trainer import build_trainer, ensure_ray, unique_run_name
+from kaisa_ray.train.worker_config import TrainConfig
 
-__all__ = ["SweepResult", "TrialOutcome", "run_sweep", "search_space"]
+__all__ = ["SweepResult", "run_sweep", "search_space"]
 
 logger = logging.getLogger(__name__)
-
-# The metric each trial reports for the sweep's ``metric`` (time: training seconds until the
-# stop target was met, reported from then on).
-REPORTED = {
-    "test_accuracy": "test_accuracy",
-    "test_loss": "test_loss",
-    "time_to_target": "time_to_target_s",
-}
-# What a trial's reports say of it, as its records and its outcome keep them.
-_TRIAL_METRICS = ("step", "test_accuracy", "test_loss", "train_s", "time_to_target_s")
 
 
 def tune_distribution(distribution: Distribution) -> Any:
@@ -70,44 +72,27 @@ def search_space(sweep: SweepSpec) -> dict[str, Any]:
 
 
 @dataclass
-class TrialOutcome:
-    """How one trial ended: ``SUCCEEDED`` (trained to the job's stop), ``STOPPED`` (by the
-    scheduler, early) or ``FAILED`` (with ``error``)."""
-
-    trial_id: str
-    run: str  # the trial's training run (its checkpoints are in <storage>/<run>)
-    params: dict[str, Any]
-    state: str
-    step: int | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
-    value: float | None = None  # the sweep's metric, None if the trial has none
-    error: str | None = None
-    checkpoint: str | None = None
-
-
-@dataclass
 class SweepResult:
     run_name: str
-    metric: str
-    mode: str
+    metric: SweepMetric
+    mode: Direction
     trials: list[TrialOutcome]
     best: TrialOutcome | None
     best_spec: JobSpec | None
     seconds: float
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> SweepRecord:
         """The ``sweep`` progress record: every trial, and the best one with its spec."""
-        return {
-            "kind": "sweep",
-            "metric": self.metric,
-            "mode": self.mode,
-            "seconds": self.seconds,
-            "trials": [asdict(t) for t in self.trials],
-            "best": None if self.best is None else asdict(self.best),
-            "best_spec": None
+        return SweepRecord(
+            metric=self.metric,
+            mode=self.mode,
+            seconds=self.seconds,
+            trials=self.trials,
+            best=self.best,
+            best_spec=None
             if self.best_spec is None
             else self.best_spec.model_dump(mode="json", exclude={"sweep"}),
-        }
+        )
 
 
 def _trial(config: dict[str, Any]) -> None:
@@ -116,8 +101,7 @@ def _trial(config: dict[str, Any]) -> None:
     run = f"{config['run']}.{ray.tune.get_context().get_trial_id()}"
     trainer = build_trainer(
         spec,
-        {"spec": spec.model_dump(mode="json"), "run": run, "report_evals": True},
-        name=run,
+        TrainConfig(spec=spec, run=run, report_evals=True),
         storage=config["storage"],
         max_failures=0,  # a failing trial fails; the sweep goes on with the others
         callbacks=[TuneReportCallback()],  # type: ignore[no-untyped-call]
@@ -128,43 +112,69 @@ def _trial(config: dict[str, Any]) -> None:
 class _Recorder(ray.tune.Callback):
     """Pushes each trial's events to the progress sink under the sweep's run name."""
 
-    def __init__(self, run: str) -> None:
+    def __init__(self, run: str, sink: Any) -> None:
         self.run = run
-        self.sink = progress_sink()
+        self.sink = sink  # the sweep's own handle: its records arrive in the order sent
 
-    def _push(self, trial: Any, **values: Any) -> None:
-        record = {"kind": "trial", "trial": trial.trial_id, **values}
-        self.sink.push.remote(self.run, [record])
+    def _push(self, record: TrialRecord) -> None:
+        self.sink.push.remote(self.run, [record.wire()])
 
     def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        self._push(trial, state="RUNNING", params=trial.config["params"])
+        self._push(
+            TrialRecord(
+                trial=trial.trial_id, state=TrialState.RUNNING, params=trial.config["params"]
+            )
+        )
 
     def on_trial_result(
         self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any
     ) -> None:
-        self._push(trial, state="RUNNING", **{k: result[k] for k in _TRIAL_METRICS if k in result})
+        reported = {k: result[k] for k in ("step", *TRIAL_METRICS) if k in result}
+        self._push(TrialRecord(trial=trial.trial_id, state=TrialState.RUNNING, **reported))
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         done = bool((trial.last_result or {}).get("finished"))
-        self._push(trial, state="SUCCEEDED" if done else "STOPPED")
+        state = TrialState.SUCCEEDED if done else TrialState.STOPPED
+        self._push(TrialRecord(trial=trial.trial_id, state=state))
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        # The trial's error file on this machine (its copy in storage comes later).
-        path = trial.error_file
-        text = Path(path).read_text() if path and Path(path).is_file() else None
-        self._push(trial, state="FAILED", error=_reason(text))
+        error = trial.get_pickled_error()  # the trial's exception, as Tune kept it
+        self._push(TrialRecord(trial=trial.trial_id, state=TrialState.FAILED, error=_reason(error)))
 
 
-def _reason(error: BaseException | str | None) -> str:
-    """The part of a failed trial's error a user needs: the train loop's own message (Ray
-    wraps it in several layers of tracebacks), else the last line."""
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and every exception it wraps, through Ray's and Ray Train's wrappers: a task's
+    ``cause``, a worker group's ``worker_failures``, a controller's ``controller_failure``,
+    the user exception Ray Train keeps with its traceback, and Python's own chaining."""
+    pending, seen = [error], set()
+    while pending:
+        found = pending.pop(0)
+        if id(found) in seen:
+            continue
+        seen.add(id(found))
+        yield found
+        links = [
+            getattr(found, "cause", None),
+            getattr(found, "controller_failure", None),
+            getattr(found, "_base_exc", None),  # Ray Train's UserExceptionWithTraceback
+            found.__cause__,
+            found.__context__,
+            *(getattr(found, "worker_failures", None) or {}).values(),
+        ]
+        pending += [link for link in links if isinstance(link, BaseException)]
+
+
+def _reason(error: BaseException | None) -> str:
+    """The part of a failed trial's error a user needs: the project's own exception (its
+    type and the first line of its message: Ray wraps it in several layers), else the last
+    line of what Ray says."""
     if error is None:
         return "failed without an error"
-    text = str(error)
-    for marker in ("TrainingDivergedError: ", "ConfigurationError: ", "NoFeasibleCandidateError: "):
-        if marker in text:
-            return marker.rstrip(": ") + ": " + text.split(marker)[-1].strip().splitlines()[0]
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    for cause in _causes(error):
+        if isinstance(cause, KaisaRayError):
+            message = str(cause).strip().splitlines()
+            return f"{type(cause).__name__}: {message[0] if message else ''}"
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     return lines[-1][:2000] if lines else type(error).__name__
 
 
@@ -174,25 +184,25 @@ def _scheduler(spec: JobSpec, sweep: SweepSpec) -> Any:
     target = spec.stop.target
     # ASHA compares trials at each rung on the test metric (for time to target, on the
     # target's own metric: who gets there first is who is ahead at the rungs).
-    rung_metric = target.metric if sweep.metric == "time_to_target" and target else sweep.metric
-    if sweep.metric == "time_to_target":
-        rung_mode = "max" if rung_metric == "test_accuracy" else "min"
-    else:
-        rung_mode = sweep.direction
+    rung_metric = str(sweep.metric)
+    rung_mode = sweep.direction
+    if sweep.metric is SweepMetric.TIME_TO_TARGET and target is not None:
+        rung = SweepMetric(target.metric)
+        rung_metric, rung_mode = rung.reported, rung.direction
     horizon = spec.stop.max_steps or 10**9
     grace = sweep.asha.grace_steps or max(spec.eval_every, horizon // 8)
     return ASHAScheduler(
         time_attr="step",
         metric=rung_metric,
-        mode=rung_mode,
+        mode=str(rung_mode),
         max_t=horizon,
         grace_period=grace,
         reduction_factor=sweep.asha.reduction_factor,
     )
 
 
-def _value(metrics: dict[str, Any], metric: str) -> float | None:
-    value = metrics.get(REPORTED[metric])
+def _value(metrics: dict[str, Any], metric: SweepMetric) -> float | None:
+    value = metrics.get(metric.reported)
     if value is None or not math.isfinite(float(value)):
         return None
     return float(value)
@@ -220,19 +230,14 @@ def run_sweep(
     ensure_ray()
     began = time.perf_counter()
     sink = progress_sink()
-    sink.push.remote(
-        name,
-        [
-            {
-                "kind": "sweep-start",
-                "trials": sweep.trials,
-                "concurrent": sweep.concurrent,
-                "metric": sweep.metric,
-                "mode": sweep.direction,
-                "space": {path: d.model_dump(exclude_none=True) for path, d in sweep.space.items()},
-            }
-        ],
+    start = SweepStartRecord(
+        trials=sweep.trials,
+        concurrent=sweep.concurrent,
+        metric=sweep.metric,
+        mode=sweep.direction,
+        space={path: d.model_dump(exclude_none=True) for path, d in sweep.space.items()},
     )
+    sink.push.remote(name, [start.wire()])
     base = spec.without_sweep().model_dump(mode="json")
     tuner = ray.tune.Tuner(
         # A trial only waits on its TorchTrainer, whose workers hold the CPUs: it takes none
@@ -255,7 +260,7 @@ def run_sweep(
             name=name,
             storage_path=storage,
             verbose=0,
-            callbacks=[_Recorder(name)],
+            callbacks=[_Recorder(name, sink)],
         ),
     )
     grid = tuner.fit()
@@ -266,15 +271,18 @@ def run_sweep(
         config = result.config or {}
         trial_id = str(metrics.get("trial_id") or Path(result.path).name)
         run = f"{name}.{trial_id}"
+        state = (
+            TrialState.FAILED
+            if result.error
+            else TrialState.SUCCEEDED
+            if metrics.get("finished")
+            else TrialState.STOPPED
+        )
         outcome = TrialOutcome(
             trial_id=trial_id,
             run=run,
             params=dict(config.get("params", {})),
-            state="FAILED"
-            if result.error
-            else "SUCCEEDED"
-            if metrics.get("finished")
-            else "STOPPED",
+            state=state,
             step=metrics.get("step"),
             metrics={k: v for k, v in metrics.items() if k in _KEPT},
             value=None if result.error else _value(metrics, sweep.metric),
@@ -293,76 +301,21 @@ def run_sweep(
         best_spec=outcome_spec,
         seconds=time.perf_counter() - began,
     )
-    ray.get(sink.push.remote(name, [result_.record()]))
+    # Waited for, and from the handle the trials' records went through: once it returns, the
+    # sink has every record of the sweep.
+    ray.get(sink.push.remote(name, [result_.record().wire()]))
     return result_
 
 
-_KEPT = (*_TRIAL_METRICS, "finished")
+_KEPT = ("step", *TRIAL_METRICS, "finished")
 
 
-def _best(trials: list[TrialOutcome], mode: str) -> TrialOutcome | None:
+def _best(trials: list[TrialOutcome], mode: Direction) -> TrialOutcome | None:
     """The best trial by the sweep's metric among those that trained to the job's stop (a
     trial stopped early did not run the whole job); among all with the metric if none did."""
     scored = [t for t in trials if t.value is not None]
-    finished = [t for t in scored if t.state == "SUCCEEDED"] or scored
+    finished = [t for t in scored if t.state is TrialState.SUCCEEDED] or scored
     if not finished:
         return None
-    sign = -1.0 if mode == "max" else 1.0
+    sign = -1.0 if mode is Direction.MAX else 1.0
     return min(finished, key=lambda t: sign * (t.value or 0.0))
-
-
-class TrialTable:
-    """The sweep's trials as a text table, built from its ``trial`` progress records."""
-
-    COLUMNS = ("step", "test_accuracy", "test_loss", "train_s")
-
-    def __init__(self, paths: list[str]) -> None:
-        self.paths = paths
-        self.trials: dict[str, dict[str, Any]] = {}
-
-    def update(self, record: dict[str, Any]) -> str | None:
-        """Take a ``trial`` record; return a line when the trial's state changed."""
-        trial = self.trials.setdefault(record["trial"], {"state": None})
-        before = trial["state"]
-        trial.update({k: v for k, v in record.items() if k not in ("kind", "seq", "time")})
-        if trial["state"] == before:
-            return None
-        params = ", ".join(
-            f"{_short(p)}={_fmt(trial.get('params', {}).get(p))}" for p in self.paths
-        )
-        line = f"trial {record['trial']} {trial['state']} ({params})"
-        if trial["state"] == "STOPPED":
-            line += f" at step {trial.get('step')}: stopped early by the scheduler"
-        elif trial.get("error"):
-            line += f": {trial['error']}"
-        return line
-
-    def render(self) -> str:
-        header = ["trial", "state", *(_short(p) for p in self.paths), *self.COLUMNS]
-        rows = [header]
-        for trial_id, trial in self.trials.items():
-            params = trial.get("params", {})
-            rows.append(
-                [
-                    trial_id,
-                    str(trial["state"]),
-                    *(_fmt(params.get(p)) for p in self.paths),
-                    *(_fmt(trial.get(c)) for c in self.COLUMNS),
-                ]
-            )
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        return "\n".join(
-            "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows
-        )
-
-
-def _short(path: str) -> str:
-    return path.rsplit(".", 1)[-1]
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)

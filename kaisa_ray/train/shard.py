@@ -1,0 +1,149 @@
+"""A worker's data: its shard of the training set in sampler order, its slice of the test
+set, and the one evaluator (a model's loss and accuracy over the test split).
+
+Step ``s`` (1-based) always reads the same mini-batch: epoch ``(s-1) // steps_per_epoch`` of a
+``DistributedSampler`` seeded with the job's seed, batch ``(s-1) % steps_per_epoch`` of it.
+That is the sampler position a checkpoint records, so a resumed run reads exactly what an
+uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DistributedSampler, TensorDataset
+
+from kaisa_ray.amp import MixedPrecision
+from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.train.registry import DatasetRequest, dataset_entry
+from kaisa_ray.train.spec import DatasetSpec
+
+__all__ = ["Shard", "distributed", "evaluate", "evaluate_shard", "load_shard"]
+
+
+def distributed() -> bool:
+    """Whether this process is one rank of a ``torch.distributed`` group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+@dataclass
+class Shard:
+    """One worker's view of the data: its batches in sampler order, and its test slice."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    sampler: DistributedSampler[Any]
+    batch_size: int
+    steps_per_epoch: int
+    _epoch: int = -1
+    _order: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, batch within the epoch) that step ``step`` (1-based) reads."""
+        return divmod(step - 1, self.steps_per_epoch)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, index = self.position(step)
+        if epoch != self._epoch:
+            self.sampler.set_epoch(epoch)
+            self._order = torch.tensor(list(iter(self.sampler)), dtype=torch.long)
+            self._epoch = epoch
+        rows = self._order[index * self.batch_size : (index + 1) * self.batch_size]
+        return self.train_x[rows], self.train_y[rows]
+
+
+def load_shard(dataset: DatasetSpec, seed: int, rank: int, world: int) -> Shard:
+    """Rank ``rank`` of ``world``'s shard of the job's dataset."""
+    entry = dataset_entry(dataset.name)
+    data_dir = dataset.data_dir or entry.default_dir
+
+    def load(split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        request = DatasetRequest(split=split, data_dir=data_dir, limit=dataset.limit, seed=seed)
+        return entry.loader(request)
+
+    train_x, train_y = load("train")
+    test_x, test_y = load("test")
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        TensorDataset(train_y), num_replicas=world, rank=rank, shuffle=True, seed=seed
+    )
+    batch = dataset.batch_size
+    steps_per_epoch = len(sampler) // batch
+    if steps_per_epoch == 0:
+        raise ConfigurationError(
+            f"dataset.batch_size={batch} is larger than each worker's share of the training "
+            f"set ({len(sampler)} samples over {world} workers); lower batch_size or raise "
+            "dataset.limit"
+        )
+    per_rank = math.ceil(test_x.shape[0] / world)
+    lo, hi = rank * per_rank, min((rank + 1) * per_rank, test_x.shape[0])
+    return Shard(
+        train_x=train_x,
+        train_y=train_y,
+        test_x=test_x[lo:hi],
+        test_y=test_y[lo:hi],
+        sampler=sampler,
+        batch_size=batch,
+        steps_per_epoch=steps_per_epoch,
+    )
+
+
+@torch.no_grad()
+def _totals(
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    device: torch.device,
+    batch_size: int,
+    precision: MixedPrecision,
+) -> torch.Tensor:
+    """(summed cross-entropy, correct predictions, samples) over ``images``, in float64."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64)
+    for start in range(0, images.shape[0], batch_size):
+        x = images[start : start + batch_size].to(device)
+        y = labels[start : start + batch_size].to(device)
+        with precision.autocast():
+            logits = model(x).float()
+        totals[0] += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
+        totals[1] += int((logits.argmax(dim=1) == y).sum())
+        totals[2] += y.shape[0]
+    model.train(was_training)
+    return totals
+
+
+def evaluate(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 1000
+) -> float:
+    """Classification accuracy of a model over a whole data set (0.0 for an empty set).
+
+    The model is put in eval mode and back into the mode it was in.
+    """
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    totals = _totals(model, images, labels, device, batch_size, MixedPrecision())
+    return float(totals[1]) / max(float(totals[2]), 1.0)
+
+
+def evaluate_shard(
+    model: nn.Module,
+    shard: Shard,
+    device: torch.device,
+    batch_size: int = 1000,
+    precision: MixedPrecision | None = None,
+) -> tuple[float, float]:
+    """(test loss, test accuracy) over the whole test split, summed over every rank's slice."""
+    autocast = precision or MixedPrecision(device_type=device.type)
+    totals = _totals(model, shard.test_x, shard.test_y, device, batch_size, autocast)
+    if distributed():
+        on_device = totals.to(device)
+        dist.all_reduce(on_device)
+        totals = on_device.cpu()
+    count = max(float(totals[2]), 1.0)
+    return float(totals[0]) / count, float(totals[1]) / count

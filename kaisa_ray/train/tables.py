@@ -1,0 +1,132 @@
+"""Records as text for people: the tuner's decision in a line and its candidate table, and a
+sweep's trials as a table (``kaisa-ray tune``, ``train`` and ``sweep`` print them).
+
+Torch-free: the service's client commands print them too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kaisa_ray.train.records import TrialRecord, TrialState, TunerRecord
+
+__all__ = ["TrialTable", "decision_line", "tuning_table"]
+
+
+def decision_line(record: TunerRecord) -> str:
+    """One line saying what ``kfac: auto`` chose and how."""
+    chosen = record.chosen
+    how = (
+        "profile from the tuner's cache"
+        if record.cache == "hit"
+        else f"{record.profile_s:.1f} s of profiling"
+    )
+    if record.verify_s is not None:
+        how += f", {record.verify_s:.0f} s of verification trials"
+    return (
+        f"kfac: auto chose grad_worker_fraction={chosen.grad_worker_fraction:g}, intervals "
+        f"{chosen.factor_update_steps}/{chosen.inv_update_steps} "
+        f"({record.how}: {how}; {len(record.candidates)} candidates)"
+    )
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def tuning_table(record: TunerRecord) -> str:
+    """The candidate table: predicted (and, when verified, measured) memory per worker and
+    time per step, and why each candidate lost."""
+    chosen = record.chosen.key()
+    measured = any(row.measured for row in record.candidates)
+    header = ["f", "intervals", "MiB/worker", "K-FAC MiB", "ms/step"]
+    if measured:
+        header += ["measured MiB", "measured ms"]
+    header.append("verdict")
+    lines = [header]
+    for row in record.candidates:
+        cells = [
+            f"{row.grad_worker_fraction:g}",
+            f"{row.factor_update_steps}/{row.inv_update_steps}",
+            _mib(row.memory_bytes),
+            _mib(row.kfac_state_bytes),
+            f"{row.ms_per_step:.1f}",
+        ]
+        if measured:
+            ms = row.measured_ms_per_step
+            cells += [_mib(row.measured_memory_bytes), "-" if ms is None else f"{ms:.1f}"]
+        cells.append("CHOSEN" if row.key() == chosen else row.rejected or "slower")
+        lines.append(cells)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
+    text = [
+        "  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=False))
+        + "  "
+        + line[-1]
+        for line in lines
+    ]
+    budget = record.budget_bytes
+    text.append(
+        f"budget {'none' if budget is None else _mib(budget) + ' MiB'} per worker; base "
+        f"{_mib(record.base_memory_bytes)} MiB + K-FAC temporaries "
+        f"{_mib(record.kfac_transient_bytes)} MiB + K-FAC state; plain step "
+        f"{record.plain_ms_per_step:.1f} ms"
+    )
+    text.append(decision_line(record))
+    return "\n".join(text)
+
+
+class TrialTable:
+    """A sweep's trials as a text table, built from its ``trial`` records."""
+
+    COLUMNS = ("step", "test_accuracy", "test_loss", "train_s")
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+        self.trials: dict[str, dict[str, Any]] = {}
+
+    def update(self, record: TrialRecord) -> str | None:
+        """Take a trial's record; return a line when the trial's state changed."""
+        trial = self.trials.setdefault(record.trial, {"state": None})
+        before = trial["state"]
+        trial.update(record.values())
+        if trial["state"] == before:
+            return None
+        params = ", ".join(
+            f"{_short(p)}={_fmt((trial.get('params') or {}).get(p))}" for p in self.paths
+        )
+        line = f"trial {record.trial} {trial['state']} ({params})"
+        if trial["state"] == TrialState.STOPPED:
+            line += f" at step {trial.get('step')}: stopped early by the scheduler"
+        elif trial.get("error"):
+            line += f": {trial['error']}"
+        return line
+
+    def render(self) -> str:
+        header = ["trial", "state", *(_short(p) for p in self.paths), *self.COLUMNS]
+        rows = [header]
+        for trial_id, trial in self.trials.items():
+            params = trial.get("params") or {}
+            rows.append(
+                [
+                    trial_id,
+                    str(trial["state"]),
+                    *(_fmt(params.get(p)) for p in self.paths),
+                    *(_fmt(trial.get(c)) for c in self.COLUMNS),
+                ]
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        return "\n".join(
+            "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+        )
+
+
+def _short(path: str) -> str:
+    return path.rsplit(".", 1)[-1]
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

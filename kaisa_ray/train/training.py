@@ -1,0 +1,109 @@
+"""Everything one worker trains with, built from the job's spec (``Training.build``): the
+model (in DDP when distributed), its shard of the data, the optimizer and lr schedule, mixed
+precision, and K-FAC as the job asks for it (with ``kfac: auto``, as the tuner chooses on
+these workers).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from kaisa_ray.amp import MixedPrecision
+from kaisa_ray.preconditioner import KFACPreconditioner
+from kaisa_ray.train.optimizers import build_optimizer, build_preconditioner, lr_factor
+from kaisa_ray.train.records import KFACChoice, TunerRecord
+from kaisa_ray.train.registry import model_factory
+from kaisa_ray.train.shard import Shard, distributed, load_shard
+from kaisa_ray.train.spec import JobSpec, KFACSpec
+
+__all__ = ["Training"]
+
+
+@dataclass
+class Training:
+    """One worker's job, and where it is (``step``, the best test accuracy so far)."""
+
+    spec: JobSpec
+    rank: int
+    world: int
+    device: torch.device
+    model: nn.Module
+    net: nn.Module  # the DDP wrapper when distributed, else the model itself
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    preconditioner: KFACPreconditioner | None
+    shard: Shard
+    max_steps: int
+    precision: MixedPrecision
+    scaler: torch.amp.GradScaler  # enabled for fp16 only
+    decided: KFACChoice | None = None  # what kfac: auto chose (kept in checkpoints)
+    tuning: TunerRecord | None = None  # the tuner's record, when it chose in this attempt
+    step: int = 0
+    best: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        spec: JobSpec,
+        *,
+        rank: int,
+        world: int,
+        device: torch.device,
+        decided: KFACChoice | None = None,
+    ) -> Training:
+        """Everything a worker trains with. With ``kfac: auto`` the tuner profiles this job on
+        these workers and chooses (collective), unless ``decided`` says what it chose."""
+        shard = load_shard(spec.dataset, spec.seed, rank, world)
+        if spec.stop.max_steps is not None:
+            max_steps = spec.stop.max_steps
+        else:
+            max_steps = (spec.stop.max_epochs or 1) * shard.steps_per_epoch
+        torch.manual_seed(spec.seed)
+        random.seed(spec.seed)
+        model = model_factory(spec.model.name)(**spec.model.params).to(device)
+        net: nn.Module = model
+        if distributed() and world > 1:
+            net = DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None
+            )
+        optimizer = build_optimizer(spec.optimizer, model.parameters())
+        precision = MixedPrecision(mode=spec.precision, device_type=device.type)
+        scaler = precision.grad_scaler()
+        kfac = spec.kfac if isinstance(spec.kfac, KFACSpec) else None
+        tuning = None
+        if kfac is not None and kfac.auto:
+            if decided is None:
+                from kaisa_ray.train.tuning import choose_in_workers  # needs Ray
+
+                decided, tuning = choose_in_workers(
+                    spec, kfac, net, optimizer, shard, device, precision
+                )
+            kfac = kfac.model_copy(update=decided.spec_fields())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_factor(spec.optimizer.schedule, max_steps)
+        )
+        preconditioner = (
+            build_preconditioner(kfac, net, optimizer, scaler) if kfac is not None else None
+        )
+        return cls(
+            spec=spec,
+            rank=rank,
+            world=world,
+            device=device,
+            model=model,
+            net=net,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            preconditioner=preconditioner,
+            shard=shard,
+            max_steps=max_steps,
+            precision=precision,
+            scaler=scaler,
+            decided=decided,
+            tuning=tuning,
+        )

@@ -1,0 +1,319 @@
+"""The per-worker entry point that Ray Train runs (``train_worker``), and the train loop.
+
+``train_worker`` is the ``train_loop_per_worker`` of the job's ``TorchTrainer``: its config
+holds one ``WorkerConfig`` (``worker_config.py``), which says what the workers do: train the
+job (``train``, the loop below), profile it for ``kfac: auto`` (``profile``) or measure
+candidate strategies (``measure``). The loop runs on a ``Session`` (``session.py``): a rank
+of the Ray Train worker group here, this process alone for ``kaisa-ray example``.
+
+Rank 0 sends the progress records (``records.py``): ``worker`` (every rank), ``profiling``,
+``tuner``, ``start``, a ``step`` record every ``progress_every`` steps, ``eval`` at every
+evaluation and ``end``; Ray Train's controller sends ``checkpoint`` (``trainer.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from kaisa_ray.amp import optimizer_step
+from kaisa_ray.errors import ConfigurationError, KaisaRayError
+from kaisa_ray.timing import PHASES
+from kaisa_ray.train.records import (
+    EndRecord,
+    EvalRecord,
+    KFACChoice,
+    MeasuredRecord,
+    ProfilingRecord,
+    StartRecord,
+    StepRecord,
+    TunerErrorRecord,
+    WorkerRecord,
+)
+from kaisa_ray.train.session import RaySession, Session
+from kaisa_ray.train.shard import evaluate_shard
+from kaisa_ray.train.spec import JobSpec, KFACSpec
+from kaisa_ray.train.state import restore, snapshot
+from kaisa_ray.train.training import Training
+from kaisa_ray.train.worker_config import MeasureConfig, ProfileConfig, TrainConfig
+
+__all__ = ["TrainingDivergedError", "Window", "train", "train_worker"]
+
+
+class TrainingDivergedError(KaisaRayError):
+    """The training loss stopped being a finite number: the run diverged."""
+
+
+def train_worker(config: dict[str, Any]) -> None:
+    """``train_loop_per_worker``: what ``config["worker"]`` says."""
+    worker = config["worker"]
+    if isinstance(worker, ProfileConfig):
+        _profile(worker)
+    elif isinstance(worker, MeasureConfig):
+        _measure(worker)
+    elif isinstance(worker, TrainConfig):
+        session = RaySession(worker.run, worker.resume_from)
+        _announce(session)
+        train(worker, session)
+    else:
+        raise TypeError(f"not a worker configuration: {type(worker).__name__}")
+
+
+def _announce(session: RaySession) -> None:
+    """Before anything slow (data, tuning): the service sees the workers start."""
+    import ray
+
+    session.push(
+        WorkerRecord(
+            rank=session.rank,
+            world=session.world,
+            pid=os.getpid(),
+            device=str(session.device),
+            node=ray.get_runtime_context().get_node_id(),
+        )
+    )
+
+
+def _build(spec: JobSpec, session: Session, decided: KFACChoice | None = None) -> Training:
+    return Training.build(
+        spec, rank=session.rank, world=session.world, device=session.device, decided=decided
+    )
+
+
+def _profile(config: ProfileConfig) -> None:
+    """``kfac: auto`` profiles and decides; rank 0 reports the decision (or why nothing
+    fits, which the driver raises), and the workers stop."""
+    import ray.train
+
+    session = RaySession(config.run)
+    try:
+        training = _build(config.spec, session)
+    except ConfigurationError as error:
+        if session.rank == 0:
+            session.push(TunerErrorRecord(error=str(error)), wait=True)
+        raise
+    if session.rank == 0 and training.tuning is not None:
+        session.push(training.tuning, wait=True)  # the worker stops next
+    ray.train.report({"done": True})
+
+
+def _measure(config: MeasureConfig) -> None:
+    """Each candidate's peak memory per worker (from the first round) and median time per
+    step (``tuner.profile.measure_candidate``), from the same weights; rank 0 reports them."""
+    import ray.train
+
+    from tuner.profile import measure_candidate
+
+    kfac = config.spec.kfac
+    if not isinstance(kfac, KFACSpec):
+        raise ConfigurationError("measuring a K-FAC strategy needs a job with kfac on")
+    session = RaySession(config.run)
+    training = _build(config.spec.model_copy(update={"kfac": "off"}), session)
+    candidates = config.candidates
+    memory: dict[int, int] = {}
+    times: dict[int, list[float]] = {i: [] for i in range(len(candidates))}
+    steps: dict[int, int] = {}
+    for round_, (index, candidate) in itertools.product(
+        range(config.rounds), enumerate(candidates)
+    ):
+        measured = measure_candidate(
+            training.net,
+            training.optimizer,
+            lambda i: training.shard.batch(i + 1),
+            nn.functional.cross_entropy,
+            training.device,
+            grad_worker_fraction=candidate.grad_worker_fraction,
+            factor_update_steps=candidate.factor_update_steps,
+            inv_update_steps=candidate.inv_update_steps,
+            min_steps=config.min_steps,
+            count_memory=round_ == 0,
+            precision=training.precision,
+            kfac_options={
+                "compute_method": kfac.compute_method,
+                "kfac_approx": kfac.kfac_approx,
+                "damping": kfac.damping,
+                "factor_decay": kfac.factor_decay,
+                "kl_clip": kfac.kl_clip,
+            },
+        )
+        if round_ == 0:
+            memory[index], steps[index] = measured.memory_bytes, measured.steps
+        times[index].append(1000 * measured.step_s)
+    if session.rank == 0:  # Ray Train keeps metrics only with checkpoints: the sink has them
+        session.push(
+            *(
+                MeasuredRecord(
+                    candidate=candidate,
+                    memory_bytes=memory[index],
+                    ms_per_step=statistics.median(times[index]),
+                    ms_per_step_rounds=times[index],
+                    steps=steps[index],
+                )
+                for index, candidate in enumerate(candidates)
+            ),
+            wait=True,
+        )
+    ray.train.report({"done": True})
+
+
+@dataclass
+class Window:
+    """Step metrics accumulated between two step records."""
+
+    steps: int = 0
+    loss: float = 0.0
+    correct: int = 0
+    samples: int = 0
+    step_s: float = 0.0
+    kfac_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    def add_kfac(self, seconds: dict[str, float]) -> None:
+        for phase, value in seconds.items():
+            self.kfac_s[phase] += value
+
+    def record(self, *, step: int, epoch: int, lr: float, world: int) -> StepRecord:
+        n = max(self.steps, 1)
+        ms = {phase: 1000 * value / n for phase, value in self.kfac_s.items()}
+        return StepRecord(
+            step=step,
+            epoch=epoch,
+            loss=self.loss / n,
+            accuracy=self.correct / max(self.samples, 1),
+            lr=lr,
+            samples_per_s=world * self.samples / max(self.step_s, 1e-9),
+            ms_per_step=1000 * self.step_s / n,
+            kfac_ms_per_step=1000 * sum(self.kfac_s.values()) / n,
+            kfac_factors_ms=ms["factors"],
+            kfac_decompositions_ms=ms["decompositions"],
+            kfac_precondition_ms=ms["precondition"],
+            kfac_communication_ms=ms["communication"],
+        )
+
+
+def _target_met(spec: JobSpec, test_loss: float, test_accuracy: float) -> bool:
+    target = spec.stop.target
+    if target is None:
+        return False
+    if target.metric == "test_accuracy":
+        return test_accuracy >= target.value
+    return test_loss <= target.value
+
+
+def train(config: TrainConfig, session: Session) -> None:
+    """Train ``config.spec`` on ``session`` to its stop condition: from its checkpoint if the
+    session resumes one, else from scratch (with ``kfac: auto``, after the tuner chose)."""
+    spec = config.spec
+    state, source = session.resume()
+    decided = config.decided
+    if state is not None and state.get("kfac_decision") is not None:
+        decided = KFACChoice.model_validate(state["kfac_decision"])
+    auto = isinstance(spec.kfac, KFACSpec) and spec.kfac.auto
+    if auto and decided is None and session.rank == 0:
+        session.push(ProfilingRecord())
+    training = _build(spec, session, decided)
+    if state is None and config.tuning is not None:
+        training.tuning = config.tuning
+    if state is not None:
+        restore(training, state, str(source))
+    if session.rank == 0:
+        if training.tuning is not None:
+            session.push(training.tuning)
+        total, at = training.max_steps, training.step
+        session.push(
+            StartRecord(total_steps=total, from_step=at)
+            if source is None
+            else StartRecord(total_steps=total, from_step=at, resumed_from=source)
+        )
+    _loop(training, session, config)
+    if session.rank == 0:  # waited for: what rank 0 sent is in the sink when the run ends
+        session.push(EndRecord(step=training.step), wait=True)
+
+
+def _loop(training: Training, session: Session, config: TrainConfig) -> None:
+    spec = training.spec
+    criterion = nn.CrossEntropyLoss()
+    window = Window()
+    began = time.perf_counter()
+    train_s = 0.0  # seconds in training steps since this attempt began (no eval, checkpoints)
+    last_eval: tuple[float, float] | None = None
+    reached = False  # the stop target was met
+    training.net.train()
+    while training.step < training.max_steps:
+        step = training.step + 1
+        tick = time.perf_counter()
+        x, y = training.shard.batch(step)
+        x = x.to(training.device, non_blocking=True)
+        y = y.to(training.device, non_blocking=True)
+        training.optimizer.zero_grad(set_to_none=True)
+        with training.precision.autocast():
+            logits = training.net(x)
+            loss = criterion(logits, y)
+        loss_value = float(loss.detach())
+        if not math.isfinite(loss_value):
+            raise TrainingDivergedError(
+                f"the training loss is {loss_value} at step {step} on rank {training.rank}: "
+                "the run diverged. Lower optimizer.lr, raise kfac.damping or tighten "
+                "kfac.kl_clip"
+            )
+        optimizer_step(loss, training.optimizer, training.preconditioner, training.scaler)
+        if training.preconditioner is not None:
+            window.add_kfac(training.preconditioner.times.reset())
+        training.scheduler.step()
+        training.step = step
+        window.steps += 1
+        window.loss += loss_value
+        window.correct += int((logits.detach().argmax(dim=1) == y).sum())
+        window.samples += y.shape[0]
+        took = time.perf_counter() - tick
+        window.step_s += took
+        train_s += took
+
+        done = step >= training.max_steps
+        if step % config.progress_every == 0 or done:
+            if session.rank == 0:
+                epoch, _ = training.shard.position(step)
+                lr = float(training.optimizer.param_groups[0]["lr"])
+                session.push(window.record(step=step, epoch=epoch, lr=lr, world=training.world))
+            window = Window()
+
+        evaluated = step % spec.eval_every == 0 or done
+        if evaluated:
+            last_eval = evaluate_shard(
+                training.net, training.shard, training.device, precision=training.precision
+            )
+            test_loss, test_accuracy = last_eval
+            training.best["test_accuracy"] = max(
+                training.best.get("test_accuracy", 0.0), test_accuracy
+            )
+            if session.rank == 0:
+                session.push(
+                    EvalRecord(
+                        step=step,
+                        test_loss=test_loss,
+                        test_accuracy=test_accuracy,
+                        elapsed_s=time.perf_counter() - began,
+                        train_s=train_s,
+                    )
+                )
+            if _target_met(spec, test_loss, test_accuracy):
+                done = reached = True
+
+        checkpoint_due = done or step % spec.checkpoint.every_steps == 0
+        if checkpoint_due or (config.report_evals and evaluated):
+            # "finished": the job met its stop condition ("done" is Ray Tune's own key).
+            metrics: dict[str, Any] = {"step": step, "finished": done, "train_s": train_s}
+            if last_eval is not None:
+                metrics["test_loss"], metrics["test_accuracy"] = last_eval
+            if reached:
+                metrics["time_to_target_s"] = train_s
+            keep = checkpoint_due and session.keeps_checkpoints
+            session.report(metrics, snapshot(training) if keep else None)
+        if done:
+            break

@@ -1,0 +1,377 @@
+"""The jobs API under ``/v1``: submit, list, read, follow (server-sent events), cancel and
+delete jobs; their metric history and logs; and the registry of what a job may name and of
+every closed set the answers use.
+
+A module-level router: it reads the service's state and settings from the app
+(``service.runtime``). The token is checked once, by the ``BearerAuth`` middleware, for every
+``/v1`` route; the router only declares the scheme, so the API's schema shows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import typing
+from collections.abc import AsyncIterator
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Header, Query, Response, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse
+from fastapi.security import HTTPBearer
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.concurrency import run_in_threadpool
+
+from kaisa_ray.enums import ComputeMethod, DistributedStrategy, KFACApprox, Precision
+from kaisa_ray.train.records import TRIAL_METRICS, RecordKind, SweepMetric, TrialState
+from kaisa_ray.train.registry import dataset_names, model_names
+from kaisa_ray.train.spec import AUTO, JobSpec, OptimizerSpec
+from service.errors import JobNotFoundError, RayUnavailableError
+from service.hub import EVERY_JOB
+from service.jobs import EVENT_OF
+from service.lifecycle import FINISHED, JobState
+from service.responses import (
+    INVALID,
+    NOT_FOUND,
+    PLAIN_ROUTE_ERRORS,
+    SSE_EVENT,
+    TOO_MANY,
+    UNAUTHORIZED,
+    error,
+    json_error,
+)
+from service.runtime import Runtime, RuntimeDep
+from service.schemas import (
+    JobDetail,
+    JobList,
+    JobView,
+    MetricHistory,
+    NamedMetric,
+    Registry,
+    job_detail,
+    job_view,
+    metric_point,
+)
+from service.settings import Settings
+from service.store import Job
+
+__all__ = ["registry_now", "router"]
+
+BEARER = HTTPBearer(
+    auto_error=False,
+    description="the service's token ($KAISA_RAY_TOKEN or --token-file of kaisa-ray serve)",
+)
+
+router = APIRouter(
+    # The scheme, for the API's schema; the BearerAuth middleware checks the token.
+    dependencies=[Depends(BEARER)],
+    responses=UNAUTHORIZED,
+)
+
+
+def registry_now() -> Registry:
+    """The registry's answer: what is installed now, and the closed sets."""
+    return Registry(
+        models=model_names(),
+        datasets=dataset_names(),
+        optimizers=list(typing.get_args(OptimizerSpec.model_fields["name"].annotation)),
+        strategies=[AUTO, *DistributedStrategy],
+        compute_methods=list(ComputeMethod),
+        kfac_approximations=list(KFACApprox),
+        precisions=list(Precision),
+        job_states=list(JobState),
+        finished_states=sorted(FINISHED),
+        trial_states=list(TrialState),
+        ended_trial_states=[s for s in TrialState if s.ended],
+        sweep_metrics=[NamedMetric(name=m, direction=m.direction) for m in SweepMetric],
+        trial_metrics=list(TRIAL_METRICS),
+        record_kinds=list(RecordKind),
+        events={kind: name for kind, name in EVENT_OF.items()},
+    )
+
+
+def _within_the_cluster(spec: JobSpec, settings: Settings) -> None:
+    """The service's own maximums (below the JobSpec's): 422 naming the field and the knob."""
+    problems = []
+    if spec.scaling.workers > settings.max_workers:
+        problems.append(
+            (
+                ("body", "scaling", "workers"),
+                f"{spec.scaling.workers} workers is over this service's maximum of "
+                f"{settings.max_workers} (kaisa-ray serve --max-workers, "
+                "$KAISA_RAY_MAX_WORKERS); ask for fewer",
+            )
+        )
+    if spec.scaling.gpus_per_worker > settings.max_gpus_per_worker:
+        problems.append(
+            (
+                ("body", "scaling", "gpus_per_worker"),
+                f"{spec.scaling.gpus_per_worker:g} GPUs per worker is over this service's "
+                f"maximum of {settings.max_gpus_per_worker:g} (--max-gpus-per-worker); ask "
+                "for fewer",
+            )
+        )
+    if problems:
+        raise RequestValidationError(
+            [{"loc": loc, "msg": message, "type": "cluster_maximum"} for loc, message in problems]
+        )
+
+
+@router.post(
+    "/jobs",
+    status_code=status.HTTP_201_CREATED,
+    response_model=JobView,
+    responses={
+        **error(409, "the idempotency key was used for a different spec"),
+        **error(413, "the body is over the size limit"),
+        **error(415, "the body is neither JSON nor YAML"),
+        **TOO_MANY,
+        **INVALID,
+    },
+    openapi_extra={
+        "requestBody": {
+            "content": {"application/yaml": {"schema": {"$ref": "#/components/schemas/JobSpec"}}}
+        }
+    },
+    tags=["jobs"],
+)
+def submit_job(
+    spec: JobSpec,
+    runtime: RuntimeDep,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            max_length=200,
+            description="send the same key again to get the same job, not a second one",
+        ),
+    ] = None,
+) -> JobView:
+    """Store a job as QUEUED; it starts on Ray when admission control lets it (its
+    ``queue_position`` says how many are ahead). The body is JSON, or YAML with
+    ``Content-Type: application/yaml``."""
+    _within_the_cluster(spec, runtime.settings)
+    job, created = runtime.jobs.create(spec.model_dump(mode="json"), idempotency_key)
+    if created:
+        runtime.metrics.submissions.inc()
+    return job_view(job, runtime.store.queue_position(job))
+
+
+@router.get("/jobs", response_model=JobList, responses=INVALID, tags=["jobs"])
+async def list_jobs(
+    runtime: RuntimeDep,
+    state: Annotated[list[JobState] | None, Query(description="only these states")] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=2**31)] = 0,
+) -> Response:
+    """Jobs, newest first."""
+    wanted = tuple(sorted(set(state or ())))
+
+    def read() -> bytes:
+        jobs, total = runtime.store.page(states=wanted, limit=limit, offset=offset)
+        more = offset + len(jobs) < total
+        waiting = any(j.state is JobState.QUEUED and j.submission_id is None for j in jobs)
+        queue = (
+            {job_id: n + 1 for n, job_id in enumerate(runtime.store.queue())} if (waiting) else {}
+        )
+        return (
+            JobList(
+                jobs=[job_view(j, queue.get(j.id)) for j in jobs],
+                total=total,
+                limit=limit,
+                offset=offset,
+                next_offset=offset + len(jobs) if more else None,
+            )
+            .model_dump_json()
+            .encode()
+        )
+
+    body = await runtime.views.get(("list", wanted, limit, offset), read)
+    return Response(body, media_type="application/json")
+
+
+@router.get(
+    "/jobs/{job_id}",
+    response_model=JobDetail,
+    responses={**NOT_FOUND, **INVALID},
+    tags=["jobs"],
+)
+async def get_job(job_id: str, runtime: RuntimeDep) -> Response:
+    """A job: state, progress, latest metrics, the tuner's decision and table, a sweep's
+    trials and best spec, history."""
+
+    def read() -> bytes:
+        job, transitions = runtime.store.detail(job_id)
+        position = runtime.store.queue_position(job)
+        return job_detail(job, transitions, position).model_dump_json().encode()
+
+    body = await runtime.views.get(("job", job_id), read)
+    return Response(body, media_type="application/json")
+
+
+@router.get(
+    "/jobs/{job_id}/metrics",
+    response_model=MetricHistory,
+    responses={**NOT_FOUND, **INVALID},
+    tags=["jobs"],
+)
+def get_metrics(
+    job_id: str,
+    runtime: RuntimeDep,
+    kind: Annotated[
+        list[Literal["step", "eval"]] | None,
+        Query(description="only these kinds: step (a progress report), eval"),
+    ] = None,
+    since: Annotated[int, Query(ge=0, le=2**31)] = 0,
+    limit: Annotated[int, Query(ge=1, le=20_000)] = 10_000,
+) -> MetricHistory:
+    """The metric history: a point per progress report (step) and evaluation (eval)."""
+    points = runtime.store.metrics(job_id, kinds=kind or (), since=since, limit=limit)
+    return MetricHistory(
+        job_id=job_id,
+        points=[metric_point(m) for m in points],
+        next_since=points[-1].seq + 1 if points else since,
+    )
+
+
+@router.get(
+    "/jobs/{job_id}/events",
+    response_class=EventSourceResponse,
+    responses={
+        200: {
+            "description": "server-sent events: state (the job, on connect and on every "
+            "change), progress, eval and tuner; for a sweep job, trial (a trial started, "
+            "evaluated or ended: its record) and sweep (the result: every trial, the best "
+            "and its spec); the stream ends when the job finishes",
+            "content": {"text/event-stream": {"schema": SSE_EVENT}},
+        },
+        **NOT_FOUND,
+        **INVALID,
+    },
+    tags=["jobs"],
+)
+async def job_events(job_id: str, runtime: RuntimeDep) -> EventSourceResponse:
+    """Follow a job live."""
+    await run_in_threadpool(runtime.store.get, job_id)  # 404 before the stream starts
+    return EventSourceResponse(_stream(runtime, job_id), ping=15)
+
+
+@router.get(
+    "/events",
+    response_class=EventSourceResponse,
+    responses={
+        200: {
+            "description": "server-sent events of every job: ready (once subscribed: "
+            "what happens from then on is sent), state (a JobView, on every change), "
+            "progress, eval, tuner, trial and sweep (records with job_id), deleted",
+            "content": {"text/event-stream": {"schema": SSE_EVENT}},
+        },
+    },
+    tags=["jobs"],
+)
+async def all_events(runtime: RuntimeDep) -> EventSourceResponse:
+    """Follow every job live (the dashboard's job list)."""
+    return EventSourceResponse(_stream_all(runtime), ping=15)
+
+
+@router.get("/registry", response_model=Registry, tags=["jobs"])
+async def registry() -> Registry:
+    """What a JobSpec may name (models and datasets, built in and from installed plugins) and
+    every closed set the API's answers use (job and trial states, strategies, compute
+    methods, precisions, record kinds, sweep metrics): the dashboard reads them here."""
+    return registry_now()
+
+
+@router.get(
+    "/jobs/{job_id}/logs",
+    response_class=PlainTextResponse,
+    responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+        **PLAIN_ROUTE_ERRORS,
+        **json_error(404, "no such job"),
+        **json_error(503, "Ray cannot be reached"),
+        **json_error(422, "bad parameters or body", "ValidationErrorBody"),
+    },
+    tags=["jobs"],
+)
+def job_logs(job_id: str, runtime: RuntimeDep) -> PlainTextResponse:
+    """The job driver's log (the Ray Job's output); empty before the job reached Ray."""
+    job = runtime.store.get(job_id)
+    if job.submission_id is None:
+        return PlainTextResponse("")
+    try:
+        text = runtime.jobs.runner.logs(job.submission_id)
+    except Exception as err:
+        raise RayUnavailableError(f"cannot read the job's log from Ray: {err}") from err
+    return PlainTextResponse(text)
+
+
+@router.post(
+    "/jobs/{job_id}/cancel",
+    response_model=JobView,
+    responses={
+        **NOT_FOUND,
+        **error(409, "the job already finished otherwise"),
+        **TOO_MANY,
+        **INVALID,
+    },
+    tags=["jobs"],
+)
+def cancel_job(job_id: str, runtime: RuntimeDep) -> JobView:
+    """Stop a job: CANCELLING now, CANCELLED when Ray has stopped it. Idempotent."""
+    return job_view(runtime.jobs.cancel(job_id))
+
+
+@router.delete(
+    "/jobs/{job_id}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    response_class=Response,
+    responses={**NOT_FOUND, **error(409, "the job is not finished"), **INVALID},
+    tags=["jobs"],
+)
+def delete_job(job_id: str, runtime: RuntimeDep) -> Response:
+    """Forget a finished job and its history."""
+    runtime.jobs.delete(job_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+async def _view_json(runtime: Runtime, job: Job) -> str:
+    """A job's view as JSON, with its place in the queue while it waits."""
+    position = None
+    if job.state is JobState.QUEUED and job.submission_id is None:
+        position = await run_in_threadpool(runtime.store.queue_position, job)
+    return job_view(job, position).model_dump_json()
+
+
+async def _stream(runtime: Runtime, job_id: str) -> AsyncIterator[ServerSentEvent]:
+    """The job's state now, then every update until it finishes."""
+    async with runtime.jobs.hub.subscribe(job_id) as queue:
+        job = await run_in_threadpool(runtime.store.get, job_id)
+        yield ServerSentEvent(await _view_json(runtime, job), event="state")
+        while not job.state.finished:
+            update = await queue.get()
+            if update.kind == "state":
+                try:
+                    job = await run_in_threadpool(runtime.store.get, job_id)
+                except JobNotFoundError:
+                    return
+                yield ServerSentEvent(await _view_json(runtime, job), event="state")
+            else:
+                yield ServerSentEvent(json.dumps(update.data), event=update.kind)
+    await asyncio.sleep(0)
+
+
+async def _stream_all(runtime: Runtime) -> AsyncIterator[ServerSentEvent]:
+    """``ready`` once subscribed, then every job's updates."""
+    async with runtime.jobs.hub.subscribe(EVERY_JOB) as queue:
+        yield ServerSentEvent(json.dumps({"subscribed": True}), event="ready")
+        while True:
+            update = await queue.get()
+            if update.kind == "state":
+                try:
+                    job = await run_in_threadpool(runtime.store.get, update.job_id)
+                except JobNotFoundError:
+                    continue
+                yield ServerSentEvent(await _view_json(runtime, job), event="state")
+            else:
+                data = {"job_id": update.job_id, **update.data}
+                yield ServerSentEvent(json.dumps(data), event=update.kind)

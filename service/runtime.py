@@ -1,0 +1,40 @@
+"""What a running service holds (``Runtime``, opened by the app's lifespan and kept on
+``app.state.runtime``), and the dependency that hands it to a route (``RuntimeDep``): the
+routes are module-level routers that read everything, settings included, from the app."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from service.head import RayHead
+from service.jobs import Follower, Jobs
+from service.metrics import ServiceMetrics
+from service.settings import Settings
+from service.store import JobStore
+from service.views import ViewCache
+
+__all__ = ["Runtime", "RuntimeDep"]
+
+
+@dataclass
+class Runtime:
+    """What the lifespan opened."""
+
+    settings: Settings
+    store: JobStore
+    jobs: Jobs
+    follower: Follower
+    metrics: ServiceMetrics
+    views: ViewCache
+    head: RayHead | None = None
+
+
+async def _runtime(request: Request) -> Runtime:
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+RuntimeDep = Annotated[Runtime, Depends(_runtime)]
