@@ -60,6 +60,11 @@ class ServiceClient:
         job: dict[str, Any] = self._call("POST", "/v1/jobs", json=spec, headers=headers).json()
         return job
 
+    def registry(self) -> dict[str, Any]:
+        """What a job may name, and every closed set the service's answers use."""
+        found: dict[str, Any] = self._call("GET", "/v1/registry").json()
+        return found
+
     def job(self, job_id: str) -> dict[str, Any]:
         job: dict[str, Any] = self._call("GET", f"/v1/jobs/{job_id}").json()
         return job

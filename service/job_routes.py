@@ -75,7 +75,7 @@ def registry_now() -> Registry:
         models=model_names(),
         datasets=dataset_names(),
         optimizers=list(typing.get_args(OptimizerSpec.model_fields["name"].annotation)),
-        strategies=[AUTO, *DistributedStrategy],
+        strategies=[*DistributedStrategy, AUTO],
         compute_methods=list(ComputeMethod),
         kfac_approximations=list(KFACApprox),
         precisions=list(Precision),
@@ -83,7 +83,9 @@ def registry_now() -> Registry:
         finished_states=sorted(FINISHED),
         trial_states=list(TrialState),
         ended_trial_states=[s for s in TrialState if s.ended],
-        sweep_metrics=[NamedMetric(name=m, direction=m.direction) for m in SweepMetric],
+        sweep_metrics=[
+            NamedMetric(name=m, direction=m.direction, unit=m.unit) for m in SweepMetric
+        ],
         trial_metrics=list(TRIAL_METRICS),
         record_kinds=list(RecordKind),
         events={kind: name for kind, name in EVENT_OF.items()},

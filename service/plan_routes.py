@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
+from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.planning import (
     PlanRequest,
@@ -53,9 +54,9 @@ class PlanBody(BaseModel):
     )
     gpus_per_node: Annotated[int, Field(ge=1, le=1024)] | None = None
     intervals: Annotated[list[Interval], Field(min_length=1, max_length=16)] | None = None
-    precision: Literal["fp32", "bf16", "fp16"] | None = None
-    kfac_approx: Literal["expand", "reduce"] | None = None
-    compute_method: Literal["eigen", "inverse"] | None = None
+    precision: Precision | None = None
+    kfac_approx: KFACApprox | None = None
+    compute_method: ComputeMethod | None = None
     optimizer: Literal["sgd", "adam", "adamw", "lamb"] | None = None
     accumulation_steps: Annotated[int, Field(ge=1, le=65536)] = 1
     seq_len: Annotated[int, Field(ge=1, le=65536)] | None = None

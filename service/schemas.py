@@ -184,6 +184,7 @@ class MetricHistory(BaseModel):
 class NamedMetric(BaseModel):
     name: SweepMetric
     direction: Direction = Field(description="whether a larger or smaller value is better")
+    unit: str = Field(description="fraction (shown in percent), seconds, or value")
 
 
 class Registry(BaseModel):
@@ -194,7 +195,8 @@ class Registry(BaseModel):
     datasets: list[str] = Field(description="what a JobSpec's dataset.name may be")
     optimizers: list[str] = Field(description="what optimizer.name may be")
     strategies: list[str] = Field(
-        description="what kfac.strategy may name (it may also be a fraction in (0, 1])"
+        description="what kfac.strategy may name, the JobSpec's default first (it may also be "
+        "a fraction in (0, 1])"
     )
     compute_methods: list[ComputeMethod] = Field(description="kfac.compute_method")
     kfac_approximations: list[KFACApprox] = Field(description="kfac.kfac_approx")

@@ -164,12 +164,25 @@ def watch(
     driver.find_element(By.ID, "token-submit").click()
     wait(lambda: text_of(driver, "#live") == "live", "the event stream to connect")
     assert driver.execute_script("return localStorage.getItem('kaisa-ray-token')") == TOKEN
+    # The closed sets the page shows come from the service's registry (the scripts hold no
+    # copy: tests/test_definitions.py): the list's state filters are its job states.
+    registry = first.client().registry()
+    chips = driver.find_elements(By.CSS_SELECTOR, "[data-filter]")
+    assert [chip.get_attribute("data-filter") for chip in chips] == registry["job_states"]
 
     # The form: a bad damping is refused, named next to its field.
     driver.find_element(By.ID, "nav-new").click()
     form = wait(lambda: driver.find_element(By.ID, "submit-form"), "the form")
     models = [o.text for o in Select(form.find_element(By.NAME, "model.name")).options]
     assert "lenet" in models
+
+    def values(name: str) -> list[str]:
+        options = Select(form.find_element(By.NAME, name)).options
+        return [str(o.get_attribute("value")) for o in options]
+
+    assert values("model.name") == registry["models"]
+    assert values("optimizer.name") == registry["optimizers"]
+    assert values("kfac.strategy") == [*registry["strategies"], "off"]
 
     def fill(name: str, value: str) -> None:
         field = form.find_element(By.NAME, name)

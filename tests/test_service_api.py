@@ -23,9 +23,17 @@ from polling import wait_for, wait_for_job
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.exc import OperationalError
 
-from kaisa_ray.train.records import CandidateRow, KFACChoice, TunerRecord
+from kaisa_ray.enums import ComputeMethod, DistributedStrategy, KFACApprox, Precision
+from kaisa_ray.train.records import (
+    CandidateRow,
+    KFACChoice,
+    RecordKind,
+    SweepMetric,
+    TrialState,
+    TunerRecord,
+)
 from service.app import create_app
-from service.lifecycle import JobEvent
+from service.lifecycle import JobEvent, JobState
 from service.runner import RayJobStatus, submission_id
 from service.settings import Settings
 from service.store import DatabaseInUseError, Job, JobStore, sole_writer
@@ -927,6 +935,20 @@ def test_the_registry_lists_what_a_spec_may_name(service: Service) -> None:
     body = response.json()
     assert {"lenet", "mlp", "resnet20"} <= set(body["models"])
     assert {"fashion-mnist", "mnist", "synthetic"} <= set(body["datasets"])
+    # Every closed set the answers use, from its one definition (the dashboard reads them).
+    assert body["job_states"] == [s.value for s in JobState]
+    assert set(body["finished_states"]) == {s.value for s in JobState if s.finished}
+    assert body["strategies"] == [*(s.value for s in DistributedStrategy), "auto"]
+    assert body["compute_methods"] == [m.value for m in ComputeMethod]
+    assert body["kfac_approximations"] == [a.value for a in KFACApprox]
+    assert body["precisions"] == [p.value for p in Precision]
+    assert body["trial_states"] == [s.value for s in TrialState]
+    assert body["ended_trial_states"] == [s.value for s in TrialState if s.ended]
+    assert body["record_kinds"] == [k.value for k in RecordKind]
+    assert body["sweep_metrics"] == [
+        {"name": m.value, "direction": m.direction.value, "unit": m.unit} for m in SweepMetric
+    ]
+    assert body["events"]["step"] == "progress"
     assert service.client.get("/v1/registry", headers={"Authorization": ""}).status_code == 401
 
 

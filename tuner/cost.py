@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kaisa_ray.assignment import LayerShape
+from kaisa_ray.enums import ComputeMethod
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import Plan, StepType, plan
 from kaisa_ray.strategy import valid_fractions
@@ -90,7 +91,7 @@ def precondition_flops(layer: LayerShape, compute_method: str) -> float:
     """
     k, a, g = layer.groups, layer.a_dim, layer.g_dim
     one_sandwich = 2.0 * k * g * a * (a + g)
-    return one_sandwich * (2 if compute_method == "eigen" else 1)
+    return one_sandwich * (2 if compute_method == ComputeMethod.EIGEN else 1)
 
 
 class DecompositionModel(Protocol):
@@ -120,7 +121,7 @@ class Profile:
     precondition_s_per_flop: float
     allreduce: LinkFit
     broadcast: LinkFit
-    compute_method: str = "eigen"
+    compute_method: str = ComputeMethod.EIGEN
     # How much slower ranks compute all at once than one alone (``measure.compute_contention``):
     # 1 with a device or cores per rank; the times above were measured with every rank busy.
     contention: float = 1.0

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kaisa_ray.enums import ComputeMethod, Precision
 from kaisa_ray.plan import PlannedLayer
 from tuner.cost import LinkFit, Profile, precondition_flops
 from tuner.hardware import Hardware, SizeTable
@@ -51,7 +52,7 @@ class Workload:
     activation_bytes: int  # tensors autograd keeps for backward at this batch size
     forward_flops: float  # one forward pass of the batch
     optimizer_states: int = 1  # float32 tensors of state per parameter (SGD momentum: 1)
-    compute_method: str = "eigen"
+    compute_method: str = ComputeMethod.EIGEN
     # Forward and backward passes per optimizer step (gradient accumulation, as BERT's
     # pre-training runs it): factors are built from every pass, K-FAC's decompositions and
     # communication happen once per step.
@@ -140,18 +141,18 @@ def forecast_profile(
     for layer, (a_rows, g_rows) in zip(workload.layers, workload.rows, strict=True):
         k = layer.groups
         for dim, rows in ((layer.a_dim, a_rows), (layer.g_dim, g_rows)):
-            one = hardware.matmul_seconds(2.0 * rows * dim * dim, dim, "fp32")
+            one = hardware.matmul_seconds(2.0 * rows * dim * dim, dim, Precision.FP32)
             factor_s += k * one * workload.accumulation_steps
         flops = precondition_flops(layer, workload.compute_method)
         sandwich_flops += flops
-        sandwich_s += hardware.matmul_seconds(flops, min(layer.a_dim, layer.g_dim), "fp32")
+        sandwich_s += hardware.matmul_seconds(flops, min(layer.a_dim, layer.g_dim), Precision.FP32)
     step_s, step_source = plain_step(workload, hardware)
     base, transient = memory_basis(workload)
     intra = hardware.intra_node
     link = LinkFit(latency_s=intra.latency_s.value, bytes_per_s=intra.allreduce_busbw.value)
     decomposition = (
         EighTable(table=hardware.eigh)
-        if workload.compute_method == "eigen"
+        if workload.compute_method == ComputeMethod.EIGEN
         else InverseRate(hardware=hardware)
     )
     profile = Profile(

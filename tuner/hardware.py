@@ -27,10 +27,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from kaisa_ray.enums import Precision
 from kaisa_ray.errors import ConfigurationError
 
 KINDS = ("datasheet", "benchmark", "measured", "estimate")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = tuple(p.value for p in Precision)
 
 
 class HardwareProfileError(ConfigurationError):
@@ -119,12 +120,12 @@ class Hardware:
     def node_size(self) -> int:
         return int(self.gpus_per_node.value)
 
-    def matmul_rate(self, n: float, precision: str = "fp32") -> float:
+    def matmul_rate(self, n: float, precision: str = Precision.FP32) -> float:
         """Flop/s of a product whose smallest dimension is ``n``."""
-        table = self.matmul.get(precision) or self.matmul["fp32"]
+        table = self.matmul.get(precision) or self.matmul[Precision.FP32]
         return table.at(n)
 
-    def matmul_seconds(self, flops: float, n: float, precision: str = "fp32") -> float:
+    def matmul_seconds(self, flops: float, n: float, precision: str = Precision.FP32) -> float:
         return self.kernel_latency_s.value + flops / self.matmul_rate(n, precision)
 
     def eigh_seconds(self, n: int) -> float:
@@ -244,7 +245,7 @@ def hardware_from_dict(data: Any, origin: str = "hardware profile") -> Hardware:
     latency = number(gpu.get("kernel_latency_s"), "gpu.kernel_latency_s")
     matmul: dict[str, SizeTable] = {}
     rates = gpu.get("matmul_flops_per_s")
-    if not isinstance(rates, Mapping) or "fp32" not in rates:
+    if not isinstance(rates, Mapping) or Precision.FP32 not in rates:
         problems.append("gpu.matmul_flops_per_s: a table per precision, fp32 at least")
         rates = {}
     for precision, table in rates.items():

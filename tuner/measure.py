@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from kaisa_ray.enums import ComputeMethod
 from tuner.cost import CubicFit, LinkFit
 
 DEFAULT_MESSAGE_BYTES = (4 * 2**10, 256 * 2**10, 4 * 2**20, 16 * 2**20)
@@ -82,7 +83,7 @@ def _spd(n: int, device: torch.device, generator: torch.Generator) -> torch.Tens
 
 def fit_decomposition(
     device: torch.device,
-    compute_method: str = "eigen",
+    compute_method: str = ComputeMethod.EIGEN,
     dims: Sequence[int] = DEFAULT_DIMS,
     repeats: int = 3,
 ) -> CubicFit:
@@ -93,7 +94,7 @@ def fit_decomposition(
         factor = _spd(n, device, generator)
 
         def decompose(f: torch.Tensor = factor) -> object:
-            if compute_method == "eigen":
+            if compute_method == ComputeMethod.EIGEN:
                 return torch.linalg.eigh(f)
             return torch.cholesky_inverse(torch.linalg.cholesky(f))
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kaisa_ray.enums import Precision
 from kaisa_ray.errors import ConfigurationError
 from tuner.hardware import hardware_from_dict
 
@@ -112,7 +113,9 @@ def _training_rate(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(32, 3, 224, 224, device=device)
     y = torch.randint(0, 1000, (32,), device=device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    autocast = torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=precision == Precision.BF16
+    )
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -177,17 +180,20 @@ def measure(
     per_op = _median(lambda: [tiny.add_(1) for _ in range(100)], target, repeats) / 100
     gpu_entry["kernel_latency_s"] = _measured(per_op, "median time of a tiny operation", where)
 
-    rates: dict[str, list[dict[str, Any]]] = {"fp32": []}
+    rates: dict[str, list[dict[str, Any]]] = {Precision.FP32.value: []}
     generator = torch.Generator().manual_seed(0)
     for n in QUICK_SIZES if quick else MATMUL_SIZES:
         a = torch.randn(n, n, generator=generator).to(target)
         seconds = _median(functools.partial(torch.matmul, a, a), target, repeats)
-        rates["fp32"].append(
+        rates[Precision.FP32.value].append(
             {"n": n, **_measured(2 * n**3 / seconds, f"float32 {n}x{n} matmul", where)}
         )
     if target.type == "cuda":
         n = 4096 if not quick else 256
-        for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        for precision, dtype in (
+            (Precision.BF16.value, torch.bfloat16),
+            (Precision.FP16.value, torch.float16),
+        ):
             a = torch.randn(n, n, generator=generator).to(target, dtype)
             seconds = _median(functools.partial(torch.matmul, a, a), target, repeats)
             entry = _measured(2 * n**3 / seconds, f"{precision} {n}x{n} matmul", where)
@@ -224,7 +230,7 @@ def measure(
         training = [
             entry for entry in profile.get("training", []) if entry.get("model") != "resnet50"
         ]
-        for precision in ("fp32", "bf16"):
+        for precision in (Precision.FP32.value, Precision.BF16.value):
             rate = _training_rate(resnet50, target, precision, repeats)
             training.append(
                 {

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray.amp import MixedPrecision, optimizer_step
 from kaisa_ray.assignment import LayerShape
+from kaisa_ray.enums import ComputeMethod
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.registration import registered_layers
 from tuner.cost import Profile, precondition_flops
@@ -130,7 +131,7 @@ def profile_job(
     device: torch.device,
     *,
     steps: int = 4,
-    compute_method: str = "eigen",
+    compute_method: str = ComputeMethod.EIGEN,
     kfac_options: dict[str, Any] | None = None,
     precision: MixedPrecision | None = None,
 ) -> ProfileResult:

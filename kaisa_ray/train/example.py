@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kaisa_ray.enums import DistributedStrategy, KFACApprox
 from kaisa_ray.train.follow import Follower
 from kaisa_ray.train.records import EvalRecord, Record, StepRecord
 from kaisa_ray.train.session import LocalSession
@@ -41,7 +42,7 @@ def run_example(
     damping: float = 0.1,
     kl_clip: float | None = 0.001,
     lr: float = 0.05,
-    kfac_approx: str = "reduce",
+    kfac_approx: str = KFACApprox.REDUCE,
     momentum: float = 0.9,
     eval_every: int = 25,
     seed: int = 0,
@@ -111,7 +112,7 @@ def run_example(
             "dataset": dataset,
             "optimizer": {"name": "sgd", "lr": lr, "momentum": momentum, "nesterov": True},
             "kfac": {
-                "strategy": "comm-opt",
+                "strategy": DistributedStrategy.COMM_OPT,
                 "factor_update_steps": factor_update_steps,
                 "inv_update_steps": inv_update_steps,
                 "damping": damping,

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import Plan, StepType, plan
 from kaisa_ray.strategy import valid_fractions
@@ -97,9 +98,9 @@ class PlanRequest:
     hardware: str
     budgets: tuple[int, ...] = ()  # bytes per GPU; empty: the GPU's memory
     intervals: tuple[tuple[int, int], ...] = DEFAULT_INTERVALS
-    precision: str = "fp32"
-    kfac_approx: str = "expand"
-    compute_method: str = "eigen"
+    precision: str = Precision.FP32
+    kfac_approx: str = KFACApprox.EXPAND
+    compute_method: str = ComputeMethod.EIGEN
     skip_layers: tuple[str, ...] | None = None  # None: the model's default (KAISA's)
     optimizer: str = "sgd"
     accumulation_steps: int = 1

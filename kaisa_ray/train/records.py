@@ -108,6 +108,14 @@ class SweepMetric(enum.StrEnum):
         return Direction.MAX if self is SweepMetric.TEST_ACCURACY else Direction.MIN
 
     @property
+    def unit(self) -> str:
+        """How its values read: ``fraction`` (a share, shown in percent), ``seconds``, or
+        ``value`` (a loss)."""
+        if self is SweepMetric.TEST_ACCURACY:
+            return "fraction"
+        return "seconds" if self is SweepMetric.TIME_TO_TARGET else "value"
+
+    @property
     def reported(self) -> str:
         """The field of a trial's reports that holds it."""
         return "time_to_target_s" if self is SweepMetric.TIME_TO_TARGET else self.value

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.registration import discover
 from kaisa_ray.train.registry import model_factory
@@ -117,11 +118,11 @@ def workload(
     *,
     batch_size: int,
     params: Mapping[str, Any] | None = None,
-    precision: str = "fp32",
-    kfac_approx: str = "expand",
+    precision: str = Precision.FP32,
+    kfac_approx: str = KFACApprox.EXPAND,
     skip_layers: Iterable[str] | None = None,
     optimizer: str = "sgd",
-    compute_method: str = "eigen",
+    compute_method: str = ComputeMethod.EIGEN,
 ) -> Workload:
     """What one rank's step of model ``name`` at ``batch_size`` is, from its shapes.
 
@@ -149,8 +150,8 @@ def workload(
             if isinstance(module, nn.Conv2d):
                 n, oh, ow = output.shape[0], output.shape[-2], output.shape[-1]
                 positions = n * oh * ow
-                a_rows = n if kfac_approx == "reduce" else positions
-                if kfac_approx != "reduce":
+                a_rows = n if kfac_approx == KFACApprox.REDUCE else positions
+                if kfac_approx != KFACApprox.REDUCE:
                     in_dim = module.in_channels * math.prod(module.kernel_size)
                     patches = max(patches, 4 * in_dim * positions)
                 rows[layer_name] = (a_rows, a_rows)
@@ -187,7 +188,7 @@ def workload(
             "pass; skip them (skip_layers) to plan it"
         )
     activations = sum(saved.values())
-    if precision in ("bf16", "fp16"):
+    if precision in (Precision.BF16, Precision.FP16):
         activations //= 2  # autocast keeps most saved activations in half precision
     return Workload(
         model=name,

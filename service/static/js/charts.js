@@ -1,0 +1,126 @@
+// A job's training curves: its metric history (GET /v1/jobs/{id}/metrics) and the step and
+// eval records its event stream brings, drawn with Plotly against the step or the time.
+
+import { api } from "./api.js";
+import { h } from "./dom.js";
+
+/** The charts of a job, by the kind of record (the registry's) and field each trace reads. */
+function chartsOf(kind) {
+  return [
+    { id: "chart-loss", title: "Loss", y: "loss", traces: [
+      { kind: kind.step, field: "loss", name: "training loss" },
+      { kind: kind.eval, field: "test_loss", name: "test loss" },
+    ] },
+    { id: "chart-accuracy", title: "Accuracy", y: "accuracy", percent: true, traces: [
+      { kind: kind.eval, field: "test_accuracy", name: "test accuracy" },
+      { kind: kind.step, field: "accuracy", name: "training accuracy" },
+    ] },
+    { id: "chart-throughput", title: "Throughput", y: "samples / s", traces: [
+      { kind: kind.step, field: "samples_per_s", name: "samples / s" },
+    ] },
+  ];
+}
+
+/** The curves of job ``id`` in ``box``: ``load()`` reads the history (again after a
+ *  reconnection); ``add(kind, point)`` takes a streamed record (kept until the history is
+ *  in, then merged after it); ``draw(now)`` redraws (at most twice a second unless now). */
+export function curves(box, id, sets, signal) {
+  const kind = sets.kind;
+  const charts = chartsOf(kind);
+  const points = { [kind.step]: [], [kind.eval]: [] };
+  let xAxis = "step";
+  let lastTime = 0;
+  let early = [];
+  let loaded = false;
+  let pending = null;
+  const state = { drawn: false };
+
+  const plots = h("div", { class: "charts" });
+  for (const chart of charts) plots.append(h("div", { class: "chart", id: chart.id }));
+  const axisToggle = h("div", { class: "axis", role: "group", "aria-label": "x axis" },
+    ["step", "time"].map((axis) => h("button", {
+      type: "button", class: axis === xAxis ? "chip on" : "chip", "data-axis": axis,
+      onclick: (event) => {
+        xAxis = axis;
+        for (const b of axisToggle.children) b.classList.toggle("on", b === event.target);
+        draw(true);
+      },
+    }, axis === "step" ? "against step" : "against wall-clock time")));
+  box.append(h("div", { class: "heading" }, h("h2", {}, "Training curves"), axisToggle), plots);
+
+  function draw(now) {
+    if (typeof Plotly === "undefined") return;
+    if (!now) { // at most twice a second while events stream in
+      pending = pending || setTimeout(() => { pending = null; draw(true); }, 500);
+      return;
+    }
+    for (const chart of charts) {
+      const traces = chart.traces.map((t) => {
+        const series = points[t.kind].filter((p) => typeof p.values[t.field] === "number");
+        return {
+          x: series.map((p) => (xAxis === "step" ? p.step : new Date(p.time * 1000))),
+          y: series.map((p) => p.values[t.field]),
+          name: t.name, mode: t.kind === kind.eval ? "lines+markers" : "lines", type: "scatter",
+        };
+      }).filter((t) => t.x.length);
+      const layout = {
+        title: { text: chart.title, font: { size: 14 }, x: 0.02, xanchor: "left" },
+        margin: { l: 50, r: 10, t: 40, b: 40 }, height: 260,
+        legend: { orientation: "h", x: 1, xanchor: "right", y: 1.02, yanchor: "bottom" },
+        xaxis: { title: { text: xAxis === "step" ? "step" : "wall-clock time" } },
+        yaxis: { title: { text: chart.y }, tickformat: chart.percent ? ".0%" : "" },
+      };
+      Plotly.react(chart.id, traces, layout, { displayModeBar: false, responsive: true });
+      const node = document.getElementById(chart.id);
+      node.dataset.points = traces.reduce((n, t) => n + t.x.length, 0);
+    }
+    state.drawn = true;
+    plots.dataset.drawn = "true";
+  }
+
+  function put(recordKind, point) {
+    if (point.time <= lastTime && recordKind === kind.step) return; // already in the history
+    points[recordKind].push(point);
+  }
+
+  /** A streamed step or eval record; true if it was one. */
+  function add(record) {
+    if (record.kind !== kind.step && record.kind !== kind.eval) return false;
+    const point = { step: record.step, time: record.time, values: record };
+    if (!loaded) { early.push([record.kind, point]); return true; }
+    put(record.kind, point);
+    draw(false);
+    return true;
+  }
+
+  async function load() {
+    loaded = false;
+    early = [];
+    const fresh = { [kind.step]: [], [kind.eval]: [] };
+    let last = 0;
+    let since = 0;
+    for (;;) {
+      const page = await api(`/v1/jobs/${id}/metrics?since=${since}&limit=10000`, { signal });
+      for (const p of page.points) {
+        const point = { step: p.step, time: Date.parse(p.at) / 1000, values: p.values };
+        fresh[p.kind].push(point);
+        if (p.kind === kind.step) last = Math.max(last, point.time);
+      }
+      if (page.points.length < 10000) break;
+      since = page.next_since;
+    }
+    points[kind.step] = fresh[kind.step];
+    points[kind.eval] = fresh[kind.eval];
+    lastTime = last;
+    const evals = points[kind.eval];
+    const lastEval = evals.length ? evals[evals.length - 1].time : 0;
+    for (const [recordKind, point] of early) {
+      if (recordKind === kind.eval && point.time <= lastEval) continue;
+      put(recordKind, point);
+    }
+    loaded = true;
+    draw(true);
+  }
+
+  return { add, load, draw, state };
+}

@@ -1,0 +1,209 @@
+"""One definition for every record kind and every closed set (the grep of issue 21, as a test).
+
+- Each member of a closed set (job and trial states, strategies, compute methods, Conv2d
+  approximations, precisions, directions) is written as a string in one Python module only:
+  the one that defines its enum. Everyone else uses the enum.
+- A record kind is written only in ``kaisa_ray/train/records.py``: no other module builds a
+  record as ``{"kind": "..."}`` or compares a kind with a string.
+- The dashboard's scripts hold no copy of those sets (they read ``GET /v1/registry``).
+- ``RecordKind``, the record classes and the ``Record`` union agree.
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+import re
+import typing
+from pathlib import Path
+
+import pytest
+
+from kaisa_ray.enums import ComputeMethod, DistributedStrategy, KFACApprox, Precision
+from kaisa_ray.timing import PHASES
+from kaisa_ray.train import records
+from kaisa_ray.train.records import PHASE_FIELDS, Direction, RecordKind, StepRecord, TrialState
+from service.lifecycle import JobState
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = sorted(
+    path
+    for package in ("kaisa_ray", "tuner", "service")
+    for path in (ROOT / package).rglob("*.py")
+    if "migrations" not in path.parts
+)
+CLOSED_SETS: list[type[enum.Enum]] = [
+    JobState,
+    TrialState,
+    DistributedStrategy,
+    ComputeMethod,
+    KFACApprox,
+    Precision,
+    Direction,
+]
+RECORDS = ROOT / "kaisa_ray" / "train" / "records.py"
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+        ):
+            found.add(id(body[0].value))
+    return found
+
+
+def string_constants(path: Path) -> set[str]:
+    """The strings a module writes in its code (not its docstrings)."""
+    tree = ast.parse(path.read_text())
+    skip = _docstrings(tree)
+    return {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip
+    }
+
+
+def enum_members(path: Path) -> set[str]:
+    """The values of the members of the enums a module defines."""
+    tree = ast.parse(path.read_text())
+    values = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and any(
+            isinstance(base, ast.Attribute | ast.Name)
+            and (getattr(base, "attr", None) or getattr(base, "id", "")).endswith("Enum")
+            for base in node.bases
+        ):
+            for item in node.body:
+                if isinstance(item, ast.Assign) and isinstance(item.value, ast.Constant):
+                    values.add(str(item.value.value))
+    return values
+
+
+@pytest.mark.parametrize("closed", CLOSED_SETS, ids=lambda e: e.__name__)
+def test_each_member_of_a_closed_set_is_written_in_its_enum_s_module_only(
+    closed: type[enum.Enum],
+) -> None:
+    constants = {path: string_constants(path) for path in SOURCES}
+    defines = {path: enum_members(path) for path in SOURCES}
+    for member in closed:
+        value = str(member.value)
+        written = {path for path, found in constants.items() if value in found}
+        defining = {path for path in written if value in defines[path]}
+        assert defining, f"{value!r} of {closed.__name__} is written nowhere as a member"
+        assert written == defining, (
+            f"{value!r} of {closed.__name__} is written in "
+            f"{sorted(str(p.relative_to(ROOT)) for p in written - defining)}: use the enum"
+        )
+
+
+def _mentions_kind(node: ast.AST) -> bool:
+    return "kind" in ast.unparse(node).lower()
+
+
+def _strings_in(node: ast.AST) -> list[str]:
+    return [
+        n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    ]
+
+
+def kind_literals(path: Path) -> list[str]:
+    """Where a module writes a record kind as a string: a ``{"kind": "..."}`` literal, a
+    comparison of something named kind with a string, or ``kinds=[...]`` of strings."""
+    tree = ast.parse(path.read_text())
+    found = []
+    kinds = {k.value for k in RecordKind}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=True):
+                if (
+                    isinstance(key, ast.Constant)
+                    and key.value == "kind"
+                    and isinstance(value, ast.Constant)
+                    and value.value in kinds
+                ):
+                    found.append(f"line {node.lineno}: {{'kind': {value.value!r}}}")
+        elif isinstance(node, ast.Compare) and any(
+            _mentions_kind(side) for side in [node.left, *node.comparators]
+        ):
+            written = [s for s in _strings_in(node) if s in kinds]
+            if written:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.keyword) and node.arg == "kinds":
+            written = [s for s in _strings_in(node.value) if s in kinds]
+            if written:
+                found.append(f"line {node.value.lineno}: kinds={written}")
+    return found
+
+
+# Other vocabularies that happen to share a word with a record kind, and say "kind" too.
+NOT_RECORDS = {
+    "kaisa_ray/train/optimizers.py": "schedule.kind == 'step'",  # ScheduleSpec.kind
+    "tuner/node.py": "{'kind': 'measured'}",  # a hardware number's kind (tuner.hardware.KINDS)
+}
+
+
+def test_record_kinds_are_written_in_the_records_module_only() -> None:
+    offenders = {}
+    for path in SOURCES:
+        where = str(path.relative_to(ROOT))
+        lines = [
+            line
+            for line in kind_literals(path)
+            if path != RECORDS and not (where in NOT_RECORDS and NOT_RECORDS[where] in line)
+        ]
+        if lines:
+            offenders[where] = lines
+    assert offenders == {}
+
+
+def test_the_check_sees_a_record_built_by_hand(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "record = {'kind': 'step', 'step': 3}\n"
+        "if record['kind'] == 'eval':\n    pass\n"
+        "read(run, kinds=['tuner'])\n"
+        "if record['step'] == 'eval':\n    pass\n"  # not a kind: not counted
+    )
+    assert [line.split(":")[0] for line in kind_literals(bad)] == ["line 1", "line 2", "line 4"]
+    assert "QUEUED" in string_constants(ROOT / "service" / "lifecycle.py")
+    assert "QUEUED" in enum_members(ROOT / "service" / "lifecycle.py")
+
+
+def test_every_kind_has_one_record_class_in_the_union() -> None:
+    union = typing.get_args(typing.get_args(records.Record)[0])
+    kinds = [typing.get_args(cls.model_fields["kind"].annotation)[0] for cls in union]
+    assert sorted(kinds) == sorted(RecordKind)  # one class per kind, every kind a class
+    for cls in union:
+        name = cls.__name__
+        assert name.endswith("Record"), name
+        assert name in records.__all__, name
+
+
+def test_a_step_record_has_a_field_for_every_k_fac_phase() -> None:
+    assert tuple(f"kfac_{phase}_ms" for phase in PHASES) == PHASE_FIELDS
+    assert set(PHASE_FIELDS) <= set(StepRecord.model_fields)
+
+
+# -- the dashboard ----------------------------------------------------------------------------
+
+SCRIPTS = sorted((ROOT / "service" / "static").rglob("*.js"))
+JS_STRING = re.compile(r"""(["'`])((?:\\.|(?!\1).)*)\1""")
+
+
+@pytest.mark.parametrize(
+    "closed",
+    [JobState, TrialState, DistributedStrategy, ComputeMethod, KFACApprox, Precision],
+    ids=lambda e: e.__name__,
+)
+def test_the_dashboard_keeps_no_copy_of_a_closed_set(closed: type[enum.Enum]) -> None:
+    assert SCRIPTS, "no dashboard scripts found"
+    for script in SCRIPTS:
+        strings = {match.group(2) for match in JS_STRING.finditer(script.read_text())}
+        copied = sorted(strings & {str(m.value) for m in closed})
+        assert not copied, f"{script.name} writes {copied} of {closed.__name__}: read /v1/registry"
