@@ -43,7 +43,14 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from kaisa_ray.enums import ComputeMethod, DistributedStrategy, KFACApprox, Precision
+from kaisa_ray.enums import (
+    ComputeMethod,
+    DistributedStrategy,
+    FactorScale,
+    KFACApprox,
+    Precision,
+    RunningAverage,
+)
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.strategy import resolve_grad_worker_fraction
 from kaisa_ray.train.records import Direction, SweepMetric
@@ -295,6 +302,13 @@ class KFACSpec(_Strict):
     kl_clip: Annotated[float, Field(gt=0, le=1e6)] | None = 0.001
     compute_method: ComputeMethod = ComputeMethod.EIGEN
     kfac_approx: KFACApprox = KFACApprox.REDUCE
+    # The curvature that does real work (benchmarks/batch_size_study.py): the Fisher's own
+    # factors, averages that start from the first batch, damping split by pi. The reference's
+    # conventions are one field each away: identity, reference, false.
+    running_average: RunningAverage = RunningAverage.DEBIASED
+    factor_scale: FactorScale = FactorScale.FISHER
+    pi_damping: bool = True
+    factor_samples: Annotated[int, Field(gt=0, le=65536)] | None = None
     max_overhead: Annotated[float, Field(gt=0, le=1000)] | None = None
     intervals: (
         Annotated[

@@ -107,11 +107,14 @@ def choose_in_workers(
     Raises:
         NoFeasibleCandidateError: nothing fits the budget (on every rank).
     """
-    options = {
-        "compute_method": kfac.compute_method,
+    curvature = {
         "kfac_approx": kfac.kfac_approx,
-        "precision": spec.precision,
+        "running_average": kfac.running_average,
+        "factor_scale": kfac.factor_scale,
+        "pi_damping": kfac.pi_damping,
+        "factor_samples": kfac.factor_samples,
     }
+    options = {"compute_method": kfac.compute_method, **curvature, "precision": spec.precision}
     model = net.module if isinstance(net, DistributedDataParallel) else net
     key = profile_key(model, shard.batch(1)[0], device, options)
     rank = dist.get_rank() if distributed() else 0
@@ -127,7 +130,7 @@ def choose_in_workers(
             nn.functional.cross_entropy,
             device,
             compute_method=kfac.compute_method,
-            kfac_options={"kfac_approx": kfac.kfac_approx},
+            kfac_options=curvature,
             precision=precision,
         )
         profile, seconds = result.profile, result.seconds

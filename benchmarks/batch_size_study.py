@@ -1,0 +1,360 @@
+"""The batch-size study: steps and wall-clock to 88% test accuracy on Fashion-MNIST against the
+global batch size, for SGD with Nesterov momentum, AdamW and K-FAC, on 2 Ray Train workers.
+
+Every run is a real kaisa-ray job (``run_job``: TorchTrainer, DDP over gloo, one CPU per worker)
+of the LeNet-style CNN, the global batch split over the 2 workers, test accuracy on the full 10k
+test set every ``eval_every`` steps, stopped at 88%.
+
+The same tuning effort for every optimizer, at every batch size (seed 0):
+
+- a grid of 5 step sizes with a linear warm-up of 20 steps and a constant rate after it:
+  SGD (Nesterov 0.9) lr 0.0125-0.2 and AdamW (no weight decay) lr 5e-4-8e-3, each a factor 2
+  apart; for K-FAC the step size is the KL clip κ (the natural-gradient step's length, since the
+  clip binds: the lr of the SGD under it, 1, is only an upper bound), κ 3e-4-3e-2 a factor of
+  about 3 apart. No "scaling rule" guess is needed: each grid spans 16-100x and is the same at
+  every batch size, so the optimum a scaling rule would predict lies inside it (the chosen
+  points are in the table; an optimum on a grid's edge is flagged);
+- the best grid point is the one with the fewest steps to the target (ties: fewer training
+  seconds); a grid point stops as soon as it has taken as many steps as the best one so far
+  needed (it cannot beat it), and a diverging one stops at once;
+- then the best point of each optimizer runs with seeds 0, 1 and 2, interleaved seed by seed,
+  and the table reports medians.
+
+K-FAC is the project's default curvature (Fisher-scale factors, debiased running averages,
+π-damping, damping 0.1, K-FAC-reduce, factors every 5 steps and eigendecompositions every 50,
+COMM-OPT) on SGD with Nesterov momentum 0.9; at batches above 256 per worker its factors come
+from 256 examples of each worker's batch (``factor_samples``: an unbiased estimate at a fraction
+of the cost; the ablation in ``optimizers_fashion_mnist.py --ablation`` shows its effect).
+
+Training seconds exclude evaluation and worker start-up (what the train loop's step timer
+counts). Runs write ``results/batch_size_study.json`` as they finish; ``--resume`` skips the runs
+already there, so a long study survives an interruption.
+
+Run ``python benchmarks/batch_size_study.py`` (hours on 2 cores; ``--batches 128 512`` for some
+sizes; ``--quick`` for a smoke run); ``--write`` stores the table and the plots.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ray
+from report import git_commit, machine, table, write_block
+from targets import Run, run_to_target
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+TARGET = 0.88
+WORKERS = 2
+WARMUP = 20
+SEEDS = (0, 1, 2)
+# Per global batch: at most this many steps, an evaluation every so many.
+LIMITS = {128: (1500, 10), 512: (1000, 10), 2048: (600, 10), 8192: (400, 5)}
+FACTOR_SAMPLES = 256  # per worker, from batches larger than this
+
+OPTIMIZERS = ("SGD", "AdamW", "K-FAC")
+GRIDS: dict[str, list[float]] = {
+    "SGD": [0.0125, 0.025, 0.05, 0.1, 0.2],
+    "AdamW": [5e-4, 1e-3, 2e-3, 4e-3, 8e-3],
+    "K-FAC": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2],  # the KL clip
+}
+KFAC: dict[str, Any] = {
+    "strategy": "comm-opt",
+    "factor_update_steps": 5,
+    "inv_update_steps": 50,
+    "damping": 0.1,
+    "kfac_approx": "reduce",
+    "running_average": "debiased",
+    "factor_scale": "fisher",
+    "pi_damping": True,
+}
+
+
+def spec(optimizer: str, step_size: float, batch: int, seed: int, max_steps: int) -> dict[str, Any]:
+    per_worker = batch // WORKERS
+    schedule = {"kind": "constant", "warmup_steps": WARMUP}
+    kfac: dict[str, Any] | str = "off"
+    if optimizer == "SGD":
+        opt = {"name": "sgd", "lr": step_size, "momentum": 0.9, "schedule": schedule}
+    elif optimizer == "AdamW":
+        opt = {"name": "adamw", "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
+    else:
+        opt = {"name": "sgd", "lr": 1.0, "momentum": 0.9, "schedule": schedule}
+        kfac = {**KFAC, "kl_clip": step_size}
+        if per_worker > FACTOR_SAMPLES:
+            kfac["factor_samples"] = FACTOR_SAMPLES
+    return {
+        "name": f"bs{batch}-{optimizer.lower()}",
+        "model": {"name": "lenet"},
+        "dataset": {"name": "fashion-mnist", "batch_size": per_worker},
+        "optimizer": opt,
+        "kfac": kfac,
+        "scaling": {"workers": WORKERS, "cpus_per_worker": 1},
+        "stop": {
+            "max_steps": max_steps,
+            "target": {"metric": "test_accuracy", "value": TARGET},
+        },
+        "eval_every": LIMITS[batch][1],
+        "checkpoint": {"every_steps": 100_000, "keep": 1},
+        "seed": seed,
+    }
+
+
+@dataclasses.dataclass
+class Entry:
+    batch: int
+    optimizer: str
+    step_size: float
+    phase: str  # "tune" or "final"
+    run: Run
+
+    @property
+    def key(self) -> str:
+        return f"{self.batch}/{self.optimizer}/{self.step_size:g}/{self.phase}/{self.run.seed}"
+
+
+def load(path: Path) -> list[Entry]:
+    if not path.exists():
+        return []
+    return [
+        Entry(e["batch"], e["optimizer"], e["step_size"], e["phase"], Run(**e["run"]))
+        for e in json.loads(path.read_text())["runs"]
+    ]
+
+
+def save(path: Path, entries: list[Entry], meta: dict[str, Any]) -> None:
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(
+        json.dumps({**meta, "runs": [dataclasses.asdict(e) for e in entries]}, indent=1)
+    )
+
+
+def better(a: Run, b: Run | None) -> bool:
+    """Whether ``a`` reached the target in fewer steps than ``b`` (ties: fewer seconds)."""
+    if a.steps is None:
+        return False
+    if b is None or b.steps is None:
+        return True
+    return (a.steps, a.train_s or 0.0) < (b.steps, b.train_s or 0.0)
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    """Median over seeds; None if any seed missed the target (its time is unbounded)."""
+    if not values or any(v is None for v in values):
+        return None
+    return statistics.median(v for v in values if v is not None)
+
+
+def summarize(entries: list[Entry], header: str) -> str:
+    rows = []
+    for batch in sorted({e.batch for e in entries}):
+        finals = {
+            o: [e for e in entries if e.batch == batch and e.optimizer == o and e.phase == "final"]
+            for o in OPTIMIZERS
+        }
+        train = {o: median_or_none([e.run.train_s for e in es]) for o, es in finals.items()}
+        steps = {o: median_or_none([e.run.steps for e in es]) for o, es in finals.items()}
+        first_order = [o for o in ("SGD", "AdamW") if train[o] is not None]
+        best = min(first_order, key=lambda o: train[o] or 0.0) if first_order else None
+        for optimizer, es in finals.items():
+            if not es:
+                continue
+            point = es[0].step_size
+            grid = GRIDS[optimizer]
+            edge = " (grid edge)" if point in (grid[0], grid[-1]) else ""
+            name = "κ" if optimizer == "K-FAC" else "lr"
+            t, s = train[optimizer], steps[optimizer]
+            ratio_t = ratio_s = "-"
+            if optimizer == "K-FAC" and best is not None and t is not None and s is not None:
+                ratio_t = f"{t / (train[best] or 1):.2f}x {best}"
+                ratio_s = f"{s / (steps[best] or 1):.2f}x {best}"
+            reached = sum(e.run.steps is not None for e in es)
+            rows.append(
+                [
+                    str(batch),
+                    optimizer,
+                    f"{name} {point:g}{edge}",
+                    f"{reached}/{len(es)}",
+                    "-" if s is None else f"{s:.0f}",
+                    "-" if t is None else f"{t:.1f}",
+                    f"{statistics.mean(e.run.ms_per_step for e in es):.1f}",
+                    ratio_s,
+                    ratio_t,
+                ]
+            )
+    return table(
+        header,
+        [
+            "global batch",
+            "optimizer",
+            "tuned step size",
+            "seeds at 88%",
+            "steps (median)",
+            "train s (median)",
+            "ms/step",
+            "K-FAC steps ÷ best first-order",
+            "K-FAC train s ÷ best first-order",
+        ],
+        rows,
+    )
+
+
+def plot(entries: list[Entry], steps_path: Path, curve_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"SGD": "tab:gray", "AdamW": "tab:orange", "K-FAC": "tab:blue"}
+    finals = [e for e in entries if e.phase == "final"]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for optimizer in OPTIMIZERS:
+        points = []
+        for batch in sorted({e.batch for e in finals}):
+            values = [e.run.steps for e in finals if e.batch == batch and e.optimizer == optimizer]
+            med = median_or_none(values)  # type: ignore[arg-type]
+            if med is not None:
+                points.append((batch, med))
+        if points:
+            ax.plot(*zip(*points, strict=True), "o-", color=colors[optimizer], label=optimizer)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("global batch size (2 Ray Train workers)")
+    ax.set_ylabel("steps to 88% test accuracy (median of 3 seeds)")
+    ax.set_title("Fashion-MNIST, LeNet: steps to target against batch size")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(steps_path, dpi=110)
+    plt.close(fig)
+
+    largest = max(e.batch for e in finals)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for optimizer in OPTIMIZERS:
+        runs = [e.run for e in finals if e.batch == largest and e.optimizer == optimizer]
+        for i, run in enumerate(runs):
+            xs = [c[0] for c in run.curve]
+            ys = [c[1] for c in run.curve]
+            label = optimizer if i == 0 else None
+            ax.plot(xs, ys, color=colors[optimizer], alpha=0.8, label=label)
+    ax.axhline(TARGET, color="black", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("training wall-clock seconds (2 Ray workers, evaluation excluded)")
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0.5, 0.92)
+    ax.set_title(f"Global batch {largest}: every seed")
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(curve_path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=sorted(LIMITS))
+    parser.add_argument("--resume", action="store_true", help="skip runs already in the JSON")
+    parser.add_argument("--quick", action="store_true", help="batch 128, 2 grid points, 1 seed")
+    parser.add_argument("--write", action="store_true", help="store the table and the plots")
+    parser.add_argument("--json", type=Path, default=RESULTS / "batch_size_study.json")
+    args = parser.parse_args()
+    unknown = set(args.batches) - set(LIMITS)
+    if unknown:
+        parser.error(f"batches {sorted(unknown)} have no step limits; choose from {sorted(LIMITS)}")
+    grids, seeds = GRIDS, SEEDS
+    if args.quick:
+        args.batches = [128]
+        grids = {o: g[2:4] for o, g in GRIDS.items()}
+        seeds = (0,)
+        LIMITS[128] = (60, 20)
+        args.json = Path(tempfile.mkdtemp()) / "quick.json"
+
+    entries = load(args.json) if args.resume else []
+    done = {e.key for e in entries}
+    started = datetime.datetime.now(datetime.UTC)
+    meta = {"commit": git_commit(), "machine": machine(), "started": started.isoformat()}
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+
+    def measure(batch: int, optimizer: str, step_size: float, phase: str, seed: int) -> Run:
+        key = f"{batch}/{optimizer}/{step_size:g}/{phase}/{seed}"
+        for e in entries:
+            if e.key == key:
+                return e.run
+        max_steps = LIMITS[batch][0]
+        if phase == "tune":
+            best = best_of(batch, optimizer)
+            if best is not None and best.steps is not None:
+                max_steps = min(max_steps, best.steps)
+        data = spec(optimizer, step_size, batch, seed, max_steps)
+        run = run_to_target(f"{optimizer} {step_size:g}", data, Path(storage))
+        entries.append(Entry(batch, optimizer, step_size, phase, run))
+        done.add(key)
+        save(args.json, entries, meta)
+        print(
+            f"[{phase}] batch {batch} {optimizer} {step_size:g} seed {seed}: steps {run.steps}, "
+            f"train s {run.train_s}, {run.ms_per_step:.1f} ms/step"
+            + (f", {run.failure}" if run.failure else ""),
+            flush=True,
+        )
+        return run
+
+    def best_of(batch: int, optimizer: str) -> Run | None:
+        best: Run | None = None
+        for e in entries:
+            if (e.batch, e.optimizer, e.phase) == (batch, optimizer, "tune") and better(
+                e.run, best
+            ):
+                best = e.run
+        return best
+
+    def best_point(batch: int, optimizer: str) -> float:
+        best, point = None, grids[optimizer][len(grids[optimizer]) // 2]
+        for e in entries:
+            if (e.batch, e.optimizer, e.phase) == (batch, optimizer, "tune") and better(
+                e.run, best
+            ):
+                best, point = e.run, e.step_size
+        return point
+
+    with tempfile.TemporaryDirectory(prefix="kaisa-bs-") as storage:
+        for batch in sorted(args.batches):
+            for optimizer in OPTIMIZERS:
+                for step_size in grids[optimizer]:
+                    measure(batch, optimizer, step_size, "tune", 0)
+            chosen = {o: best_point(batch, o) for o in OPTIMIZERS}
+            for seed in seeds:
+                for optimizer in OPTIMIZERS:
+                    measure(batch, optimizer, chosen[optimizer], "final", seed)
+    ray.shutdown()
+    header = (
+        f"Measured {started:%Y-%m-%d} at commit {meta['commit']} on {meta['machine']}; "
+        f"{WORKERS} Ray Train workers, tuned on seed 0 over 5 step sizes per optimizer, then "
+        f"seeds {', '.join(map(str, seeds))} interleaved; medians."
+    )
+    text = summarize(entries, header)
+    print(text)
+    if args.write:
+        RESULTS.mkdir(exist_ok=True)
+        plot(
+            entries,
+            RESULTS / "batch_size_study_steps.png",
+            RESULTS / "batch_size_study_curves.png",
+        )
+        write_block("batch-size-study", text)
+
+
+if __name__ == "__main__":
+    main()
