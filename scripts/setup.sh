@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 VENV=${KAISA_VENV:-.venv}
 PY=${PYTHON:-python3}
 
-# Debian's packages: the data, and the browser and its driver for the dashboard's test.
-DEBS="dataset-fashion-mnist chromium chromium-driver"
+# Debian's packages: the data (Fashion-MNIST; fortunes, the text corpus of the language-model
+# workload), and the browser and its driver for the dashboard's test.
+DEBS="dataset-fashion-mnist fortunes chromium chromium-driver"
 missing=""
 for deb in $DEBS; do
     dpkg -s "$deb" >/dev/null 2>&1 || missing="$missing $deb"

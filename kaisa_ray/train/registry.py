@@ -21,9 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from kaisa_ray.train.corpus import DEFAULT_FORTUNES_DIR, load_text_corpus
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset, synthetic_dataset
 from kaisa_ray.train.models import MLP, LeNetCNN, ResNet20
 from kaisa_ray.train.models_large import BertLarge, ResNet50
+from kaisa_ray.train.transformer import CharTransformer
 
 ModelFactory = Callable[..., nn.Module]
 
@@ -53,6 +55,10 @@ def _idx(request: DatasetRequest) -> tuple[torch.Tensor, torch.Tensor]:
     return load_idx_dataset(request.data_dir, request.split, limit=request.limit)  # type: ignore[arg-type]
 
 
+def _text(request: DatasetRequest) -> tuple[torch.Tensor, torch.Tensor]:
+    return load_text_corpus(request.data_dir, request.split, limit=request.limit)
+
+
 def _synthetic(request: DatasetRequest) -> tuple[torch.Tensor, torch.Tensor]:
     size = request.limit or (2048 if request.split == "train" else 512)
     return synthetic_dataset(size, seed=request.seed + (0 if request.split == "train" else 1))
@@ -64,6 +70,7 @@ BUILTIN_MODELS: dict[str, ModelFactory] = {
     "resnet20": ResNet20,
     "resnet50": ResNet50,  # ImageNet; with kaisa-ray plan, priced on the meta device
     "bert-large": BertLarge,  # token ids in: for kaisa-ray plan, or a plugin token dataset
+    "char-transformer": CharTransformer,  # byte-level language model, e.g. on fortunes
 }
 BUILTIN_DATASETS: dict[str, DatasetEntry] = {
     "fashion-mnist": DatasetEntry(
@@ -77,6 +84,13 @@ BUILTIN_DATASETS: dict[str, DatasetEntry] = {
         loader=_idx,
         needs_files=True,
         install_hint="set data_dir to a directory holding MNIST's four IDX files",
+    ),
+    "fortunes": DatasetEntry(
+        loader=_text,
+        needs_files=True,
+        default_dir=DEFAULT_FORTUNES_DIR,
+        install_hint="apt-get install fortunes (Debian), or set data_dir to a directory of text "
+        "files (any byte-level corpus)",
     ),
     "synthetic": DatasetEntry(loader=_synthetic, needs_files=False),
 }

@@ -103,7 +103,11 @@ def _totals(
     batch_size: int,
     precision: MixedPrecision,
 ) -> torch.Tensor:
-    """(summed cross-entropy, correct predictions, samples) over ``images``, in float64."""
+    """(summed cross-entropy, correct predictions, predictions) over ``images``, in float64.
+
+    A prediction is a target: one per sample for a classifier, one per position for a
+    sequence model (logits ``(batch, classes, positions)``), so the loss is a mean per token.
+    """
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64)
@@ -114,7 +118,7 @@ def _totals(
             logits = model(x).float()
         totals[0] += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
         totals[1] += int((logits.argmax(dim=1) == y).sum())
-        totals[2] += y.shape[0]
+        totals[2] += y.numel()
     model.train(was_training)
     return totals
 

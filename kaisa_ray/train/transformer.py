@@ -69,7 +69,12 @@ class CharTransformer(nn.Module):
     """
 
     def __init__(
-        self, vocabulary: int = 256, context: int = 64, width: int = 64, depth: int = 2, heads: int = 4
+        self,
+        vocabulary: int = 256,
+        context: int = 64,
+        width: int = 64,
+        depth: int = 2,
+        heads: int = 4,
     ) -> None:
         super().__init__()
         if width % heads:
