@@ -44,17 +44,16 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 import argparse
-import dataclasses
 import datetime
-import json
 import statistics
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import ray
 from report import git_commit, machine, table, write_block
-from targets import Run, run_to_target
+from targets import Entry, Study, median_or_none
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -84,7 +83,7 @@ KFAC: dict[str, Any] = {
 }
 
 
-def spec(optimizer: str, step_size: float, batch: int, seed: int, max_steps: int) -> dict[str, Any]:
+def spec(batch: int, optimizer: str, step_size: float, seed: int, max_steps: int) -> dict[str, Any]:
     per_worker = batch // WORKERS
     schedule = {"kind": "constant", "warmup_steps": WARMUP}
     kfac: dict[str, Any] | str = "off"
@@ -114,58 +113,14 @@ def spec(optimizer: str, step_size: float, batch: int, seed: int, max_steps: int
     }
 
 
-@dataclasses.dataclass
-class Entry:
-    batch: int
-    optimizer: str
-    step_size: float
-    phase: str  # "tune" or "final"
-    run: Run
-
-    @property
-    def key(self) -> str:
-        return f"{self.batch}/{self.optimizer}/{self.step_size:g}/{self.phase}/{self.run.seed}"
-
-
-def load(path: Path) -> list[Entry]:
-    if not path.exists():
-        return []
-    return [
-        Entry(e["batch"], e["optimizer"], e["step_size"], e["phase"], Run(**e["run"]))
-        for e in json.loads(path.read_text())["runs"]
-    ]
-
-
-def save(path: Path, entries: list[Entry], meta: dict[str, Any]) -> None:
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(
-        json.dumps({**meta, "runs": [dataclasses.asdict(e) for e in entries]}, indent=1)
-    )
-
-
-def better(a: Run, b: Run | None) -> bool:
-    """Whether ``a`` reached the target in fewer steps than ``b`` (ties: fewer seconds)."""
-    if a.steps is None:
-        return False
-    if b is None or b.steps is None:
-        return True
-    return (a.steps, a.train_s or 0.0) < (b.steps, b.train_s or 0.0)
-
-
-def median_or_none(values: list[float | None]) -> float | None:
-    """Median over seeds; None if any seed missed the target (its time is unbounded)."""
-    if not values or any(v is None for v in values):
-        return None
-    return statistics.median(v for v in values if v is not None)
-
-
 def summarize(entries: list[Entry], header: str) -> str:
     rows = []
-    for batch in sorted({e.batch for e in entries}):
+    for batch in sorted({int(e.group) for e in entries}):
         finals = {
-            o: [e for e in entries if e.batch == batch and e.optimizer == o and e.phase == "final"]
+            o: [e for e in entries if e.group == str(batch) and e.optimizer == o]
             for o in OPTIMIZERS
         }
+        finals = {o: [e for e in es if e.phase == "final"] for o, es in finals.items()}
         train = {o: median_or_none([e.run.train_s for e in es]) for o, es in finals.items()}
         steps = {o: median_or_none([e.run.steps for e in es]) for o, es in finals.items()}
         first_order = [o for o in ("SGD", "AdamW") if train[o] is not None]
@@ -224,9 +179,11 @@ def plot(entries: list[Entry], steps_path: Path, curve_path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 5))
     for optimizer in OPTIMIZERS:
         points = []
-        for batch in sorted({e.batch for e in finals}):
-            values = [e.run.steps for e in finals if e.batch == batch and e.optimizer == optimizer]
-            med = median_or_none(values)  # type: ignore[arg-type]
+        for batch in sorted({int(e.group) for e in finals}):
+            values = [
+                e.run.steps for e in finals if e.group == str(batch) and e.optimizer == optimizer
+            ]
+            med = median_or_none(values)
             if med is not None:
                 points.append((batch, med))
         if points:
@@ -242,10 +199,10 @@ def plot(entries: list[Entry], steps_path: Path, curve_path: Path) -> None:
     fig.savefig(steps_path, dpi=110)
     plt.close(fig)
 
-    largest = max(e.batch for e in finals)
+    largest = max(int(e.group) for e in finals)
     fig, ax = plt.subplots(figsize=(8, 5))
     for optimizer in OPTIMIZERS:
-        runs = [e.run for e in finals if e.batch == largest and e.optimizer == optimizer]
+        runs = [e.run for e in finals if e.group == str(largest) and e.optimizer == optimizer]
         for i, run in enumerate(runs):
             xs = [c[0] for c in run.curve]
             ys = [c[1] for c in run.curve]
@@ -282,63 +239,15 @@ def main() -> None:
         LIMITS[128] = (60, 20)
         args.json = Path(tempfile.mkdtemp()) / "quick.json"
 
-    entries = load(args.json) if args.resume else []
-    done = {e.key for e in entries}
     started = datetime.datetime.now(datetime.UTC)
     meta = {"commit": git_commit(), "machine": machine(), "started": started.isoformat()}
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-
-    def measure(batch: int, optimizer: str, step_size: float, phase: str, seed: int) -> Run:
-        key = f"{batch}/{optimizer}/{step_size:g}/{phase}/{seed}"
-        for e in entries:
-            if e.key == key:
-                return e.run
-        max_steps = LIMITS[batch][0]
-        if phase == "tune":
-            best = best_of(batch, optimizer)
-            if best is not None and best.steps is not None:
-                max_steps = min(max_steps, best.steps)
-        data = spec(optimizer, step_size, batch, seed, max_steps)
-        run = run_to_target(f"{optimizer} {step_size:g}", data, Path(storage))
-        entries.append(Entry(batch, optimizer, step_size, phase, run))
-        done.add(key)
-        save(args.json, entries, meta)
-        print(
-            f"[{phase}] batch {batch} {optimizer} {step_size:g} seed {seed}: steps {run.steps}, "
-            f"train s {run.train_s}, {run.ms_per_step:.1f} ms/step"
-            + (f", {run.failure}" if run.failure else ""),
-            flush=True,
-        )
-        return run
-
-    def best_of(batch: int, optimizer: str) -> Run | None:
-        best: Run | None = None
-        for e in entries:
-            if (e.batch, e.optimizer, e.phase) == (batch, optimizer, "tune") and better(
-                e.run, best
-            ):
-                best = e.run
-        return best
-
-    def best_point(batch: int, optimizer: str) -> float:
-        best, point = None, grids[optimizer][len(grids[optimizer]) // 2]
-        for e in entries:
-            if (e.batch, e.optimizer, e.phase) == (batch, optimizer, "tune") and better(
-                e.run, best
-            ):
-                best, point = e.run, e.step_size
-        return point
-
     with tempfile.TemporaryDirectory(prefix="kaisa-bs-") as storage:
+        study = Study(args.json, Path(storage), meta, resume=args.resume)
         for batch in sorted(args.batches):
-            for optimizer in OPTIMIZERS:
-                for step_size in grids[optimizer]:
-                    measure(batch, optimizer, step_size, "tune", 0)
-            chosen = {o: best_point(batch, o) for o in OPTIMIZERS}
-            for seed in seeds:
-                for optimizer in OPTIMIZERS:
-                    measure(batch, optimizer, chosen[optimizer], "final", seed)
+            study.run(str(batch), grids, seeds, partial(spec, batch), LIMITS[batch][0])
     ray.shutdown()
+    entries = study.entries
     header = (
         f"Measured {started:%Y-%m-%d} at commit {meta['commit']} on {meta['machine']}; "
         f"{WORKERS} Ray Train workers, tuned on seed 0 over 5 step sizes per optimizer, then "

@@ -9,6 +9,9 @@ its target is a run that did not reach it, not an error.
 from __future__ import annotations
 
 import dataclasses
+import json
+import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +81,136 @@ def run_to_target(config: str, spec_data: dict[str, Any], storage: Path) -> Run:
         tuning=tuning,
         failure=failure if hit is None else None,
     )
+
+
+SpecFn = Callable[[str, float, int, int], dict[str, Any]]
+"""``(optimizer, step size, seed, max steps) -> job spec``."""
+
+
+@dataclasses.dataclass
+class Entry:
+    """One measured run of a study: which setting (``group``: e.g. the batch size), which
+    optimizer at which step size, tuning or final, and the run."""
+
+    group: str
+    optimizer: str
+    step_size: float
+    phase: str  # "tune" or "final"
+    run: Run
+
+    @property
+    def key(self) -> str:
+        return f"{self.group}/{self.optimizer}/{self.step_size:g}/{self.phase}/{self.run.seed}"
+
+
+def better(a: Run, b: Run | None) -> bool:
+    """Whether ``a`` reached the target in fewer steps than ``b`` (ties: fewer seconds)."""
+    if a.steps is None:
+        return False
+    if b is None or b.steps is None:
+        return True
+    return (a.steps, a.train_s or 0.0) < (b.steps, b.train_s or 0.0)
+
+
+def median_or_none(values: Sequence[float | None]) -> float | None:
+    """Median over seeds; None if any seed missed the target (its time is unbounded)."""
+    if not values or any(v is None for v in values):
+        return None
+    return statistics.median(v for v in values if v is not None)
+
+
+class Study:
+    """The same tuning effort for every optimizer, then seeds interleaved.
+
+    For one ``group``: every step size of each optimizer's grid on seed 0 (a grid point stops
+    once it has taken as many steps as the best point so far needed: it cannot beat it); the
+    best point (fewest steps to the target, then fewest seconds) of each optimizer then runs
+    with every seed, interleaved seed by seed. Every run is appended to ``path`` (JSON) as it
+    ends; runs already there are not run again (``resume``).
+    """
+
+    def __init__(self, path: Path, storage: Path, meta: dict[str, Any], resume: bool) -> None:
+        self.path = path
+        self.storage = storage
+        self.meta = meta
+        self.entries: list[Entry] = self._load() if resume else []
+
+    def _load(self) -> list[Entry]:
+        if not self.path.exists():
+            return []
+        return [
+            Entry(e["group"], e["optimizer"], e["step_size"], e["phase"], Run(**e["run"]))
+            for e in json.loads(self.path.read_text())["runs"]
+        ]
+
+    def _save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        runs = [dataclasses.asdict(e) for e in self.entries]
+        self.path.write_text(json.dumps({**self.meta, "runs": runs}, indent=1))
+
+    def best(self, group: str, optimizer: str) -> Entry | None:
+        """The best tuning run of ``optimizer`` in ``group``."""
+        best: Entry | None = None
+        for e in self.entries:
+            if (e.group, e.optimizer, e.phase) == (group, optimizer, "tune") and better(
+                e.run, best.run if best else None
+            ):
+                best = e
+        return best
+
+    def measure(
+        self,
+        group: str,
+        optimizer: str,
+        step_size: float,
+        phase: str,
+        seed: int,
+        spec: SpecFn,
+        max_steps: int,
+    ) -> Run:
+        key = f"{group}/{optimizer}/{step_size:g}/{phase}/{seed}"
+        for e in self.entries:
+            if e.key == key:
+                return e.run
+        if phase == "tune":
+            best = self.best(group, optimizer)
+            if best is not None and best.run.steps is not None:
+                max_steps = min(max_steps, best.run.steps)
+        run = run_to_target(
+            f"{optimizer} {step_size:g}", spec(optimizer, step_size, seed, max_steps), self.storage
+        )
+        self.entries.append(Entry(group, optimizer, step_size, phase, run))
+        self._save()
+        print(
+            f"[{phase}] {group} {optimizer} {step_size:g} seed {seed}: steps {run.steps}, "
+            f"train s {run.train_s}, {run.ms_per_step:.1f} ms/step"
+            + (f", {run.failure}" if run.failure else ""),
+            flush=True,
+        )
+        return run
+
+    def run(
+        self,
+        group: str,
+        grids: dict[str, list[float]],
+        seeds: Sequence[int],
+        spec: SpecFn,
+        max_steps: int,
+    ) -> None:
+        for optimizer, grid in grids.items():
+            for step_size in grid:
+                self.measure(group, optimizer, step_size, "tune", seeds[0], spec, max_steps)
+        chosen = {}
+        for optimizer, grid in grids.items():
+            best = self.best(group, optimizer)
+            chosen[optimizer] = best.step_size if best else grid[len(grid) // 2]
+        for seed in seeds:
+            for optimizer in grids:
+                self.measure(group, optimizer, chosen[optimizer], "final", seed, spec, max_steps)
+
+    def finals(self, group: str, optimizer: str) -> list[Entry]:
+        return [
+            e
+            for e in self.entries
+            if (e.group, e.optimizer, e.phase) == (group, optimizer, "final")
+        ]
