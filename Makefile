@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PACKAGES := kaisa_ray tuner service
 
-.PHONY: setup run test lint typecheck pytest bench
+.PHONY: setup run test test-fast lint typecheck pytest bench
 
 setup:
 	@bash scripts/setup.sh
@@ -19,8 +19,15 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy --strict $(PACKAGES)
 
+# Two workers (pytest-xdist), a module to each at a time: most of the suite waits on Ray.
+PYTEST_WORKERS ?= 2
+
 pytest: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+
+# The inner loop: everything but Ray, real services and many processes (under 2 minutes).
+test-fast: setup
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not ray"
 
 test: lint typecheck pytest
 

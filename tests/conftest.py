@@ -1,4 +1,8 @@
-"""Shared pytest configuration: ``gpu`` tests skip where CUDA is absent; a real Ray head."""
+"""Shared pytest configuration: ``gpu`` tests skip where CUDA is absent; the tiers (``ray``:
+a Ray cluster, Ray Train workers or a real service; ``slow``: real data or many processes;
+``make test-fast`` runs neither); the longest modules first, so that ``make test``'s two
+workers (pytest-xdist, a module to a worker) end together; and one real Ray head per worker.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,36 @@ if TYPE_CHECKING:
     from ray_head import RayHead
 
 
+# Modules of many processes (gloo process groups spawned per test): ``slow``, not ``ray``.
+MANY_PROCESSES = {
+    "test_distributed.py",
+    "test_tuner_measure.py",
+    "test_tuner_measured.py",
+    "test_tuner_profile.py",
+}
+# The longest modules (minutes of Ray and services), run first: with a module to a worker,
+# the last module to start decides when the run ends.
+LONGEST_FIRST = [
+    "test_service_ops.py",
+    "test_service_e2e.py",
+    "test_kfac_auto.py",
+    "test_ray_train.py",
+    "test_service_quickstart.py",
+    "test_multinode.py",
+    "test_distributed.py",
+    "test_dashboard_e2e.py",
+    "test_service_api.py",
+]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "ray_head" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+        if item.path.name in MANY_PROCESSES:
+            item.add_marker(pytest.mark.slow)
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (gpu marker); none on this machine")

@@ -38,6 +38,7 @@ TOKEN = "dashboard-e2e-token"
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.ray,
     pytest.mark.skipif(
         not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
     ),

@@ -35,7 +35,7 @@ def test_history_records(tiny_data: Path, kfac: bool) -> None:
         batch_size=16,
         kfac=kfac,
         factor_update_steps=1,
-        inv_update_steps=2,
+        inv_update_steps=5,  # one round of decompositions (eigh is most of K-FAC's time here)
         eval_every=2,
         data_dir=tiny_data,
         progress=False,

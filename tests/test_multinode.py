@@ -19,6 +19,7 @@ from kaisa_ray.train.state import load_checkpoint_file
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.ray,
     pytest.mark.skipif(
         not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
     ),

@@ -1,8 +1,11 @@
-"""End to end on a real Ray head: 2-worker K-FAC jobs on Fashion-MNIST, faults, `ray job submit`."""
+"""End to end on a real Ray head: 2-worker K-FAC jobs on Fashion-MNIST, a killed worker
+resumed bit for bit, `ray job submit` of a job that stops at its target (``kfac: auto``:
+``test_kfac_auto.py``)."""
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -12,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import torch
 import yaml
 from click.testing import CliRunner
@@ -28,10 +30,10 @@ from kaisa_ray.train.progress import read_progress
 from kaisa_ray.train.spec import parse_job_spec
 from kaisa_ray.train.state import load_checkpoint_file
 from service.cli import main
-from tuner.actor import tuner_actor
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.ray,
     pytest.mark.skipif(
         not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
     ),
@@ -92,129 +94,6 @@ def test_two_worker_kfac_job_end_to_end(ray_head: RayHead, tmp_path: Path) -> No
     preconditioner = KFACPreconditioner(model, factor_update_steps=5, inv_update_steps=20)
     preconditioner.load_state_dict(state["preconditioner"])
     assert preconditioner.steps == 40
-
-
-def test_target_accuracy_stops_the_job_early(ray_head: RayHead, tmp_path: Path) -> None:
-    spec = job(
-        kfac="off",
-        stop={"max_epochs": 5, "target": {"metric": "test_accuracy", "value": 0.5}},
-        eval_every=5,
-    )
-    result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
-    assert result.succeeded, result.error
-    step = result.metrics["step"]
-    assert step < 5 * 16
-    assert step % 5 == 0
-    assert result.metrics["test_accuracy"] >= 0.5
-    accuracies = [r["test_accuracy"] for r in records(result.run_name, "eval")]
-    assert accuracies[-1] >= 0.5
-    assert all(a < 0.5 for a in accuracies[:-1])
-
-
-def test_kfac_auto_profiles_on_the_workers_chooses_and_trains(
-    ray_head: RayHead, tmp_path: Path
-) -> None:
-    ray.get(tuner_actor().forget.remote())  # no profile cached by an earlier test
-    spec = job(kfac="auto", memory_budget="1GiB", stop={"max_steps": 20}, eval_every=10)
-    result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
-    assert result.succeeded, result.error
-    (tuning,) = records(result.run_name, "tuner")
-    assert tuning["cache"] == "miss"
-    assert tuning["budget_bytes"] == 2**30
-    assert 0 < tuning["profile_s"] < 60
-    table = tuning["candidates"]
-    assert len(table) == 2 * 3  # f in {1/2, 1} at 2 workers x three interval pairs
-    feasible = [row for row in table if row["rejected"] is None]
-    fastest = min(feasible, key=lambda row: row["ms_per_step"])
-    chosen = tuning["chosen"]
-    assert chosen == {
-        "grad_worker_fraction": fastest["grad_worker_fraction"],
-        "factor_update_steps": fastest["factor_update_steps"],
-        "inv_update_steps": fastest["inv_update_steps"],
-    }
-    assert result.checkpoint is not None
-    assert load_checkpoint_file(result.checkpoint)["kfac_decision"] == chosen
-
-    # The same job again: the tuner actor has its profile, so nobody profiles.
-    again = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
-    assert again.succeeded, again.error
-    (cached,) = records(again.run_name, "tuner")
-    assert cached["cache"] == "hit"
-    assert cached["profile_s"] == 0
-    assert cached["candidates"] == table
-    assert cached["chosen"] == chosen
-
-
-def test_kfac_auto_verify_measures_the_best_candidates_in_tune_trials(
-    ray_head: RayHead, tmp_path: Path
-) -> None:
-    kfac = {"strategy": "auto", "intervals": [[1, 4], [2, 8]], "verify": 2}
-    spec = job(kfac=kfac, memory_budget="1GiB", stop={"max_steps": 10}, eval_every=10)
-    result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
-    assert result.succeeded, result.error
-    (tuning,) = records(result.run_name, "tuner")
-    assert tuning["how"] == "measured"
-    assert tuning["verify_s"] > 0
-    measured = [row for row in tuning["candidates"] if "measured_ms_per_step" in row]
-    assert len(measured) == 2  # the two best predicted
-
-    def key(row: dict[str, Any]) -> tuple[float, int, int]:
-        return (row["grad_worker_fraction"], row["factor_update_steps"], row["inv_update_steps"])
-
-    predicted_best = sorted(tuning["candidates"], key=lambda row: row["ms_per_step"])[:2]
-    assert {key(row) for row in measured} == {key(row) for row in predicted_best}
-    for row in measured:
-        assert 0 < row["measured_memory_bytes"] <= 2**30
-        # Predicted memory per worker is the measured peak to within 10% (exact on CPU).
-        assert row["memory_bytes"] == pytest.approx(row["measured_memory_bytes"], rel=0.10)
-    fastest = min(measured, key=lambda row: row["measured_ms_per_step"])
-    assert tuning["chosen"] == {
-        "grad_worker_fraction": fastest["grad_worker_fraction"],
-        "factor_update_steps": fastest["factor_update_steps"],
-        "inv_update_steps": fastest["inv_update_steps"],
-    }
-    assert result.checkpoint is not None
-    assert load_checkpoint_file(result.checkpoint)["kfac_decision"] == tuning["chosen"]
-
-
-def test_kaisa_ray_tune_prints_the_table_without_training(
-    ray_head: RayHead, tmp_path: Path
-) -> None:
-    spec = tmp_path / "auto.yaml"
-    spec.write_text(yaml.safe_dump(job(kfac="auto", memory_budget="1GiB")))
-    run = CliRunner().invoke(
-        main, ["tune", "--config", str(spec), "--storage-path", str(tmp_path / "runs")]
-    )
-    assert run.exit_code == 0, run.output
-    lines = run.output.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["f", "intervals"])
-    assert sum("CHOSEN" in line for line in lines[header:]) == 1
-    assert "kfac: auto chose grad_worker_fraction=" in lines[-1]
-    assert not any(path.name.startswith("checkpoint_") for path in (tmp_path / "runs").rglob("*"))
-
-    fixed = tmp_path / "fixed.yaml"
-    fixed.write_text(yaml.safe_dump(job()))
-    refused = CliRunner().invoke(main, ["tune", "--config", str(fixed)])
-    assert refused.exit_code == 1
-    assert "tuning needs a job with kfac: auto" in refused.output
-
-    small = tmp_path / "small.yaml"
-    small.write_text(yaml.safe_dump(job(kfac="auto", memory_budget="1MiB")))
-    too_small = CliRunner().invoke(
-        main, ["tune", "--config", str(small), "--storage-path", str(tmp_path / "runs")]
-    )
-    assert too_small.exit_code == 1
-    assert "the memory budget 1.00 MiB is smaller than the job itself" in too_small.output
-    assert "MiB over, before any K-FAC state" in too_small.output
-
-
-def test_kfac_auto_with_a_budget_below_the_model_fails_saying_so(
-    ray_head: RayHead, tmp_path: Path
-) -> None:
-    spec = job(kfac="auto", memory_budget="100KiB", stop={"max_steps": 5})
-    result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
-    assert not result.succeeded
-    assert "smaller than the job itself" in (result.error or ""), result.error
 
 
 def _final_model(result: JobResult) -> dict[str, torch.Tensor]:
@@ -329,11 +208,22 @@ def test_gpu_mixed_precision_job_with_kfac_auto(
     assert ("scale" in state["scaler"]) == (precision == "fp16")  # fp16 trains with a scaler
 
 
-def test_ray_job_submit_runs_the_train_command(ray_head: RayHead, tmp_path: Path) -> None:
+def test_ray_job_submit_runs_the_train_command_which_stops_at_its_target(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    """``kaisa-ray train`` as a Ray Job's entrypoint; the job stops as soon as its target
+    accuracy is met (evaluations every 5 steps, far below its 5 epochs)."""
+    spec = job(
+        name="submitted",
+        kfac="off",
+        stop={"max_epochs": 5, "target": {"metric": "test_accuracy", "value": 0.5}},
+        eval_every=5,
+    )
     config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump(job(name="submitted", stop={"max_steps": 20})))
+    config.write_text(yaml.safe_dump(spec))
     repo = Path(__file__).resolve().parents[1]
     submission_id = f"kaisa-ray-test-{secrets.token_hex(4)}"
+    run = f"submitted-{secrets.token_hex(4)}"
     submit = [
         RAY,
         "job",
@@ -346,15 +236,23 @@ def test_ray_job_submit_runs_the_train_command(ray_head: RayHead, tmp_path: Path
         "train",
         f"--config={config}",
         f"--storage-path={tmp_path / 'runs'}",
+        f"--run-name={run}",
     ]
     done = subprocess.run(
         submit, cwd=repo, env=ray_head.client_env(), capture_output=True, text=True, timeout=240
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert "finished at step 20" in output, output
     client = JobSubmissionClient(ray_head.dashboard_url)
     assert client.get_job_status(submission_id) == JobStatus.SUCCEEDED
+    # It stopped at the first evaluation that met the target, well before its 5 epochs.
+    step = int(re.search(r"run \S+ finished at step (\d+), test accuracy", output)[1])  # type: ignore[index]
+    assert step < 5 * 16
+    assert step % 5 == 0
+    accuracies = [r["test_accuracy"] for r in records(run, "eval")]
+    assert [r["step"] for r in records(run, "eval")][-1] == step
+    assert accuracies[-1] >= 0.5
+    assert all(a < 0.5 for a in accuracies[:-1])
 
     # Without the cluster's token the job server refuses the client.
     refused = subprocess.run(

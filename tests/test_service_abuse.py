@@ -382,9 +382,14 @@ def test_the_token_comes_from_a_file(tmp_path: Path) -> None:
 
 
 def test_every_page_carries_the_csp_and_the_docs_use_no_cdn(service: Service) -> None:
-    for path in ("/", "/docs", "/static/app.js", "/static/docs.js", "/openapi.json", "/healthz"):
+    modules = sorted(p.name for p in (ROOT / "service" / "static" / "js").glob("*.js"))
+    assert "main.js" in modules
+    scripts = [f"/static/js/{name}" for name in modules]
+    for path in ("/", "/docs", *scripts, "/static/docs.js", "/openapi.json", "/healthz"):
         response = service.client.get(path)
         assert response.status_code == 200, path
+        if path.endswith(".js"):  # an ES module needs a JavaScript type to load
+            assert "javascript" in response.headers["content-type"], path
         policy = response.headers["Content-Security-Policy"]
         assert "default-src 'self'" in policy, path
         assert "script-src 'self';" in policy, path
@@ -427,24 +432,32 @@ def test_the_lock_resolves_the_url_and_covers_the_data_directory(tmp_path: Path)
 # -- the README's promises that need no Ray ---------------------------------------------------
 
 
-@pytest.mark.parametrize("command", ["jobs", "submit", "cancel"])
+@pytest.mark.parametrize("command", ["jobs", "submit", "follow", "cancel"])
 def test_client_commands_do_not_import_torch(command: str, tmp_path: Path) -> None:
+    """Neither torch nor Ray: the client reads the records and shows them with kaisa_ray's
+    torch-free modules (errors, enums, records, the follower), which it may import."""
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec("c")))
-    args = {"jobs": ["jobs"], "submit": ["submit", str(job)], "cancel": ["cancel", "someid"]}
+    args = {
+        "jobs": ["jobs"],
+        "submit": ["submit", str(job)],
+        "follow": ["submit", "--follow-id", "someid"],
+        "cancel": ["cancel", "someid"],
+    }
     script = (
         "import sys\n"
         "from service.cli import main\n"
         f"sys.argv = ['kaisa-ray', *{args[command]!r}, '--url', 'http://127.0.0.1:9']\n"
         "try:\n    main()\nexcept SystemExit as exit:\n    code = exit.code\n"
-        "print(code, sorted(m for m in ('torch', 'ray', 'kaisa_ray') if m in sys.modules))\n"
+        "print(code, sorted(m for m in ('torch', 'ray', 'ray.train') if m in sys.modules))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[-2] == "1 []", done.stdout  # refused (no service), no torch
-    assert "cannot reach the service" in done.stderr
+    refused = "the event stream from" if command == "follow" else "cannot reach the service"
+    assert refused in done.stderr
 
 
 def test_the_jobspec_reference_is_current() -> None:

@@ -1,0 +1,137 @@
+"""``kfac: auto`` end to end on a real Ray head: the tuner profiles a job on its own 2 workers,
+chooses and trains (and caches the profile: a second job skips it), ``kfac.verify`` measures
+the best candidates in Ray Tune trials, ``kaisa-ray tune`` prints the table without training,
+and a budget below the job itself fails saying so, from both front doors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import yaml
+from click.testing import CliRunner
+from ray_head import RayHead
+from test_ray_train import job, records
+
+from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_ray.train.job import run_job
+from kaisa_ray.train.spec import parse_job_spec
+from kaisa_ray.train.state import load_checkpoint_file
+from service.cli import main
+from tuner.actor import tuner_actor
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.ray,
+    pytest.mark.skipif(
+        not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
+    ),
+]
+
+
+def test_kfac_auto_profiles_on_the_workers_chooses_and_trains(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    ray.get(tuner_actor().forget.remote())  # no profile cached by an earlier test
+    spec = job(kfac="auto", memory_budget="1GiB", stop={"max_steps": 20}, eval_every=10)
+    result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
+    assert result.succeeded, result.error
+    (tuning,) = records(result.run_name, "tuner")
+    assert tuning["cache"] == "miss"
+    assert tuning["budget_bytes"] == 2**30
+    assert 0 < tuning["profile_s"] < 60
+    table = tuning["candidates"]
+    assert len(table) == 2 * 3  # f in {1/2, 1} at 2 workers x three interval pairs
+    feasible = [row for row in table if row["rejected"] is None]
+    fastest = min(feasible, key=lambda row: row["ms_per_step"])
+    chosen = tuning["chosen"]
+    assert chosen == {
+        "grad_worker_fraction": fastest["grad_worker_fraction"],
+        "factor_update_steps": fastest["factor_update_steps"],
+        "inv_update_steps": fastest["inv_update_steps"],
+    }
+    assert result.checkpoint is not None
+    assert load_checkpoint_file(result.checkpoint)["kfac_decision"] == chosen
+
+    # The same job again: the tuner actor has its profile, so nobody profiles.
+    again = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
+    assert again.succeeded, again.error
+    (cached,) = records(again.run_name, "tuner")
+    assert cached["cache"] == "hit"
+    assert cached["profile_s"] == 0
+    assert cached["candidates"] == table
+    assert cached["chosen"] == chosen
+
+
+def test_kfac_auto_verify_measures_the_best_candidates_in_tune_trials(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    kfac = {"strategy": "auto", "intervals": [[1, 4], [2, 8]], "verify": 2}
+    spec = job(kfac=kfac, memory_budget="1GiB", stop={"max_steps": 10}, eval_every=10)
+    result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
+    assert result.succeeded, result.error
+    (tuning,) = records(result.run_name, "tuner")
+    assert tuning["how"] == "measured"
+    assert tuning["verify_s"] > 0
+    measured = [row for row in tuning["candidates"] if "measured_ms_per_step" in row]
+    assert len(measured) == 2  # the two best predicted
+
+    def key(row: dict[str, Any]) -> tuple[float, int, int]:
+        return (row["grad_worker_fraction"], row["factor_update_steps"], row["inv_update_steps"])
+
+    predicted_best = sorted(tuning["candidates"], key=lambda row: row["ms_per_step"])[:2]
+    assert {key(row) for row in measured} == {key(row) for row in predicted_best}
+    for row in measured:
+        assert 0 < row["measured_memory_bytes"] <= 2**30
+        # Predicted memory per worker is the measured peak to within 10% (exact on CPU).
+        assert row["memory_bytes"] == pytest.approx(row["measured_memory_bytes"], rel=0.10)
+    fastest = min(measured, key=lambda row: row["measured_ms_per_step"])
+    assert tuning["chosen"] == {
+        "grad_worker_fraction": fastest["grad_worker_fraction"],
+        "factor_update_steps": fastest["factor_update_steps"],
+        "inv_update_steps": fastest["inv_update_steps"],
+    }
+    assert result.checkpoint is not None
+    assert load_checkpoint_file(result.checkpoint)["kfac_decision"] == tuning["chosen"]
+
+
+def test_kaisa_ray_tune_prints_the_table_without_training(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    spec = tmp_path / "auto.yaml"
+    spec.write_text(yaml.safe_dump(job(kfac="auto", memory_budget="1GiB")))
+    run = CliRunner().invoke(
+        main, ["tune", "--config", str(spec), "--storage-path", str(tmp_path / "runs")]
+    )
+    assert run.exit_code == 0, run.output
+    lines = run.output.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["f", "intervals"])
+    assert sum("CHOSEN" in line for line in lines[header:]) == 1
+    assert "kfac: auto chose grad_worker_fraction=" in lines[-1]
+    assert not any(path.name.startswith("checkpoint_") for path in (tmp_path / "runs").rglob("*"))
+
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text(yaml.safe_dump(job()))
+    refused = CliRunner().invoke(main, ["tune", "--config", str(fixed)])
+    assert refused.exit_code == 1
+    assert "tuning needs a job with kfac: auto" in refused.output
+
+    small = tmp_path / "small.yaml"
+    small.write_text(yaml.safe_dump(job(kfac="auto", memory_budget="1MiB")))
+    too_small = CliRunner().invoke(
+        main, ["tune", "--config", str(small), "--storage-path", str(tmp_path / "runs")]
+    )
+    assert too_small.exit_code == 1
+    assert "the memory budget 1.00 MiB is smaller than the job itself" in too_small.output
+    assert "MiB over, before any K-FAC state" in too_small.output
+
+
+def test_kfac_auto_with_a_budget_below_the_model_fails_saying_so(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    spec = job(kfac="auto", memory_budget="100KiB", stop={"max_steps": 5})
+    result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
+    assert not result.succeeded
+    assert "smaller than the job itself" in (result.error or ""), result.error
