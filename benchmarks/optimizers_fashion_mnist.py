@@ -67,6 +67,40 @@ def configs(kfac_common: dict[str, Any], kfac_lr: float) -> list[Config]:
     return out
 
 
+NATURAL: dict[str, Any] = {
+    "factor_scale": "fisher",
+    "running_average": "debiased",
+    "pi_damping": True,
+}
+# Each curvature option of issue 19 on its own, then together (the JobSpec's default), on the
+# reference's damping 0.1 and KL clip 1e-3 with K-FAC-reduce at 5/50.
+ABLATION: list[tuple[str, dict[str, Any]]] = [
+    ("reference conventions (identity start, mean-loss G, damping added to the product)", {}),
+    ("+ Fisher-scale factors only", {"factor_scale": "fisher"}),
+    ("+ debiased running averages only", {"running_average": "debiased"}),
+    ("+ π-damping only", {"pi_damping": True}),
+    ("Fisher-scale + debiased", {"factor_scale": "fisher", "running_average": "debiased"}),
+    ("Fisher-scale + debiased + π-damping (the default)", NATURAL),
+    ("the default without the KL clip", {**NATURAL, "kl_clip": None}),
+    ("the default, KL clip 3e-4", {**NATURAL, "kl_clip": 3e-4}),
+]
+
+
+def ablation_configs() -> list[Config]:
+    out = [Config("SGD (Nesterov 0.9, lr 0.05)", "sgd", SGD_LR)]
+    for name, options in ABLATION:
+        kfac = {
+            **KFAC_COMMON,
+            "factor_update_steps": 5,
+            "inv_update_steps": 50,
+            "kfac_approx": "reduce",
+            "lr": KFAC_LR,
+            **options,
+        }
+        out.append(Config(f"K-FAC: {name}", "sgd", KFAC_LR, kfac))
+    return out
+
+
 @dataclasses.dataclass
 class Run:
     config: str
@@ -213,6 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="store the table in README.md")
     parser.add_argument("--json", type=Path, default=None, help="write raw runs here")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU")
+    parser.add_argument(
+        "--ablation",
+        action="store_true",
+        help="each curvature option on its own and together, into its own README block",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.quick:
@@ -226,9 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     x_test, y_test = load_idx_dataset(args.data_dir, split="test")
     data = (x_train.to(device), y_train.to(device), x_test.to(device), y_test.to(device))
     common = dict(KFAC_COMMON, damping=args.damping, kl_clip=args.kl_clip or None)
+    candidates = ablation_configs() if args.ablation else configs(common, args.kfac_lr)
     selected = [
         c
-        for c in configs(common, args.kfac_lr)
+        for c in candidates
         if args.only is None or args.only in c.name or (c.optimizer == "sgd" and not c.kfac)
     ]
     names = [c.name for c in selected]
@@ -268,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))
     if args.write:
-        write_block("optimizers" if device.type == "cpu" else f"optimizers-{device.type}", text)
+        block = "optimizers" if device.type == "cpu" else f"optimizers-{device.type}"
+        write_block(f"{block}-ablation" if args.ablation else block, text)
     return 0
 
 
