@@ -224,6 +224,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=sorted(LIMITS))
     parser.add_argument("--resume", action="store_true", help="skip runs already in the JSON")
+    parser.add_argument(
+        "--phase",
+        choices=["tune", "final", "both"],
+        default="both",
+        help="only the tuning grid (steps: any machine) or only the finals (seconds: a quiet one)",
+    )
     parser.add_argument("--quick", action="store_true", help="batch 128, 2 grid points, 1 seed")
     parser.add_argument("--write", action="store_true", help="store the table and the plots")
     parser.add_argument("--json", type=Path, default=RESULTS / "batch_size_study.json")
@@ -239,13 +245,14 @@ def main() -> None:
         LIMITS[128] = (60, 20)
         args.json = Path(tempfile.mkdtemp()) / "quick.json"
 
+    phases = ("tune", "final") if args.phase == "both" else (args.phase,)
     started = datetime.datetime.now(datetime.UTC)
     meta = {"commit": git_commit(), "machine": machine(), "started": started.isoformat()}
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory(prefix="kaisa-bs-") as storage:
         study = Study(args.json, Path(storage), meta, resume=args.resume)
         for batch in sorted(args.batches):
-            study.run(str(batch), grids, seeds, partial(spec, batch), LIMITS[batch][0])
+            study.run(str(batch), grids, seeds, partial(spec, batch), LIMITS[batch][0], phases)
     ray.shutdown()
     entries = study.entries
     header = (

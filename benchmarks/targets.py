@@ -196,10 +196,16 @@ class Study:
         seeds: Sequence[int],
         spec: SpecFn,
         max_steps: int,
+        phases: Sequence[str] = ("tune", "final"),
     ) -> None:
-        for optimizer, grid in grids.items():
-            for step_size in grid:
-                self.measure(group, optimizer, step_size, "tune", seeds[0], spec, max_steps)
+        """Tune, then the finals; ``phases`` runs only some (tuning compares steps, which a busy
+        machine does not change; the finals' seconds want a quiet one, so they can run later)."""
+        if "tune" in phases:
+            for optimizer, grid in grids.items():
+                for step_size in grid:
+                    self.measure(group, optimizer, step_size, "tune", seeds[0], spec, max_steps)
+        if "final" not in phases:
+            return
         chosen = {}
         for optimizer, grid in grids.items():
             best = self.best(group, optimizer)

@@ -118,6 +118,12 @@ def summarize(study: Study, header: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--resume", action="store_true", help="skip runs already in the JSON")
+    parser.add_argument(
+        "--phase",
+        choices=["tune", "final", "both"],
+        default="both",
+        help="only the tuning grid (steps: any machine) or only the finals (seconds: a quiet one)",
+    )
     parser.add_argument("--quick", action="store_true", help="1 seed, 2 lrs, 40 steps")
     parser.add_argument("--write", action="store_true", help="store the table")
     parser.add_argument("--json", type=Path, default=RESULTS / "transformer_fortunes.json")
@@ -127,12 +133,13 @@ def main() -> None:
         grids = {o: g[1:3] for o, g in GRIDS.items()}
         seeds, max_steps = (0,), 40
         args.json = Path(tempfile.mkdtemp()) / "quick.json"
+    phases = ("tune", "final") if args.phase == "both" else (args.phase,)
     started = datetime.datetime.now(datetime.UTC)
     meta = {"commit": git_commit(), "machine": machine(), "started": started.isoformat()}
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory(prefix="kaisa-lm-") as storage:
         study = Study(args.json, Path(storage), meta, resume=args.resume)
-        study.run("lm", grids, seeds, spec, max_steps)
+        study.run("lm", grids, seeds, spec, max_steps, phases)
     ray.shutdown()
     header = (
         f"Measured {started:%Y-%m-%d} at commit {meta['commit']} on {meta['machine']}; "
