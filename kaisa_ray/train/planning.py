@@ -156,7 +156,7 @@ def request_from_spec(
         compute_method=kfac.compute_method,
         optimizer=spec.optimizer.name,
         gpus_per_node=gpus_per_node,
-        spec_strategy=None if kfac.strategy == "auto" else kfac.strategy,
+        spec_strategy=None if kfac.auto else kfac.strategy,
     )
 
 
