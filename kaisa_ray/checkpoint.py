@@ -90,6 +90,17 @@ def restore(
             setattr(layer, key, value)
         # Checkpoints from before bias correction hold factors to be used as they are.
         layer.average_weight = float(entry.get("average_weight", 1.0))
+        # Staleness sketches, when measured here (a checkpoint without them, or with sketches
+        # of another probe count, starts measuring at the next decomposition).
+        for key in ("sketch_a", "sketch_g"):
+            tensor = entry.get(key) if layer.staleness_probes else None
+            if tensor is not None and tensor.shape[-1] != layer.staleness_probes:
+                tensor = None
+            setattr(
+                layer,
+                key,
+                None if tensor is None else tensor.to(device, layer.factor_dtype).clone(),
+            )
         decomposition = entry.get("decomposition") or {}
         if not assignment.is_grad_worker(layer.name, rank):
             layer.decomposition.clear()  # another rank preconditions this layer now

@@ -7,6 +7,9 @@ from backward hooks, never interleave with DDP's gradient all-reduces on the def
 
 Buckets launch strictly in schedule order, each as soon as all its layers' batch factors are
 final, so every rank issues the same calls in the same order even if hooks fire differently.
+With per-layer intervals a step's factor and decomposition buckets are those of the layers that
+update on it (``Schedule.restricted``): ``use_factor_buckets`` sets them before the step's
+forward pass, and ``broadcast`` takes the step's decomposition buckets.
 """
 
 from __future__ import annotations
@@ -66,16 +69,31 @@ class Communicator:
             for group in wanted:  # same order on every rank
                 if len(group) > 1 and group not in self._groups:
                     self._groups[group] = dist.new_group(list(group))
-        # This rank's part of the schedule, filtered once rather than every step.
-        self._factor_buckets = sched.for_rank(sched.factor_buckets, rank)
-        self.decomposition_buckets = sched.for_rank(sched.decomposition_buckets, rank)
-        self.gradient_buckets = sched.for_rank(sched.gradient_buckets, rank)
+        # This rank's part of each schedule, filtered once rather than every step (by the
+        # identity of the buckets' tuple, kept alive here).
+        self._mine: dict[int, tuple[tuple[Bucket, ...], list[Bucket]]] = {}
+        self._factor_buckets = self.mine(sched.factor_buckets)
+        self.decomposition_buckets = self.mine(sched.decomposition_buckets)
+        self.gradient_buckets = self.mine(sched.gradient_buckets)
+        self.staleness_buckets = self.mine(sched.staleness_buckets)
         self._ready: set[str] = set()
         self._launched: list[tuple[Bucket, torch.Tensor, dist.Work | None]] = []
         self._next = 0
 
     def group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         return self._groups[ranks]
+
+    def mine(self, buckets: tuple[Bucket, ...]) -> list[Bucket]:
+        """The buckets this rank takes part in, in order (filtered once per tuple)."""
+        found = self._mine.get(id(buckets))
+        if found is None or found[0] is not buckets:
+            found = (buckets, [b for b in buckets if self.rank in b.members])
+            self._mine[id(buckets)] = found
+        return found[1]
+
+    def use_factor_buckets(self, sched: Schedule) -> None:
+        """The factor buckets of the coming step (before its forward pass)."""
+        self._factor_buckets = self.mine(sched.factor_buckets)
 
     # -- factor all-reduce -----------------------------------------------------------------
 
@@ -130,6 +148,15 @@ class Communicator:
                 store(piece.layer, piece.part, flat[offset : offset + piece.numel])
                 offset += piece.numel
         self.reset()
+
+    def reduce_staleness(self, values: torch.Tensor) -> None:
+        """Sum ``values`` (the staleness numbers of every layer, in layer order, float64) over
+        all ranks, in place: one all-reduce per staleness bucket."""
+        offset = 0
+        for bucket in self.staleness_buckets:
+            part = values[offset : offset + bucket.numel]
+            dist.all_reduce(part, group=self.group(bucket.group))
+            offset += bucket.numel
 
     # -- broadcasts ------------------------------------------------------------------------
 

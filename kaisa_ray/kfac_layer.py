@@ -27,6 +27,7 @@ from kaisa_ray.decomposition import (
 )
 from kaisa_ray.enums import ComputeMethod, FactorScale, RunningAverage
 from kaisa_ray.layers import LayerHelper
+from kaisa_ray.staleness import relative_change, sketch
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
@@ -90,6 +91,7 @@ class KFACLayer:
         factor_scale: FactorScale = FactorScale.REFERENCE,
         pi_damping: bool = False,
         factor_samples: int | None = None,
+        staleness_probes: int = 0,
     ) -> None:
         self.name = name
         self.helper = helper
@@ -105,6 +107,10 @@ class KFACLayer:
         self.average_weight = 0.0
         self.a_batch = BatchFactor()
         self.g_batch = BatchFactor()
+        # With staleness measured: each factor's sketch F·Ω at the last decomposition.
+        self.staleness_probes = staleness_probes
+        self.sketch_a: torch.Tensor | None = None
+        self.sketch_g: torch.Tensor | None = None
         # Only used with update_factors_in_hook=False: raw tensors, factored in step().
         self._saved_inputs: list[torch.Tensor] = []
         self._saved_grad_outputs: list[tuple[torch.Tensor, float]] = []
@@ -268,6 +274,22 @@ class KFACLayer:
             self.update_decomposition(damping)
         return self.decomposition.precondition(grad_out_by_in, damping)
 
+    # -- staleness (kaisa_ray.staleness) ----------------------------------------------------
+
+    def take_sketches(self) -> None:
+        """Remember the factors being decomposed now, as sketches."""
+        a, g = self.factors()
+        self.sketch_a = sketch(a, self.staleness_probes)
+        self.sketch_g = sketch(g, self.staleness_probes)
+
+    def factor_change(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Relative change of A and of G since the sketches were taken (0-dim float64
+        tensors), or None before the first."""
+        if self.sketch_a is None or self.sketch_g is None:
+            return None
+        a, g = self.factors()
+        return relative_change(a, self.sketch_a), relative_change(g, self.sketch_g)
+
     def part_shape(self, part: str) -> tuple[int, ...]:
         """Shape of a named tensor of this layer (decomposition parts and ``grad``)."""
         k, a, g = self.helper.groups, self.helper.a_dim, self.helper.g_dim
@@ -291,14 +313,18 @@ class KFACLayer:
         return {
             "factors": _nbytes(self.a_factor) + _nbytes(self.g_factor),
             "decompositions": self.decomposition.nbytes(),
-            "buffers": self.a_batch.nbytes() + self.g_batch.nbytes() + saved,
+            "buffers": self.a_batch.nbytes()
+            + self.g_batch.nbytes()
+            + saved
+            + _nbytes(self.sketch_a)
+            + _nbytes(self.sketch_g),
         }
 
     def state_dict(self) -> dict[str, Any]:
         def copy(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.detach().clone()
 
-        return {
+        state: dict[str, Any] = {
             "a_factor": copy(self.a_factor),
             "g_factor": copy(self.g_factor),
             "average_weight": self.average_weight,
@@ -306,3 +332,6 @@ class KFACLayer:
                 k: v.detach().clone() for k, v in self.decomposition.tensors().items()
             },
         }
+        if self.staleness_probes:
+            state["sketch_a"], state["sketch_g"] = copy(self.sketch_a), copy(self.sketch_g)
+        return state

@@ -14,14 +14,20 @@ Collectives (payload = bytes of the tensor each participant passes):
 - decomposition broadcast within gradient-worker groups on inverse-update steps (when f·W > 1),
   bucketed by (group, source rank, dtype);
 - preconditioned-gradient broadcast within receiver groups every step (when f < 1), bucketed
-  by (group, source rank, dtype).
+  by (group, source rank, dtype);
+- with staleness measured (``staleness_probes > 0``), one all-reduce over all ranks on steps
+  with decomposition updates: three float64 numbers per layer (``kaisa_ray.staleness``).
+
+With per-layer intervals (``kaisa_ray.intervals``) a step updates only some layers' factors and
+decompositions: ``Plan.calls_at`` gives its collectives, the same bucketing over those layers
+(``Schedule.restricted``); with every layer, the step types' calls above.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +48,7 @@ class Purpose(enum.StrEnum):
     FACTORS = "factors"
     DECOMPOSITIONS = "decompositions"
     GRADIENTS = "gradients"
+    STALENESS = "staleness"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,7 +56,7 @@ class Piece:
     """One tensor inside a bucket: which layer, which part, how many elements."""
 
     layer: str
-    part: str  # "a"/"g" (factors), "qa", "da", "a_inv", ... (decompositions), "grad"
+    part: str  # "a"/"g" (factors), "qa", "da", "a_inv", ... (decompositions), "grad", "staleness"
     numel: int
 
 
@@ -104,6 +111,7 @@ class Options:
     assignment_strategy: AssignmentStrategy = AssignmentStrategy.COMPUTE
     colocate_factors: bool = True
     allreduce_bucket_cap_mb: float = 25.0
+    staleness_probes: int = 0  # columns of each factor's staleness sketch; 0: not measured
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -177,6 +185,10 @@ def _fill(
     ]
 
 
+STALENESS_DTYPE = torch.float64
+STALENESS_VALUES = 3  # per layer: the change of A, of G, and the angle (kaisa_ray.staleness)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
     """Every collective of every step type, for all ranks; the runtime executes this."""
@@ -185,40 +197,95 @@ class Schedule:
     factor_buckets: tuple[Bucket, ...]
     decomposition_buckets: tuple[Bucket, ...]
     gradient_buckets: tuple[Bucket, ...]
+    staleness_buckets: tuple[Bucket, ...] = ()
+    layers: tuple[PlannedLayer, ...] = ()
+    options: Options = field(default_factory=Options)
+    _subsets: dict[tuple[frozenset[str], frozenset[str]], Schedule] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def for_rank(self, buckets: Sequence[Bucket], rank: int) -> list[Bucket]:
         return [b for b in buckets if rank in b.members]
+
+    def restricted(
+        self, factor_layers: Collection[str], decomposition_layers: Collection[str]
+    ) -> Schedule:
+        """The schedule of a step on which only these layers update their factors and their
+        decompositions (per-layer intervals): the same bucketing over just those layers.
+        Every layer in both gives this schedule itself. Built once per pair of sets."""
+        names = frozenset(layer.name for layer in self.layers)
+        key = (frozenset(factor_layers), frozenset(decomposition_layers))
+        if key == (names, names):
+            return self
+        found = self._subsets.get(key)
+        if found is None:
+            unknown = (key[0] | key[1]) - names
+            if unknown:
+                raise ValueError(f"layers {sorted(unknown)} are not in this schedule")
+            found = Schedule(
+                assignment=self.assignment,
+                factor_buckets=tuple(
+                    _factor_buckets(
+                        [layer for layer in self.layers if layer.name in key[0]],
+                        self.assignment,
+                        self.options,
+                    )
+                ),
+                decomposition_buckets=tuple(
+                    _decomposition_buckets(
+                        [layer for layer in self.layers if layer.name in key[1]],
+                        self.assignment,
+                        self.options,
+                    )
+                ),
+                gradient_buckets=self.gradient_buckets,
+                staleness_buckets=self.staleness_buckets,
+                layers=self.layers,
+                options=self.options,
+            )
+            self._subsets[key] = found
+        return found
+
+
+def _factor_buckets(
+    layers: Sequence[PlannedLayer], assignment: Assignment, options: Options
+) -> list[Bucket]:
+    if assignment.world_size == 1:
+        return []
+    world = tuple(range(assignment.world_size))
+    items: list[tuple[BucketKey, Piece]] = []
+    for layer in reversed(layers):  # backward order: buckets fill as backprop proceeds
+        for part, dim in (("a", layer.a_dim), ("g", layer.g_dim)):
+            numel = factor_numel(dim, layer.groups, options.symmetry_aware)
+            items.append(
+                ((world, None, layer.factor_dtype), Piece(layer=layer.name, part=part, numel=numel))
+            )
+    return _fill(
+        items, purpose=Purpose.FACTORS, op="all_reduce", cap_bytes=options.bucket_cap_bytes
+    )
+
+
+def _decomposition_buckets(
+    layers: Sequence[PlannedLayer], assignment: Assignment, options: Options
+) -> list[Bucket]:
+    if not assignment.broadcasts_decompositions:
+        return []
+    items: list[tuple[BucketKey, Piece]] = []
+    for layer in layers:
+        place = assignment.placements[layer.name]
+        a_parts, g_parts, _ = decomposition_parts(layer, options)
+        items += [((place.workers, place.a_rank, layer.inv_dtype), p) for p in a_parts]
+        items += [((place.workers, place.g_rank, layer.inv_dtype), p) for p in g_parts]
+    return _fill(
+        items, purpose=Purpose.DECOMPOSITIONS, op="broadcast", cap_bytes=options.bucket_cap_bytes
+    )
 
 
 def schedule(layers: Sequence[PlannedLayer], assignment: Assignment, options: Options) -> Schedule:
     """Build the communication schedule of a strategy (no process group needed)."""
     world = tuple(range(assignment.world_size))
     cap = options.bucket_cap_bytes
-    factor_buckets: list[Bucket] = []
     items: list[tuple[BucketKey, Piece]]
-    if assignment.world_size > 1:
-        items = []
-        for layer in reversed(layers):  # backward order: buckets fill as backprop proceeds
-            for part, dim in (("a", layer.a_dim), ("g", layer.g_dim)):
-                numel = factor_numel(dim, layer.groups, options.symmetry_aware)
-                items.append(
-                    (
-                        (world, None, layer.factor_dtype),
-                        Piece(layer=layer.name, part=part, numel=numel),
-                    )
-                )
-        factor_buckets = _fill(items, purpose=Purpose.FACTORS, op="all_reduce", cap_bytes=cap)
-    decomposition_buckets: list[Bucket] = []
-    if assignment.broadcasts_decompositions:
-        items = []
-        for layer in layers:
-            place = assignment.placements[layer.name]
-            a_parts, g_parts, _ = decomposition_parts(layer, options)
-            items += [((place.workers, place.a_rank, layer.inv_dtype), p) for p in a_parts]
-            items += [((place.workers, place.g_rank, layer.inv_dtype), p) for p in g_parts]
-        decomposition_buckets = _fill(
-            items, purpose=Purpose.DECOMPOSITIONS, op="broadcast", cap_bytes=cap
-        )
     gradient_buckets: list[Bucket] = []
     if assignment.broadcasts_gradients:
         items = []
@@ -233,11 +300,24 @@ def schedule(layers: Sequence[PlannedLayer], assignment: Assignment, options: Op
                     )
                 )
         gradient_buckets = _fill(items, purpose=Purpose.GRADIENTS, op="broadcast", cap_bytes=cap)
+    staleness_buckets: list[Bucket] = []
+    if options.staleness_probes > 0 and assignment.world_size > 1:
+        items = [
+            (
+                (world, None, STALENESS_DTYPE),
+                Piece(layer=layer.name, part="staleness", numel=STALENESS_VALUES),
+            )
+            for layer in layers
+        ]
+        staleness_buckets = _fill(items, purpose=Purpose.STALENESS, op="all_reduce", cap_bytes=cap)
     return Schedule(
         assignment=assignment,
-        factor_buckets=tuple(factor_buckets),
-        decomposition_buckets=tuple(decomposition_buckets),
+        factor_buckets=tuple(_factor_buckets(layers, assignment, options)),
+        decomposition_buckets=tuple(_decomposition_buckets(layers, assignment, options)),
         gradient_buckets=tuple(gradient_buckets),
+        staleness_buckets=tuple(staleness_buckets),
+        layers=tuple(layers),
+        options=options,
     )
 
 
@@ -277,6 +357,16 @@ class Plan:
     def assignment(self) -> Assignment:
         return self.schedule.assignment
 
+    def calls_at(
+        self, rank: int, factor_layers: Collection[str], decomposition_layers: Collection[str]
+    ) -> tuple[Collective, ...]:
+        """The collectives ``rank`` issues on a step where ``factor_layers`` update their
+        factors and ``decomposition_layers`` their decompositions (per-layer intervals), in
+        the order it issues them. No layer: ``calls[PLAIN]``; every layer in both:
+        ``calls[INVERSE_UPDATE]``."""
+        sched = self.schedule.restricted(factor_layers, decomposition_layers)
+        return _calls(sched, rank, staleness=bool(decomposition_layers))
+
     def mean_bytes_per_step(
         self, rank: int, factor_update_steps: int, inv_update_steps: int
     ) -> float:
@@ -292,30 +382,42 @@ class Plan:
 def memory_for_rank(
     layers: Sequence[PlannedLayer], assignment: Assignment, options: Options, rank: int
 ) -> dict[str, int]:
-    factors = decompositions = 0
+    """Bytes of K-FAC state on ``rank``: the factors (every rank), the decompositions (the
+    layer's gradient workers) and the buffers: a batch-factor buffer per factor and, with
+    staleness measured, each factor's sketch (``n × staleness_probes``, every rank)."""
+    factors = decompositions = sketches = 0
     for layer in layers:
         elem = _elem(layer.factor_dtype)
         factors += elem * layer.groups * (layer.a_dim**2 + layer.g_dim**2)
+        sketches += elem * layer.groups * (layer.a_dim + layer.g_dim) * options.staleness_probes
         if assignment.is_grad_worker(layer.name, rank):
             a_parts, g_parts, table = decomposition_parts(layer, options)
             numel = sum(p.numel for p in a_parts + g_parts) + table
             decompositions += _elem(layer.inv_dtype) * numel
-    memory = {"factors": factors, "decompositions": decompositions, "buffers": factors}
+    memory = {"factors": factors, "decompositions": decompositions, "buffers": factors + sketches}
     memory["total"] = sum(memory.values())
     return memory
 
 
-def calls_for_rank(sched: Schedule, rank: int) -> dict[StepType, tuple[Collective, ...]]:
-    def collectives(buckets: Sequence[Bucket]) -> list[Collective]:
-        return [b.collective for b in sched.for_rank(buckets, rank)]
+def _calls(sched: Schedule, rank: int, *, staleness: bool) -> tuple[Collective, ...]:
+    """One step's collectives on ``rank`` in the order the preconditioner issues them:
+    factors, decompositions, gradients, then (on steps with decompositions) staleness."""
+    buckets = [
+        *sched.factor_buckets,
+        *sched.decomposition_buckets,
+        *sched.gradient_buckets,
+        *(sched.staleness_buckets if staleness else ()),
+    ]
+    return tuple(b.collective for b in sched.for_rank(buckets, rank))
 
-    factors = collectives(sched.factor_buckets)
-    decompositions = collectives(sched.decomposition_buckets)
-    gradients = collectives(sched.gradient_buckets)
+
+def calls_for_rank(sched: Schedule, rank: int) -> dict[StepType, tuple[Collective, ...]]:
+    none = sched.restricted((), ())
+    factors_only = sched.restricted([layer.name for layer in sched.layers], ())
     return {
-        StepType.PLAIN: tuple(gradients),
-        StepType.FACTOR_UPDATE: tuple(factors + gradients),
-        StepType.INVERSE_UPDATE: tuple(factors + decompositions + gradients),
+        StepType.PLAIN: _calls(none, rank, staleness=False),
+        StepType.FACTOR_UPDATE: _calls(factors_only, rank, staleness=False),
+        StepType.INVERSE_UPDATE: _calls(sched, rank, staleness=True),
     }
 
 
@@ -338,6 +440,7 @@ def plan(
     colocate_factors: bool = True,
     allreduce_bucket_cap_mb: float = 25.0,
     skip_layers: Iterable[str] | str | None = None,
+    staleness_probes: int = 0,
 ) -> Plan:
     """Price a strategy: per-rank K-FAC memory and per-step collectives, exactly.
 
@@ -346,6 +449,8 @@ def plan(
             ``skip_layers``) or a list of ``LayerShape``/``PlannedLayer``.
         world_size: number of ranks.
         grad_worker_fraction: as for ``KFACPreconditioner``.
+        staleness_probes: columns of each factor's staleness sketch when the preconditioner
+            measures staleness (``kaisa_ray.staleness.PROBES``), else 0.
 
     Example:
         >>> from kaisa_ray.plan import plan
@@ -363,6 +468,7 @@ def plan(
         ),
         colocate_factors=colocate_factors,
         allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
+        staleness_probes=staleness_probes,
     )
     fraction = resolve_grad_worker_fraction(grad_worker_fraction, world_size)
     if isinstance(model_or_layers, nn.Module):

@@ -50,10 +50,18 @@ from kaisa_ray.hyperparams import (
     resolve,
     resolve_int,
 )
+from kaisa_ray.intervals import (
+    NOT_MEASURED,
+    AdaptiveIntervals,
+    IntervalChange,
+    IntervalSchedule,
+    Measurement,
+)
 from kaisa_ray.kfac_layer import KFACLayer
 from kaisa_ray.layers import describe_shapes
 from kaisa_ray.plan import Options, Plan, build_plan
 from kaisa_ray.registration import discover
+from kaisa_ray.staleness import PROBES, VALUES_PER_LAYER, LayerStaleness, angle_degrees
 from kaisa_ray.strategy import resolve_grad_worker_fraction
 from kaisa_ray.timing import PhaseTimes
 
@@ -135,6 +143,12 @@ class KFACPreconditioner:
         factor_samples: build each step's factors from at most this many examples of each
             (micro-)batch per rank (an unbiased estimate that costs a fraction at large
             batches); None uses them all.
+        intervals: per-layer intervals adapted online to the measured staleness of each
+            layer's curvature (``kaisa_ray.intervals.AdaptiveIntervals``) instead of the fixed
+            ``factor_update_steps`` and ``inv_update_steps`` (leave those at their defaults).
+        measure_staleness: measure how stale each layer's curvature is on its factor and
+            decomposition updates (``kaisa_ray.staleness``; read it with ``staleness()``).
+            Default: on with ``intervals``, which decide from it, else off.
     """
 
     def __init__(
@@ -166,6 +180,8 @@ class KFACPreconditioner:
         factor_scale: FactorScale | str = FactorScale.REFERENCE,
         pi_damping: bool = False,
         factor_samples: int | None = None,
+        intervals: AdaptiveIntervals | None = None,
+        measure_staleness: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigurationError(
@@ -207,6 +223,20 @@ class KFACPreconditioner:
                 f"allreduce_bucket_cap_mb={allreduce_bucket_cap_mb!r} must be positive (25 is "
                 "the usual value)."
             )
+        if intervals is not None and not isinstance(intervals, AdaptiveIntervals):
+            raise ConfigurationError(
+                f"intervals must be a kaisa_ray.intervals.AdaptiveIntervals; got "
+                f"{type(intervals).__name__}"
+            )
+        if intervals is not None and (factor_update_steps != 1 or inv_update_steps != 1):
+            raise ConfigurationError(
+                "pass either adaptive intervals or the fixed factor_update_steps and "
+                "inv_update_steps, not both: the adaptive ones start on intervals.start's rung"
+            )
+        if intervals is not None and measure_staleness is False:
+            raise ConfigurationError(
+                "adaptive intervals decide from measured staleness: leave measure_staleness on"
+            )
         if (
             not callable(factor_update_steps)
             and not callable(inv_update_steps)
@@ -231,6 +261,7 @@ class KFACPreconditioner:
         self.factor_scale = parse_enum(FactorScale, factor_scale, "factor_scale")
         self.pi_damping = pi_damping
         self.factor_samples = factor_samples
+        self.measures_staleness = intervals is not None or bool(measure_staleness)
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
@@ -288,6 +319,7 @@ class KFACPreconditioner:
                 factor_scale=self.factor_scale,
                 pi_damping=pi_damping,
                 factor_samples=factor_samples,
+                staleness_probes=PROBES if self.measures_staleness else 0,
             )
             self._layers.append(layer)
             self._by_module[reg.module] = layer
@@ -304,6 +336,7 @@ class KFACPreconditioner:
                 assignment_strategy=self.assignment_strategy,
                 colocate_factors=colocate_factors,
                 allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
+                staleness_probes=PROBES if self.measures_staleness else 0,
             ),
         )
         self.assignment = self.plan.assignment
@@ -318,10 +351,24 @@ class KFACPreconditioner:
         for module in self._by_module:
             self._handles.append(module.register_forward_hook(self._forward_hook))
 
+        names = [layer.name for layer in self._layers]
+        # When each layer updates: fixed (the reference) or adapted to measured staleness.
+        self.schedule = (
+            IntervalSchedule.adaptive(names, intervals)
+            if intervals is not None
+            else IntervalSchedule.fixed(names, factor_update_steps, inv_update_steps)
+        )
+        # What staleness measured: per layer, the latest factor change (0-dim tensors, read
+        # when asked) and the latest decomposition step's measurement; interval changes not
+        # yet read.
+        self._changes_now: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._measured: dict[str, Measurement] = {}
+        self._interval_changes: list[IntervalChange] = []
+
         self._steps = 0
         self.skipped_factor_updates = 0
         self.skipped_steps = 0
-        self._factor_step = self._is_factor_step(0)
+        self._plan_step(0)
         logger.log(
             loglevel,
             "KFACPreconditioner preconditions %d layers: %s; leaves to the optimizer: %s",
@@ -370,8 +417,12 @@ class KFACPreconditioner:
     def layers(self) -> tuple[KFACLayer, ...]:
         return tuple(self._layers)
 
-    def _is_factor_step(self, step: int) -> bool:
-        return step % resolve_int("factor_update_steps", self._factor_update_steps, step) == 0
+    def _plan_step(self, step: int) -> None:
+        """Which layers update their factors on ``step`` (the forward hooks need it before
+        ``step()``), and the factor buckets the communicator launches for them."""
+        self._factor_now = self.schedule.factor_layers(step)
+        self._factor_step = bool(self._factor_now)
+        self._comm.use_factor_buckets(self.plan.schedule.restricted(self._factor_now, ()))
 
     # -- hooks -----------------------------------------------------------------------------
 
@@ -394,6 +445,8 @@ class KFACPreconditioner:
         if not isinstance(output, torch.Tensor) or not output.requires_grad or not args:
             return
         layer = self._by_module[module]
+        if layer.name not in self._factor_now:
+            return
         inputs = args[0]
         with torch.no_grad(), self.times.phase("factors"):
             if self.update_factors_in_hook:
@@ -452,6 +505,7 @@ class KFACPreconditioner:
         damping = self.damping
         active = [layer for layer in self._layers if layer.helper.has_grad()]
         times = self.times
+        decompose = self.schedule.decomposition_layers(step)
         if self._factor_step:
             if not self.update_factors_in_hook:
                 with times.phase("factors"):
@@ -462,16 +516,25 @@ class KFACPreconditioner:
         with times.phase("factors"):
             grads, grads_finite = self._fold_factors(active)
 
-        if step % self.inv_update_steps == 0:
-            self._update_decompositions(damping)
+        stale: dict[str, torch.Tensor] = {}
+        if self.measures_staleness and (self._factor_now or decompose):
+            with times.phase("staleness"):
+                stale = self._before_decompositions(decompose, grads, grads_finite, damping)
+        if decompose:
+            self._update_decompositions(damping, decompose)
 
+        preconditioned: dict[str, torch.Tensor] = {}
         if grads_finite and active:
-            self._precondition(active, grads, damping)
+            preconditioned = self._precondition(active, grads, damping)
         elif active:
             self.skipped_steps += 1
 
+        if self.measures_staleness and decompose:
+            with times.phase("staleness"):
+                self._after_decompositions(step, decompose, stale, preconditioned)
+
         self._steps += 1
-        self._factor_step = self._is_factor_step(self._steps)
+        self._plan_step(self._steps)
 
     def _fold_factors(self, active: list[KFACLayer]) -> tuple[dict[str, torch.Tensor], bool]:
         """Fold this step's (reduced) batch factors into the running averages, unless a
@@ -507,12 +570,142 @@ class KFACPreconditioner:
         self._comm.reset()
         return grads, grads_finite
 
-    def _update_decompositions(self, damping: float) -> None:
-        """Each layer's A and G on their assigned ranks, then broadcast in the worker groups."""
+    # -- staleness --------------------------------------------------------------------------
+
+    def _owns(self, name: str) -> bool:
+        """Whether this rank measures the layer's staleness (it computes its A decomposition)."""
+        return self.assignment.placements[name].a_rank == self.rank
+
+    def _before_decompositions(
+        self,
+        decompose: frozenset[str],
+        grads: dict[str, torch.Tensor],
+        grads_finite: bool,
+        damping: float,
+    ) -> dict[str, torch.Tensor]:
+        """Every rank: each updated layer's factor change since its last decomposition (the
+        factors are the same on every rank) and, for the layers decomposing now, the sketches
+        of the factors about to be decomposed. The owner of each decomposing layer: its
+        gradient preconditioned with the previous decomposition (returned)."""
+        for layer in self._layers:
+            if layer.name in self._factor_now or layer.name in decompose:
+                change = layer.factor_change()
+                if change is not None:
+                    self._changes_now[layer.name] = change
+        stale = {}
+        for name in decompose:
+            layer = self._by_name[name]
+            if (
+                grads_finite
+                and name in grads
+                and self._owns(name)
+                and layer.decomposition.ready
+                and layer.sketch_a is not None
+            ):
+                stale[name] = layer.decomposition.precondition(grads[name], damping)
+            layer.take_sketches()
+        return stale
+
+    def _after_decompositions(
+        self,
+        step: int,
+        decompose: frozenset[str],
+        stale: dict[str, torch.Tensor],
+        preconditioned: dict[str, torch.Tensor],
+    ) -> None:
+        """The decomposing layers' measurements, each from its owner, summed over the ranks
+        (one all-reduce: the same numbers everywhere), then the interval rule on them."""
+        device = self._layers[0].helper.weight().device
+        values = torch.zeros(
+            len(self._layers), VALUES_PER_LAYER, dtype=torch.float64, device=device
+        )
+        missing = torch.tensor(NOT_MEASURED, dtype=torch.float64, device=device)
+        rows = []
+        for index, layer in enumerate(self._layers):
+            name = layer.name
+            if name not in decompose or not self._owns(name):
+                continue
+            moved = self._changes_now.get(name)
+            angle = (
+                angle_degrees(stale[name], preconditioned[name])
+                if name in stale and name in preconditioned
+                else missing
+            )
+            a, g = moved if moved is not None else (missing, missing)
+            rows.append((index, torch.stack([a, g, angle])))
+        for index, row in rows:
+            values[index] = row
+        if self.world_size > 1:
+            with self.times.phase("communication"):
+                self._comm.reduce_staleness(values.view(-1))
+        numbers = values.tolist()
+        measured = []
+        for index, layer in enumerate(self._layers):
+            if layer.name not in decompose:
+                continue
+            a, g, angle = numbers[index]
+            measurement = Measurement(
+                layer=layer.name, step=step, change_a=a, change_g=g, angle=angle
+            )
+            measured.append(measurement)
+            self._measured[layer.name] = measurement
+            self._changes_now.pop(layer.name, None)  # measured against the new sketches next
+        changes = self.schedule.decide(step, measured)
+        for change in changes:
+            logger.log(
+                self.loglevel,
+                "K-FAC step %d: layer %s intervals %d/%d -> %d/%d: %s",
+                step,
+                change.layer,
+                *change.before,
+                *change.after,
+                change.reason,
+            )
+        self._interval_changes += changes
+
+    def staleness(self) -> list[LayerStaleness]:
+        """Each layer's intervals now, why, and how stale its curvature was: the latest factor
+        change since its last decomposition and what its last decomposition step measured
+        (``kaisa_ray.staleness``). Empty unless staleness is measured."""
+        if not self.measures_staleness:
+            return []
+        readings = []
+        for layer in self._layers:
+            name = layer.name
+            rung = self.schedule.rung_of(name, self._steps)
+            now = self._changes_now.get(name)
+            at = self._measured.get(name)
+            readings.append(
+                LayerStaleness(
+                    layer=name,
+                    factor_update_steps=rung[0],
+                    inv_update_steps=rung[1],
+                    change_a=float(now[0]) if now is not None else NOT_MEASURED,
+                    change_g=float(now[1]) if now is not None else NOT_MEASURED,
+                    measured_step=None if at is None else at.step,
+                    measured_change_a=NOT_MEASURED if at is None else at.change_a,
+                    measured_change_g=NOT_MEASURED if at is None else at.change_g,
+                    angle=NOT_MEASURED if at is None else at.angle,
+                    reason=self.schedule.reason(name),
+                )
+            )
+        return readings
+
+    def interval_changes(self) -> list[IntervalChange]:
+        """The layers' moves between rungs since the last call (adaptive intervals)."""
+        changes, self._interval_changes = self._interval_changes, []
+        return changes
+
+    def _update_decompositions(self, damping: float, decompose: frozenset[str]) -> None:
+        """Each layer's A and G on their assigned ranks, then broadcast in the worker groups
+        (the layers in ``decompose``: those whose decomposition interval divides the step)."""
         rank = self.rank
         times = self.times
+        sched = self.plan.schedule.restricted(self._factor_now, decompose)
         with times.phase("decompositions"):
             for layer in self._layers:
+                if layer.name not in decompose:
+                    continue
                 place = self.assignment.placements[layer.name]
                 a, g = layer.factors()
                 if rank not in (place.a_rank, place.g_rank):
@@ -531,15 +724,17 @@ class KFACPreconditioner:
             layer.decomposition.set_part(part, flat.view(layer.part_shape(part)).clone())
 
         with times.phase("communication"):
-            self._comm.broadcast(self._comm.decomposition_buckets, get, put)
+            self._comm.broadcast(self._comm.mine(sched.decomposition_buckets), get, put)
         with times.phase("decompositions"):
             for layer in self._layers:
-                if self.assignment.is_grad_worker(layer.name, rank):
+                if layer.name in decompose and self.assignment.is_grad_worker(layer.name, rank):
                     layer.decomposition.finish(damping)
 
     def _precondition(
         self, active: list[KFACLayer], raw: dict[str, torch.Tensor], damping: float
-    ) -> None:
+    ) -> dict[str, torch.Tensor]:
+        """Precondition, broadcast to receivers, clip and set; returns the preconditioned
+        gradients before clipping."""
         preconditioned: dict[str, torch.Tensor] = {}
         with self.times.phase("precondition"):
             for layer in active:
@@ -563,6 +758,7 @@ class KFACPreconditioner:
             self._comm.broadcast(self._comm.gradient_buckets, get, put)
         with self.times.phase("precondition"):
             self._clip_and_set(active, raw, preconditioned)
+        return preconditioned
 
     def _clip_and_set(
         self,
@@ -640,6 +836,7 @@ class KFACPreconditioner:
             "steps": self._steps,
             "skipped_factor_updates": self.skipped_factor_updates,
             "skipped_steps": self.skipped_steps,
+            "intervals": self.schedule.state_dict(),
             "compute_method": str(self.compute_method),
             "world_size": self.world_size,
             "grad_worker_fraction": self.grad_worker_fraction,
@@ -675,7 +872,13 @@ class KFACPreconditioner:
         self._steps = int(state_dict["steps"])
         self.skipped_factor_updates = int(state_dict.get("skipped_factor_updates", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self._factor_step = self._is_factor_step(self._steps)
+        for problem in self.schedule.load_state_dict(state_dict.get("intervals") or {}):
+            logger.log(
+                self.loglevel, "checkpoint's adaptive intervals: %s; starting rung kept", problem
+            )
+        self._changes_now.clear()
+        self._measured.clear()
+        self._plan_step(self._steps)
         for layer in rebuild:  # every worker of the layer computes the same thing locally
             layer.update_decomposition(self.damping)
 

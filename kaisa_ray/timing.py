@@ -2,7 +2,9 @@
 
 The phases are those of BENCHMARKS.md: ``factors`` (batch covariances in the hooks, running
 averages), ``decompositions`` (eigen or inverse), ``precondition`` (applying them, KL clip)
-and ``communication`` (launching and waiting for the factor all-reduce and the broadcasts).
+and ``communication`` (launching and waiting for the factor all-reduce and the broadcasts),
+and ``staleness`` (measuring it, ``kaisa_ray.staleness``: 0 unless it is measured; its
+all-reduce counts as communication).
 They do not overlap, so their sum is K-FAC's share of a step. On CUDA the times are host
 times: kernels still running when a phase ends are counted in whichever phase waits for them.
 """
@@ -13,7 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-PHASES = ("factors", "decompositions", "precondition", "communication")
+PHASES = ("factors", "decompositions", "precondition", "communication", "staleness")
 
 
 class PhaseTimes:

@@ -223,7 +223,14 @@ def test_phase_times_follow_the_step_kinds() -> None:
         batches(5),
         on_step=lambda _step: seen.append(preconditioner.times.reset()),
     )
-    assert set(seen[0]) == {"factors", "decompositions", "precondition", "communication"}
+    assert set(seen[0]) == {
+        "factors",
+        "decompositions",
+        "precondition",
+        "communication",
+        "staleness",
+    }
+    assert all(s["staleness"] == 0 for s in seen)  # not measured unless asked for
     assert [s["decompositions"] > 0 for s in seen] == [True, False, False, False, True]
     assert all(s["precondition"] > 0 for s in seen)
     # Factor steps (0, 2, 4) compute covariances in the hooks; the others only fold nothing.

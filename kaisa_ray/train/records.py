@@ -129,6 +129,7 @@ PHASE_FIELDS = (
     "kfac_decompositions_ms",
     "kfac_precondition_ms",
     "kfac_communication_ms",
+    "kfac_staleness_ms",
 )
 """A step record's K-FAC milliseconds per step by phase (``kaisa_ray.timing.PHASES``)."""
 
@@ -240,6 +241,9 @@ class StepRecord(_Record):
     kfac_decompositions_ms: float | None = None
     kfac_precondition_ms: float | None = None
     kfac_communication_ms: float | None = None
+    kfac_staleness_ms: float | None = Field(
+        default=None, description="measuring the curvature's staleness (its all-reduce aside)"
+    )
 
 
 class EvalRecord(_Record):

@@ -194,6 +194,7 @@ class Window:
             kfac_decompositions_ms=ms["decompositions"],
             kfac_precondition_ms=ms["precondition"],
             kfac_communication_ms=ms["communication"],
+            kfac_staleness_ms=ms["staleness"],
         )
 
 
