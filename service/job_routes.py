@@ -345,18 +345,28 @@ async def _view_json(runtime: Runtime, job: Job) -> str:
 
 
 async def _stream(runtime: Runtime, job_id: str) -> AsyncIterator[ServerSentEvent]:
-    """The job's state now, then every update until it finishes."""
+    """The job's state now, then every update until the one of its finishing.
+
+    The stream ends on the update that says the job finished, not on a read of the store
+    that finds it finished: a stream behind the follower reads a state update of the past
+    (RUNNING, say) when the store already says SUCCEEDED, and the records published between
+    the two must still be sent."""
     async with runtime.jobs.hub.subscribe(job_id) as queue:
         job = await run_in_threadpool(runtime.store.get, job_id)
         yield ServerSentEvent(await _view_json(runtime, job), event="state")
-        while not job.state.finished:
+        finished = job.state.finished
+        while not finished:
             update = await queue.get()
             if update.kind == "state":
+                said = JobState(update.data["state"])
                 try:
                     job = await run_in_threadpool(runtime.store.get, job_id)
                 except JobNotFoundError:
                     return
+                if job.state.finished and not said.finished:
+                    continue  # a past update: its finishing one, and what came before, follow
                 yield ServerSentEvent(await _view_json(runtime, job), event="state")
+                finished = said.finished
             else:
                 yield ServerSentEvent(json.dumps(update.data), event=update.kind)
     await asyncio.sleep(0)
