@@ -368,6 +368,7 @@ class KFACPreconditioner:
         self._steps = 0
         self.skipped_factor_updates = 0
         self.skipped_steps = 0
+        self.last_updates: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self._plan_step(0)
         logger.log(
             loglevel,
@@ -533,6 +534,8 @@ class KFACPreconditioner:
             with times.phase("staleness"):
                 self._after_decompositions(step, decompose, stale, preconditioned)
 
+        # What this step updated: with ``plan.calls_at`` it names the step's collectives.
+        self.last_updates = (self._factor_now, decompose)
         self._steps += 1
         self._plan_step(self._steps)
 

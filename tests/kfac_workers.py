@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray import KFACPreconditioner
+from kaisa_ray.intervals import AdaptiveIntervals
 from kaisa_ray.plan import StepType
 
 GLOBAL_BATCH = 16
@@ -59,23 +60,39 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # The curvature options of issue 19 (Fisher-scale factors, debiased averages, pi-damping).
 NATURAL = {"running_average": "debiased", "factor_scale": "fisher", "pi_damping": True}
+# Adaptive intervals whose target lies among these models' staleness (2-10 degrees over 4
+# steps), so that within the run some layers lengthen, some shorten, and some come back.
+ADAPTIVE = AdaptiveIntervals(rungs=((1, 2), (2, 4), (2, 8)), start=1, target_angle=5.0)
 
 
 def kfac_options(combo: dict[str, Any]) -> dict[str, Any]:
+    """``schedule``: ``fixed`` (every 2 and 6 steps), ``measured`` (the same, measuring
+    staleness) or ``adaptive`` (per-layer intervals, ``ADAPTIVE``)."""
     curvature = NATURAL if combo.get("curvature") == "natural" else {}
-    return curvature | {
+    schedule = combo.get("schedule", "fixed")
+    intervals: dict[str, Any] = {
         "factor_update_steps": FACTOR_EVERY,
         "inv_update_steps": INVERSE_EVERY,
-        "damping": 0.01,
-        "kl_clip": 0.05,
-        "lr": 0.1,
-        "compute_method": combo["method"],
-        "grad_worker_fraction": combo["strategy"],
-        "symmetry_aware": combo.get("symmetry_aware", False),
-        "colocate_factors": combo.get("colocate", True),
-        "allreduce_bucket_cap_mb": combo.get("bucket_mb", 25.0),
-        "update_factors_in_hook": combo.get("in_hook", True),
     }
+    if schedule == "adaptive":
+        intervals = {"intervals": ADAPTIVE}
+    elif schedule == "measured":
+        intervals["measure_staleness"] = True
+    return (
+        curvature
+        | intervals
+        | {
+            "damping": 0.01,
+            "kl_clip": 0.05,
+            "lr": 0.1,
+            "compute_method": combo["method"],
+            "grad_worker_fraction": combo["strategy"],
+            "symmetry_aware": combo.get("symmetry_aware", False),
+            "colocate_factors": combo.get("colocate", True),
+            "allreduce_bucket_cap_mb": combo.get("bucket_mb", 25.0),
+            "update_factors_in_hook": combo.get("in_hook", True),
+        }
+    )
 
 
 class Counter:
@@ -197,6 +214,12 @@ def equivalence_worker(
         planned_bytes: dict[str, int] = {}
         sent_bytes: dict[str, int] = {}
 
+        trace: list[tuple[int, list[str], list[str]]] = []
+        rungs = {
+            layer.name: preconditioner.schedule.rung_of(layer.name)
+            for layer in preconditioner.layers
+        }
+
         def check(
             step: int,
             counter: Counter = counter,
@@ -204,16 +227,44 @@ def equivalence_worker(
             mismatches: list[str] = mismatches,
             planned_bytes: dict[str, int] = planned_bytes,
             sent_bytes: dict[str, int] = sent_bytes,
+            trace: list[tuple[int, list[str], list[str]]] = trace,
+            rungs: dict[str, tuple[int, int]] = rungs,
+            adaptive: bool = combo.get("schedule", "fixed") == "adaptive",
         ) -> None:
+            factors, decompositions = preconditioner.last_updates
+            # What the layers' intervals before this step said it would update.
+            expected = (
+                {name for name, (f, _) in rungs.items() if step % f == 0},
+                {name for name, (_, d) in rungs.items() if step % d == 0},
+            )
+            if (set(factors), set(decompositions)) != expected:
+                mismatches.append(
+                    f"step {step}: updated {factors}, {decompositions}; the "
+                    f"intervals said {expected}"
+                )
+            planned_calls = preconditioner.plan.calls_at(rank, factors, decompositions)
             kind = step_type(step)
-            planned = [
-                (c.op, c.group, c.nbytes) for c in preconditioner.plan.ranks[rank].calls[kind]
-            ]
+            if not adaptive:
+                by_kind = preconditioner.plan.ranks[rank].calls[kind]
+                if by_kind != planned_calls:
+                    mismatches.append(f"step {step}: calls_at {planned_calls} != calls[{kind}]")
+            else:
+                kind = (
+                    StepType.INVERSE_UPDATE
+                    if decompositions
+                    else StepType.FACTOR_UPDATE
+                    if factors
+                    else StepType.PLAIN
+                )
+            planned = [(c.op, c.group, c.nbytes) for c in planned_calls]
             if counter.calls != planned:
                 mismatches.append(f"step {step} ({kind}): sent {counter.calls}, planned {planned}")
             planned_bytes[kind] = sum(c[2] for c in planned)
             sent_bytes[kind] = sum(c[2] for c in counter.calls)
             counter.calls = []
+            trace.append((step, sorted(factors), sorted(decompositions)))
+            for name in rungs:
+                rungs[name] = preconditioner.schedule.rung_of(name)
 
         by_hand = not combo.get("ddp", True)
         with counter.installed():
@@ -237,6 +288,9 @@ def equivalence_worker(
                 "mismatches": mismatches,
                 "planned_bytes": planned_bytes,
                 "sent_bytes": sent_bytes,
+                "trace": trace,
+                "schedule": preconditioner.state_dict()["intervals"],
+                "staleness": preconditioner.staleness(),
             }
         )
     return results
@@ -282,3 +336,58 @@ def checkpoint_worker(
         average_by_hand=False,
     )
     return [p.detach().clone() for p in model.parameters()]
+
+
+def resume_worker(
+    rank: int, world_size: int, combo: dict[str, Any], path: str, split: int
+) -> list[dict[str, Any]]:
+    """Train to the end without stopping, then again from a checkpoint taken at ``split``
+    (saved collectively, loaded by a fresh model and preconditioner): the parameters and the
+    schedule of both (its state and what it measured), for a bit-for-bit comparison."""
+    outcomes = []
+    for phase in ("uninterrupted", "resumed"):
+        model, wrapped, preconditioner, optimizer = make(combo, distributed=True)
+        start = 0
+        if phase == "resumed":
+            state = torch.load(path, weights_only=True)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            preconditioner.load_state_dict(state["kfac"])
+            start = split
+
+        def save(
+            step: int,
+            model: nn.Module = model,
+            preconditioner: KFACPreconditioner = preconditioner,
+            optimizer: torch.optim.Optimizer = optimizer,
+            phase: str = phase,
+        ) -> None:
+            if phase == "uninterrupted" and step == split - 1:
+                state = {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "kfac": preconditioner.state_dict(),
+                }
+                if rank == 0:
+                    torch.save(state, path)
+                dist.barrier()
+
+        train_steps(
+            wrapped,
+            model,
+            preconditioner,
+            optimizer,
+            range(start, STEPS),
+            rank,
+            world_size,
+            average_by_hand=False,
+            on_step=save,
+        )
+        outcomes.append(
+            {
+                "params": [p.detach().cpu().clone() for p in model.parameters()],
+                "schedule": preconditioner.state_dict()["intervals"],
+                "staleness": preconditioner.staleness(),
+            }
+        )
+    return outcomes

@@ -4,7 +4,10 @@ One conformance suite over compute method × strategy × world size (1, 2, 4) ×
 26 steps crossing several factor (every 2) and inverse (every 6) updates, the parameters equal
 single-process K-FAC on the whole batch to 1e-5 relative, all ranks hold identical
 parameters, every collective each rank sends is exactly the one ``plan()`` predicted, and
-``memory_usage()`` equals the plan's figure.
+``memory_usage()`` equals the plan's figure. Measuring staleness changes none of that; with
+adaptive per-layer intervals every rank reaches the same schedule, each step updates what the
+layers' intervals say, the bytes sent on every step equal ``plan.calls_at`` for the layers it
+updates, and a resume continues the schedule bit for bit.
 """
 
 from __future__ import annotations
@@ -16,7 +19,13 @@ from typing import Any
 import pytest
 import torch
 from harness import run_distributed
-from kfac_workers import STEPS, checkpoint_worker, equivalence_worker, reference_params
+from kfac_workers import (
+    STEPS,
+    checkpoint_worker,
+    equivalence_worker,
+    reference_params,
+    resume_worker,
+)
 
 METHODS = ("eigen", "inverse")
 MODELS = ("mlp", "cnn")
@@ -34,6 +43,11 @@ EXTRAS: dict[int, list[dict[str, Any]]] = {
         {"model": "cnn", "method": "inverse", "strategy": "mem-opt", "curvature": "natural"},
         # Factors computed and all-reduced in step() instead of the backward hooks.
         {"model": "cnn", "method": "inverse", "strategy": "comm-opt", "in_hook": False},
+        # Staleness measured (its all-reduce, its sketches): still one process's result.
+        {"model": "cnn", "method": "eigen", "strategy": "mem-opt", "schedule": "measured"},
+        # Per-layer intervals adapted to it: a schedule that changes during the run.
+        {"model": "mlp", "method": "eigen", "strategy": "hybrid-opt", "schedule": "adaptive"},
+        {"model": "cnn", "method": "inverse", "strategy": "comm-opt", "schedule": "adaptive"},
     ],
     4: [
         {"model": "mlp", "method": "eigen", "strategy": "comm-opt", "curvature": "natural"},
@@ -53,6 +67,22 @@ EXTRAS: dict[int, list[dict[str, Any]]] = {
             "strategy": "hybrid-opt",
             "ddp": False,
             "bucket_mb": 0.001,
+        },
+        {
+            "model": "mlp",
+            "method": "inverse",
+            "strategy": "comm-opt",
+            "schedule": "measured",
+            "curvature": "natural",
+        },
+        # Tiny buckets: a step's subset of layers is bucketed afresh (Schedule.restricted).
+        {
+            "model": "cnn",
+            "method": "eigen",
+            "strategy": 0.5,
+            "schedule": "adaptive",
+            "bucket_mb": 0.0005,
+            "curvature": "natural",
         },
     ],
 }
@@ -92,8 +122,30 @@ def test_strategies_equal_single_process_kfac(world_size: int) -> None:
             assert result["memory"] == result["planned_memory"], f"{label}, rank {rank}"
             for a, b in zip(result["params"], results[0]["params"], strict=True):
                 assert torch.equal(a, b), f"{label}: rank {rank} differs from rank 0"
+            # The same schedule everywhere: steps, layers, rungs and what was measured.
+            assert result["trace"] == results[0]["trace"], f"{label}: rank {rank}'s schedule"
+            assert result["schedule"] == results[0]["schedule"], label
+            assert result["staleness"] == results[0]["staleness"], label
+        if combo.get("schedule") == "adaptive":
+            assert_schedule_changed(results[0], label)
+            continue  # its decisions depend on measurements a single process rounds otherwise
         expected = reference(combo["model"], combo["method"], combo.get("curvature", "reference"))
         assert_relative_close(results[0]["params"], expected)
+
+
+def assert_schedule_changed(result: dict[str, Any], label: str) -> None:
+    """The layers did not all stay on their starting rung, and some step updated only some of
+    them (so the plan priced a proper subset of the layers)."""
+    layers = {name for _, factors, _ in result["trace"] for name in factors}
+    rungs = {tuple(entry["rung"]) for entry in result["schedule"].values()}
+    assert rungs != {(2, 4)}, f"{label}: every layer stayed on its starting rung"
+    partial = [
+        step
+        for step, factors, decompositions in result["trace"]
+        if 0 < len(factors) < len(layers) or 0 < len(decompositions) < len(layers)
+    ]
+    assert partial, f"{label}: no step updated only some layers"
+    assert any(0 <= reading.angle < 90 for reading in result["staleness"]), label
 
 
 def test_strategies_trade_memory_for_communication() -> None:
@@ -136,6 +188,20 @@ def test_checkpoint_moves_between_world_sizes_and_strategies(tmp_path: Path) -> 
             assert_relative_close(rank_params, uninterrupted)
     assert_relative_close(uninterrupted, reference("cnn", "eigen"))
     assert split < STEPS
+
+
+def test_an_adaptive_schedule_resumes_bit_for_bit(tmp_path: Path) -> None:
+    combo = {"model": "mlp", "method": "eigen", "strategy": "hybrid-opt", "schedule": "adaptive"}
+    split = 11  # mid-interval for every rung: the schedule must come from the checkpoint
+    per_rank = run_distributed(
+        resume_worker, 2, combo=combo, path=str(tmp_path / "kfac.pt"), split=split, timeout=300
+    )
+    for uninterrupted, resumed in per_rank:
+        for a, b in zip(uninterrupted["params"], resumed["params"], strict=True):
+            assert torch.equal(a, b)
+        assert resumed["schedule"] == uninterrupted["schedule"]
+        assert resumed["staleness"] == uninterrupted["staleness"]
+    assert per_rank[0][0]["schedule"] == per_rank[1][0]["schedule"]
 
 
 def test_a_child_failure_is_reported_not_swallowed() -> None:
