@@ -7,7 +7,8 @@ test set every ``eval_every`` steps, stopped at 88%.
 
 The same tuning effort for every optimizer, at every batch size (seed 0):
 
-- a grid of 5 step sizes with a linear warm-up of 20 steps and a constant rate after it:
+- a grid of 5 step sizes with a linear warm-up of 20 steps and a constant rate after it
+  (extended by up to 2 points, at the grid's spacing, while the best is at an end of it):
   SGD (Nesterov 0.9) lr 0.0125-0.2 and AdamW (no weight decay) lr 5e-4-8e-3, each a factor 2
   apart; for K-FAC the step size is the KL clip κ (the natural-gradient step's length, since the
   clip binds: the lr of the SGD under it, 1, is only an upper bound), κ 3e-4-3e-2 a factor of
@@ -129,8 +130,14 @@ def summarize(entries: list[Entry], header: str) -> str:
             if not es:
                 continue
             point = es[0].step_size
-            grid = GRIDS[optimizer]
-            edge = " (grid edge)" if point in (grid[0], grid[-1]) else ""
+            tried = sorted(
+                {
+                    e.step_size
+                    for e in entries
+                    if (e.group, e.optimizer, e.phase) == (str(batch), optimizer, "tune")
+                }
+            )
+            edge = " (edge of the grid)" if point in (tried[0], tried[-1]) else ""
             name = "κ" if optimizer == "K-FAC" else "lr"
             t, s = train[optimizer], steps[optimizer]
             ratio_t = ratio_s = "-"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,7 @@ def run_to_target(config: str, spec_data: dict[str, Any], storage: Path) -> Run:
     )
 
 
+EXTEND = 2  # grid points a study may add beyond an end of a grid whose best point is there
 SpecFn = Callable[[str, float, int, int], dict[str, Any]]
 """``(optimizer, step size, seed, max steps) -> job spec``."""
 
@@ -202,7 +203,7 @@ class Study:
         machine does not change; the finals' seconds want a quiet one, so they can run later)."""
         if "tune" in phases:
             for optimizer, grid in grids.items():
-                for step_size in grid:
+                for step_size in self._extended(grid, group, optimizer):
                     self.measure(group, optimizer, step_size, "tune", seeds[0], spec, max_steps)
         if "final" not in phases:
             return
@@ -213,6 +214,34 @@ class Study:
         for seed in seeds:
             for optimizer in grids:
                 self.measure(group, optimizer, chosen[optimizer], "final", seed, spec, max_steps)
+
+    def _extended(self, grid: list[float], group: str, optimizer: str) -> Iterator[float]:
+        """The grid's points, then, while the best so far is at an end of what was tried, one
+        more point beyond that end (the grid's own spacing), at most ``EXTEND`` times: every
+        optimizer's optimum ends up inside what it tried, or the table says it is not."""
+        tried = sorted(grid)
+        yield from tried
+        for _ in range(EXTEND):
+            best = self.best(group, optimizer)
+            if best is None or best.step_size not in (tried[0], tried[-1]):
+                return
+            if best.step_size == tried[-1]:
+                point = float(f"{tried[-1] * tried[-1] / tried[-2]:.3g}")
+                tried.append(point)
+            else:
+                point = float(f"{tried[0] * tried[0] / tried[1]:.3g}")
+                tried.insert(0, point)
+            yield point
+
+    def tried(self, group: str, optimizer: str) -> list[float]:
+        """The step sizes tuned, in order."""
+        return sorted(
+            {
+                e.step_size
+                for e in self.entries
+                if (e.group, e.optimizer, e.phase) == (group, optimizer, "tune")
+            }
+        )
 
     def finals(self, group: str, optimizer: str) -> list[Entry]:
         return [

@@ -8,11 +8,12 @@ on the whole validation split (4026 windows), stopped at a validation loss of ``
 per byte.
 
 The same tuning effort for both (``targets.Study``): 4 learning rates with a 50-step warm-up on
-seed 0, then the best of each with seeds 0, 1 and 2 interleaved. K-FAC preconditions every
-Linear layer (attention's query, key, value and output projections, the MLP, the head) with the
-project's default curvature (Fisher-scale factors, debiased averages, π-damping, damping 0.1,
-factors every 5 steps, eigendecompositions every 50, no KL clip) and hands the preconditioned
-gradients to the same AdamW, which also updates the embeddings and LayerNorms it leaves alone.
+seed 0 (extended by up to 2 points while the best is at an end of the grid), then the best of
+each with seeds 0, 1 and 2 interleaved. K-FAC preconditions every Linear layer (attention's
+query, key, value and output projections, the MLP, the head) with the project's default
+curvature (Fisher-scale factors, debiased averages, π-damping, damping 0.1, factors every 5
+steps, eigendecompositions every 50, no KL clip) and hands the preconditioned gradients to the
+same AdamW, which also updates the embeddings and LayerNorms it leaves alone.
 
 Run ``python benchmarks/transformer_fortunes.py`` (``--quick`` for a smoke run); ``--write``
 stores the table.
