@@ -23,11 +23,11 @@ typecheck: setup
 PYTEST_WORKERS ?= 2
 
 pytest: setup
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The inner loop: everything but Ray, real services and many processes (under 2 minutes).
 test-fast: setup
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not ray"
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow and not ray"
 
 test: lint typecheck pytest
 

@@ -96,10 +96,11 @@ def wait(check: Callable[[], T | None], what: str, timeout_s: float = 30) -> T:
 
 
 def text_of(driver: Any, css: str) -> str:
-    from selenium.webdriver.common.by import By
-
-    found = driver.find_elements(By.CSS_SELECTOR, css)
-    return str(found[0].text) if found else ""
+    """The text of the first element ``css`` finds ("" if none), read in the page in one step:
+    the list redraws its rows as events come, so an element found and then read could be
+    gone in between."""
+    script = "const e = document.querySelector(arguments[0]); return e ? e.innerText : '';"
+    return str(driver.execute_script(script, css))
 
 
 def points(driver: Any, chart: str) -> int:
@@ -168,8 +169,8 @@ def watch(
     # The closed sets the page shows come from the service's registry (the scripts hold no
     # copy: tests/test_definitions.py): the list's state filters are its job states.
     registry = first.client().registry()
-    chips = driver.find_elements(By.CSS_SELECTOR, "[data-filter]")
-    assert [chip.get_attribute("data-filter") for chip in chips] == registry["job_states"]
+    filters = "return [...document.querySelectorAll('[data-filter]')].map(e => e.dataset.filter);"
+    assert wait(lambda: driver.execute_script(filters), "the filters") == registry["job_states"]
 
     # The form: a bad damping is refused, named next to its field.
     driver.find_element(By.ID, "nav-new").click()

@@ -93,11 +93,14 @@ def service(
         started.stop()
 
 
-def _train_workers_alive() -> int:
-    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+def _train_workers_alive(head: RayHead) -> int:
+    # The head's own address: other Ray clusters may run on the machine (a second pytest
+    # worker's, another service's), and Ray would not guess which one is meant.
+    actors = list_actors(address=head.dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000)
     return sum(1 for a in actors if "TrainWorker" in (a.class_name or ""))
 
 
+@pytest.mark.timeout(600)  # two real jobs and a cancel: minutes on a loaded machine
 def test_two_jobs_side_by_side_one_followed_to_success_one_cancelled(
     service: ServiceProcess, ray_head: RayHead
 ) -> None:
@@ -148,14 +151,16 @@ def test_two_jobs_side_by_side_one_followed_to_success_one_cancelled(
 
     # The other job trains meanwhile; cancel it.
     wait_for(state_is(client, endless["id"], "RUNNING", min_step=10), "the second job to train")
-    wait_for(lambda: {} if _train_workers_alive() == 2 else None, "one job's workers", 60)
+    wait_for(lambda: {} if _train_workers_alive(ray_head) == 2 else None, "one job's workers", 60)
     cancelling = client.cancel(endless["id"])
     assert cancelling["state"] in ("CANCELLING", "CANCELLED")
     assert client.cancel(endless["id"])["state"] in ("CANCELLING", "CANCELLED")  # idempotent
     done = wait_for(state_is(client, endless["id"], "CANCELLED"), "CANCELLED", timeout_s=60)
     assert [t["to_state"] for t in done["transitions"]][-2:] == ["CANCELLING", "CANCELLED"]
     assert ray_client.get_job_status(done["submission_id"]) == JobStatus.STOPPED
-    wait_for(lambda: {} if _train_workers_alive() == 0 else None, "the train workers to go", 60)
+    wait_for(
+        lambda: {} if _train_workers_alive(ray_head) == 0 else None, "the train workers to go", 60
+    )
     step = client.job(endless["id"])["progress"]["step"]
     time.sleep(1)
     assert client.job(endless["id"])["progress"]["step"] == step  # nothing trains any more
@@ -176,6 +181,7 @@ SWEEP = {
 }
 
 
+@pytest.mark.timeout(900)  # four trials and a run of the best spec: minutes under load
 def test_a_sweep_job_stops_weak_trials_survives_a_diverging_one_and_its_best_spec_reproduces(
     service: ServiceProcess, tmp_path: Path
 ) -> None:
