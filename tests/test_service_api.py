@@ -952,6 +952,22 @@ def test_the_registry_lists_what_a_spec_may_name(service: Service) -> None:
     assert service.client.get("/v1/registry", headers={"Authorization": ""}).status_code == 401
 
 
+def test_the_api_schema_shows_the_typed_records(service: Service) -> None:
+    schema = service.client.get("/openapi.json").json()
+    components = schema["components"]["schemas"]
+    union = components["Record"]
+    assert union["discriminator"]["propertyName"] == "kind"
+    assert set(union["discriminator"]["mapping"]) == {k.value for k in RecordKind}
+    assert {"loss", "samples_per_s", "kfac_factors_ms"} <= set(
+        components["StepRecord"]["properties"]
+    )
+    # A job's tuner record and its decision are the typed record, not a bag of keys.
+    job = components["JobView"]["properties"]
+    assert {"$ref": "#/components/schemas/TunerRecord"} in job["tuner"]["anyOf"]
+    assert {"$ref": "#/components/schemas/KFACChoice"} in job["decision"]["anyOf"]
+    assert "rejected" in components["CandidateRow"]["properties"]
+
+
 # -- the dashboard's files ---------------------------------------------------------------
 
 
