@@ -15,7 +15,7 @@ from typing import Any
 @dataclass(frozen=True)
 class Update:
     job_id: str
-    kind: str  # "state", "progress", "eval", "tuner", "trial", "sweep", "deleted"
+    kind: str  # "state", "progress", "eval", "tuner", "intervals", "trial", "sweep", "deleted"
     data: dict[str, Any]
 
 

@@ -220,13 +220,17 @@ def get_metrics(
     job_id: str,
     runtime: RuntimeDep,
     kind: Annotated[
-        list[Literal["step", "eval"]] | None,
-        Query(description="only these kinds: step (a progress report), eval"),
+        list[Literal["step", "eval", "intervals"]] | None,
+        Query(
+            description="only these kinds: step (a progress report), eval, intervals (each "
+            "layer's K-FAC intervals and staleness)"
+        ),
     ] = None,
     since: Annotated[int, Query(ge=0, le=2**31)] = 0,
     limit: Annotated[int, Query(ge=1, le=20_000)] = 10_000,
 ) -> MetricHistory:
-    """The metric history: a point per progress report (step) and evaluation (eval)."""
+    """The metric history: a point per progress report (step), evaluation (eval) and report
+    of the K-FAC intervals (intervals)."""
     points = runtime.store.metrics(job_id, kinds=kind or (), since=since, limit=limit)
     return MetricHistory(
         job_id=job_id,

@@ -21,6 +21,7 @@ from typing import Any
 from kaisa_ray.train.records import (
     CheckpointRecord,
     EvalRecord,
+    IntervalsRecord,
     ProfilingRecord,
     RecordKind,
     StartRecord,
@@ -50,6 +51,7 @@ EVENT_OF = {
     RecordKind.STEP: "progress",
     RecordKind.EVAL: "eval",
     RecordKind.TUNER: "tuner",
+    RecordKind.INTERVALS: "intervals",
     RecordKind.TRIAL: "trial",
     RecordKind.SWEEP: "sweep",
 }
@@ -171,6 +173,18 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
             progress.latest.update({k: values[k] for k in names if k in values})
             progress.step = max(progress.step or 0, record.step)
             progress.latest["step"] = progress.step
+            reading.updates.append((EVENT_OF[record.kind], data))
+        elif isinstance(record, IntervalsRecord):
+            # Each layer's K-FAC intervals over time: kept as metrics, read back by kind.
+            progress.metrics.append(
+                Metric(
+                    seq=record.seq or 0,
+                    kind=record.kind.value,
+                    step=record.step,
+                    at=at,
+                    values=values,
+                )
+            )
             reading.updates.append((EVENT_OF[record.kind], data))
         elif isinstance(record, CheckpointRecord):
             progress.latest["checkpoint_step"] = record.step

@@ -42,13 +42,23 @@ SSE_EVENT: dict[str, Any] = {
     "properties": {
         "event": {
             "type": "string",
-            "enum": ["state", "progress", "eval", "tuner", "trial", "sweep", "ready", "deleted"],
+            "enum": [
+                "state",
+                "progress",
+                "eval",
+                "tuner",
+                "intervals",
+                "trial",
+                "sweep",
+                "ready",
+                "deleted",
+            ],
         },
         "data": {
             "type": "string",
             "contentMediaType": "application/json",
-            "description": "JSON: a JobView for state; for progress, eval, tuner, trial and "
-            "sweep, the record (a Record, with its kind and the time the sink took it)",
+            "description": "JSON: a JobView for state; for progress, eval, tuner, intervals, "
+            "trial and sweep, the record (a Record, with its kind and the time the sink took it)",
         },
         "id": {"type": "string"},
         "retry": {"type": "integer"},

@@ -169,7 +169,7 @@ class JobList(BaseModel):
 
 class MetricPoint(BaseModel):
     seq: int
-    kind: Literal["step", "eval"]
+    kind: Literal["step", "eval", "intervals"]
     step: int | None
     at: datetime
     values: dict[str, Any]

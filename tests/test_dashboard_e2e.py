@@ -230,7 +230,11 @@ def watch(
     }
 
     # Its page draws live; then the service dies under it while the job trains.
-    driver.find_element(By.CSS_SELECTOR, f"{row} .job-link").click()
+    # The row is redrawn as events come: find and click in one step, again if it went stale.
+    wait(
+        lambda: driver.find_element(By.CSS_SELECTOR, f"{row} .job-link").click() or True,
+        "a click on the job's link",
+    )
     wait(lambda: points(driver, "chart-loss") >= 2, "the loss curve to draw", timeout_s=240)
     client = first.client()
     before = client.job(job_id)

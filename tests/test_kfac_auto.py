@@ -5,6 +5,7 @@ and a budget below the job itself fails saying so, from both front doors."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +46,24 @@ def test_kfac_auto_profiles_on_the_workers_chooses_and_trains(
     table = tuning["candidates"]
     assert len(table) == 2 * 3  # f in {1/2, 1} at 2 workers x three interval pairs
     feasible = [row for row in table if row["rejected"] is None]
-    fastest = min(feasible, key=lambda row: row["ms_per_step"])
     chosen = tuning["chosen"]
-    assert chosen == {
-        "grad_worker_fraction": fastest["grad_worker_fraction"],
-        "factor_update_steps": fastest["factor_update_steps"],
-        "inv_update_steps": fastest["inv_update_steps"],
+    # Adapted intervals (the default): every layer starts on the shortest rung that fits, on
+    # the fraction fastest on average over its rungs; the ladder and each layer's cost go along.
+    shortest = min(feasible, key=lambda row: row["inv_update_steps"])
+    assert (chosen["factor_update_steps"], chosen["inv_update_steps"]) == (
+        shortest["factor_update_steps"],
+        shortest["inv_update_steps"],
+    )
+    assert chosen["grad_worker_fraction"] in {row["grad_worker_fraction"] for row in feasible}
+    adaptive = chosen["adaptive"]
+    assert adaptive["start"] == 0
+    assert {tuple(rung) for rung in adaptive["rungs"]} == {
+        (row["factor_update_steps"], row["inv_update_steps"]) for row in table
     }
+    assert set(adaptive["layer_costs"]) == {"conv1", "conv2", "fc1", "fc2"}
     assert result.checkpoint is not None
-    assert load_checkpoint_file(result.checkpoint)["kfac_decision"] == chosen
+    kept = load_checkpoint_file(result.checkpoint)["kfac_decision"]
+    assert json.loads(json.dumps(kept)) == chosen  # pairs as tuples there, lists in the record
 
     # The same job again: the tuner actor has its profile, so nobody profiles.
     again = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
@@ -88,10 +98,11 @@ def test_kfac_auto_verify_measures_the_best_candidates_in_tune_trials(
         # Predicted memory per worker is the measured peak to within 10% (exact on CPU).
         assert row["memory_bytes"] == pytest.approx(row["measured_memory_bytes"], rel=0.10)
     fastest = min(measured, key=lambda row: row["measured_ms_per_step"])
-    assert tuning["chosen"] == {
+    assert tuning["chosen"] == {  # verify measures fixed intervals: nothing adapts
         "grad_worker_fraction": fastest["grad_worker_fraction"],
         "factor_update_steps": fastest["factor_update_steps"],
         "inv_update_steps": fastest["inv_update_steps"],
+        "adaptive": None,
     }
     assert result.checkpoint is not None
     assert load_checkpoint_file(result.checkpoint)["kfac_decision"] == tuning["chosen"]

@@ -196,7 +196,16 @@ def test_a_sweep_job_stops_weak_trials_survives_a_diverging_one_and_its_best_spe
         "svc-sweep",
         60,
         optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
-        kfac={"strategy": "auto", "kl_clip": None},  # no clip: a large lr really diverges
+        # No clip: a large lr really diverges. The reference's curvature (a damping-dominated
+        # preconditioner) and fixed intervals keep lr 0.05 and 3e-4 far apart at the first rung.
+        kfac={
+            "strategy": "auto",
+            "adapt": False,
+            "kl_clip": None,
+            "running_average": "identity",
+            "factor_scale": "reference",
+            "pi_damping": False,
+        },
         memory_budget="2GiB",
         scaling={"workers": 1},
         eval_every=10,

@@ -60,8 +60,8 @@ def test_every_bad_field_is_named_at_once() -> None:
     problems = "\n".join(caught.value.problems)
     assert len(caught.value.problems) == 5
     assert (
-        "model.name: unknown model 'resnet-9000'; choose one of bert-large, lenet, mlp, "
-        "resnet20, resnet50" in problems
+        "model.name: unknown model 'resnet-9000'; choose one of bert-large, char-transformer, "
+        "lenet, mlp, resnet20, resnet50, wide-mlp" in problems
     )
     assert "memory_budget:" in problems
     assert "write a size such as '2GiB'" in problems
@@ -117,6 +117,35 @@ def test_tuner_options_need_auto_and_intervals_must_nest() -> None:
         parse_job_spec(with_(kfac={"strategy": "auto", "intervals": []}))
     with pytest.raises(JobSpecError, match=r"kfac.verify"):
         parse_job_spec(with_(kfac={"strategy": "auto", "verify": -1}))
+
+
+def test_auto_adapts_its_intervals_unless_told_not_to_or_verifying() -> None:
+    adaptive = parse_job_spec(with_(kfac="auto"))
+    assert isinstance(adaptive.kfac, KFACSpec)
+    assert adaptive.kfac.adaptive
+    assert adaptive.kfac.staleness_target == 15.0
+    for kfac in ({"strategy": "auto", "adapt": False}, {"strategy": "auto", "verify": 2}):
+        fixed = parse_job_spec(with_(kfac=kfac))
+        assert isinstance(fixed.kfac, KFACSpec)
+        assert not fixed.kfac.adaptive
+    assert not KFACSpec().adaptive  # a fixed strategy
+    tuned = parse_job_spec(with_(kfac={"strategy": "auto", "staleness_target": 5}))
+    assert parse_job_spec(tuned.model_dump(mode="json")) == tuned
+    with pytest.raises(JobSpecError, match=r"kfac.*adapt, staleness_target only for strategy"):
+        parse_job_spec(with_(kfac={"strategy": "comm-opt", "adapt": True, "staleness_target": 5}))
+    with pytest.raises(JobSpecError, match=r"kfac.*verify measures candidates with fixed"):
+        parse_job_spec(with_(kfac={"strategy": "auto", "adapt": True, "verify": 2}))
+    with pytest.raises(
+        JobSpecError, match=r"kfac.*\(2, 10\) and \(3, 30\) do not nest.*adapt: false"
+    ):
+        parse_job_spec(with_(kfac={"strategy": "auto", "intervals": [[2, 10], [3, 30]]}))
+    not_nested = with_(kfac={"strategy": "auto", "intervals": [[2, 10], [3, 30]], "adapt": False})
+    assert isinstance(parse_job_spec(not_nested).kfac, KFACSpec)  # one pair for the run: fine
+    with pytest.raises(JobSpecError, match=r"kfac.staleness_target"):
+        parse_job_spec(with_(kfac={"strategy": "auto", "staleness_target": 90}))
+    measured = parse_job_spec(with_(kfac={"strategy": "comm-opt", "measure_staleness": True}))
+    assert isinstance(measured.kfac, KFACSpec)
+    assert measured.kfac.measure_staleness
 
 
 def test_stop_needs_exactly_one_limit() -> None:

@@ -179,3 +179,63 @@ def test_predict_matches_the_table_and_bad_intervals_are_refused() -> None:
     assert predict(p, 0.5, 5, 50) == row
     with pytest.raises(ConfigurationError, match="multiple of the factor interval"):
         choose(p, None, intervals=[(5, 12)])
+
+
+# -- adaptive intervals: the fraction, the starting rung and each layer's cost ---------------
+
+
+def test_adaptive_choice_starts_on_the_shortest_rung_of_the_fastest_fraction_on_average() -> None:
+    p = profile(layers=EVEN)
+    decision = choose(p, None, adaptive=True)
+    assert decision.adaptive is not None
+    chosen = decision.chosen
+    assert (chosen.factor_update_steps, chosen.inv_update_steps) == (1, 10)
+    assert decision.adaptive.rungs[decision.adaptive.start] == (1, 10)
+    by_fraction: dict[float, list[float]] = {}
+    for c in decision.candidates:
+        by_fraction.setdefault(c.grad_worker_fraction, []).append(c.step_s)
+    fastest = min(by_fraction, key=lambda f: sum(by_fraction[f]) / len(by_fraction[f]))
+    assert chosen.grad_worker_fraction == fastest
+    # Staleness measured: the plan's sketches are in every candidate's memory.
+    sketches = plan(list(EVEN), 4, fastest, staleness_probes=8).ranks[0].memory["total"]
+    assert chosen.kfac_state_bytes == sketches
+    assert sketches - plan(list(EVEN), 4, fastest).ranks[0].memory["total"] == 8 * 4 * 8 * 1025
+    # Not adaptive: the fastest per step, always the longest intervals here.
+    fixed = choose(p, None).chosen
+    assert (fixed.factor_update_steps, fixed.inv_update_steps) == (10, 100)
+
+
+def test_layer_costs_add_up_to_a_candidates_interval_dependent_time() -> None:
+    from tuner.cost import every_step_seconds, layer_costs
+
+    p = profile(layers=EVEN)
+    for fraction in (0.25, 0.5, 1.0):
+        strategy = plan(list(EVEN), 4, fraction, staleness_probes=8)
+        costs = layer_costs(p, strategy)
+        assert set(costs) == {layer.name for layer in EVEN}
+        for fus, ius in ((1, 10), (5, 50)):
+            candidate = predict(p, fraction, fus, ius, staleness=True)
+            kfac = sum(candidate.breakdown.values())
+            dependent = sum(cost.per_step((fus, ius)) for cost in costs.values())
+            assert dependent + every_step_seconds(p, strategy) == pytest.approx(kfac, rel=1e-9)
+
+
+def test_adaptive_choice_under_an_overhead_cap_starts_within_it() -> None:
+    p = profile(layers=EVEN, world_size=1)  # one fraction: the cap decides the rung alone
+    shortest = predict(p, 1.0, 1, 10, staleness=True).overhead
+    middle = predict(p, 1.0, 5, 50, staleness=True).overhead
+    cap = (shortest + middle) / 2  # rules out 1/10 only
+    decision = choose(p, None, adaptive=True, max_overhead=cap)
+    assert decision.adaptive is not None
+    assert decision.adaptive.rungs[decision.adaptive.start] == (5, 50)
+    seconds = decision.adaptive.max_seconds
+    assert seconds is not None
+    total = sum(c.per_step((5, 50)) for c in decision.adaptive.layer_costs.values())
+    assert (
+        total <= seconds < sum(c.per_step((1, 10)) for c in decision.adaptive.layer_costs.values())
+    )
+
+
+def test_an_adaptive_ladder_must_nest() -> None:
+    with pytest.raises(ConfigurationError, match="do not nest"):
+        choose(profile(), None, adaptive=True, intervals=[(1, 10), (3, 30), (2, 20)])

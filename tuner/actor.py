@@ -103,8 +103,10 @@ class TunerState:
         budget_bytes: int | None,
         max_overhead: float | None = None,
         intervals: Sequence[tuple[int, int]] = DEFAULT_INTERVALS,
+        adaptive: bool = False,
     ) -> Decision:
-        """Store ``profile`` under ``key`` (None: use the cached one), then ``choose``.
+        """Store ``profile`` under ``key`` (None: use the cached one), then ``choose`` (with
+        ``adaptive``: the fraction and starting rung of intervals adapted online).
 
         Raises:
             KeyError: ``profile`` is None and nothing is cached under ``key``.
@@ -124,6 +126,7 @@ class TunerState:
             budget_bytes,
             max_overhead=max_overhead,
             intervals=[tuple(pair) for pair in intervals],  # type: ignore[misc]
+            adaptive=adaptive,
         )
 
     def forget(self, key: str | None = None) -> int:

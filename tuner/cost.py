@@ -18,6 +18,15 @@ candidate ``(grad_worker_fraction, factor_update_steps, inv_update_steps)``, ``p
 ``choose(profile, budget)`` returns the fastest candidate within the budget (and within an
 optional cap on K-FAC's overhead over the plain step), with the whole table and a reason for
 every rejection. When nothing fits, ``NoFeasibleCandidateError`` says what would.
+
+Time per step alone always prefers the longest intervals: it cannot see that stale curvature
+costs steps. With ``adaptive=True`` the intervals are not chosen here but adapted per layer
+during training to the staleness measured there (``kaisa_ray.intervals``): ``choose`` picks the
+fraction (the fastest on average over the ladder's rungs that fit, memory priced with the
+staleness sketches), the rung every layer starts on (the shortest within the overhead cap:
+curvature moves most early), and each layer's cost per update, which keeps the adapted
+intervals within the cap (``AdaptivePlan``). The memory does not depend on the intervals, so
+any schedule the layers adapt to stays within the budget the fraction was chosen under.
 """
 
 from __future__ import annotations
@@ -31,7 +40,9 @@ from typing import Protocol
 from kaisa_ray.assignment import LayerShape
 from kaisa_ray.enums import ComputeMethod
 from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.intervals import LayerCost, check_rungs
 from kaisa_ray.plan import Plan, StepType, plan
+from kaisa_ray.staleness import PROBES
 from kaisa_ray.strategy import valid_fractions
 
 DEFAULT_INTERVALS: tuple[tuple[int, int], ...] = ((1, 10), (5, 50), (10, 100))
@@ -164,11 +175,24 @@ class Candidate:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AdaptivePlan:
+    """What adaptive intervals start from (``kaisa_ray.intervals.AdaptiveIntervals``): the
+    ladder, the starting rung, each layer's seconds per update on the chosen fraction, and the
+    cap on the interval-dependent seconds per step that ``max_overhead`` leaves (None: none)."""
+
+    rungs: tuple[tuple[int, int], ...]
+    start: int
+    layer_costs: dict[str, LayerCost]
+    max_seconds: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Decision:
     chosen: Candidate
     candidates: tuple[Candidate, ...]
     budget_bytes: int | None
     how: str = PREDICTED  # or MEASURED (``tuner.verify``: the pick of verification trials)
+    adaptive: AdaptivePlan | None = None  # intervals adapted online from ``chosen``'s
 
 
 class NoFeasibleCandidateError(ConfigurationError):
@@ -176,16 +200,80 @@ class NoFeasibleCandidateError(ConfigurationError):
 
 
 def predict(
-    profile: Profile, fraction: float, factor_update_steps: int, inv_update_steps: int
+    profile: Profile,
+    fraction: float,
+    factor_update_steps: int,
+    inv_update_steps: int,
+    *,
+    staleness: bool = False,
 ) -> Candidate:
-    """Memory and time per step of one candidate (see the module docstring)."""
-    strategy = plan(
+    """Memory and time per step of one candidate (see the module docstring); with
+    ``staleness``, measuring it (its sketches and its all-reduce) included."""
+    return _priced(
+        profile, _plan(profile, fraction, staleness), factor_update_steps, inv_update_steps
+    )
+
+
+def _plan(profile: Profile, fraction: float, staleness: bool) -> Plan:
+    return plan(
         list(profile.layers),
         profile.world_size,
         fraction,
         compute_method=profile.compute_method,
+        staleness_probes=PROBES if staleness else 0,
     )
-    return _priced(profile, strategy, factor_update_steps, inv_update_steps)
+
+
+def layer_costs(profile: Profile, strategy: Plan) -> dict[str, LayerCost]:
+    """Seconds one update of each layer costs the slowest rank on ``strategy``, priced as
+    ``choose`` prices a candidate and split over the layers: the factor work and the factor
+    all-reduce of a factor-update step in proportion to each layer's factor elements (the
+    profile times all layers together), the slowest rank's decompositions and their broadcasts
+    (and the staleness all-reduce) of an inverse-update step in proportion to each layer's
+    decomposition time. At a rung every layer shares, their sum is the candidate's
+    interval-dependent time per step."""
+    assignment = strategy.assignment
+    per_rank = [0.0] * len(strategy.ranks)
+    own: dict[str, float] = {}
+    for layer in profile.layers:
+        place = assignment.placements[layer.name]
+        a = layer.groups * profile.decomposition.seconds(layer.a_dim)
+        g = layer.groups * profile.decomposition.seconds(layer.g_dim)
+        per_rank[place.a_rank] += a
+        per_rank[place.g_rank] += g
+        own[layer.name] = a + g
+    decompositions = max(_uncontended(per_rank, profile.contention), default=0.0)
+    factor_comm = inverse_comm = 0.0
+    for rank_plan in strategy.ranks:
+        plain, factor, inverse = (
+            sum(profile.collective_seconds(c.op, c.group, c.nbytes) for c in rank_plan.calls[t])
+            for t in (StepType.PLAIN, StepType.FACTOR_UPDATE, StepType.INVERSE_UPDATE)
+        )
+        factor_comm = max(factor_comm, factor - plain)
+        inverse_comm = max(inverse_comm, inverse - factor)
+    weights = {
+        layer.name: layer.groups * (layer.a_dim**2 + layer.g_dim**2) for layer in profile.layers
+    }
+    total_weight = sum(weights.values()) or 1
+    total_own = sum(own.values()) or 1.0
+    return {
+        name: LayerCost(
+            factor_s=(profile.factor_s + factor_comm) * weights[name] / total_weight,
+            decomposition_s=(decompositions + inverse_comm) * own[name] / total_own,
+        )
+        for name in weights
+    }
+
+
+def every_step_seconds(profile: Profile, strategy: Plan) -> float:
+    """K-FAC's seconds per step that no interval changes, on the slowest rank: preconditioning
+    and the collectives of a plain step (the gradient broadcasts of f < 1)."""
+    breakdown = _priced(profile, strategy, 1, 1).breakdown
+    plain = max(
+        sum(profile.collective_seconds(c.op, c.group, c.nbytes) for c in r.calls[StepType.PLAIN])
+        for r in strategy.ranks
+    )
+    return breakdown["precondition"] + plain
 
 
 def _uncontended(work: list[float], contention: float) -> list[float]:
@@ -270,12 +358,16 @@ def choose(
     *,
     intervals: Sequence[tuple[int, int]] = DEFAULT_INTERVALS,
     max_overhead: float | None = None,
+    adaptive: bool = False,
 ) -> Decision:
-    """The fastest candidate that fits ``budget_bytes`` (and ``max_overhead``, if given).
+    """The fastest candidate that fits ``budget_bytes`` (and ``max_overhead``, if given);
+    with ``adaptive``, the fraction and starting rung of intervals adapted online (see the
+    module docstring).
 
     Raises:
         NoFeasibleCandidateError: the budget is below the job's base memory (by how much is said),
             or no strategy's K-FAC state fits beside it (what would fit is said).
+        ConfigurationError: an interval pair is invalid, or (adaptive) the pairs do not nest.
     """
     for fus, ius in intervals:
         if fus < 1 or ius < 1 or ius % fus:
@@ -283,6 +375,8 @@ def choose(
                 f"interval pair ({fus}, {ius}) is invalid: both must be positive and the "
                 "inverse interval a multiple of the factor interval"
             )
+    if adaptive:
+        intervals = check_rungs(intervals)
     if budget_bytes is not None and profile.base_memory_bytes >= budget_bytes:
         raise NoFeasibleCandidateError(
             f"the memory budget {_gib(budget_bytes)} is smaller than the job itself: model, "
@@ -291,13 +385,9 @@ def choose(
             "state; raise memory_budget, lower dataset.batch_size, or train with kfac: off"
         )
     table: list[Candidate] = []
+    plans = {}
     for fraction in valid_fractions(profile.world_size):
-        strategy = plan(
-            list(profile.layers),
-            profile.world_size,
-            fraction,
-            compute_method=profile.compute_method,
-        )
+        strategy = plans[fraction] = _plan(profile, fraction, adaptive)
         for fus, ius in intervals:
             candidate = _priced(profile, strategy, fus, ius)
             reason = None
@@ -314,9 +404,69 @@ def choose(
             table.append(_with_reason(candidate, reason))
     feasible = [c for c in table if c.rejected is None]
     if not feasible:
-        raise NoFeasibleCandidateError(_what_would_fit(profile, table, budget_bytes, max_overhead))
-    best = min(feasible, key=lambda c: (c.step_s, -c.grad_worker_fraction))
-    return Decision(chosen=best, candidates=tuple(table), budget_bytes=budget_bytes)
+        raise NoFeasibleCandidateError(
+            _what_would_fit(profile, table, budget_bytes, max_overhead, PROBES if adaptive else 0)
+        )
+    if not adaptive:
+        best = min(feasible, key=lambda c: (c.step_s, -c.grad_worker_fraction))
+        return Decision(chosen=best, candidates=tuple(table), budget_bytes=budget_bytes)
+    return _adaptive_decision(
+        profile, table, feasible, plans, intervals, max_overhead, budget_bytes
+    )
+
+
+def _adaptive_decision(
+    profile: Profile,
+    table: list[Candidate],
+    feasible: list[Candidate],
+    plans: dict[float, Plan],
+    rungs: Sequence[tuple[int, int]],
+    max_overhead: float | None,
+    budget_bytes: int | None,
+) -> Decision:
+    """The fraction fastest on average over its rungs that fit, starting on its shortest rung
+    within the overhead cap (a rung over the cap is ruled out in the table already)."""
+    by_fraction: dict[float, list[Candidate]] = {}
+    for candidate in feasible:
+        by_fraction.setdefault(candidate.grad_worker_fraction, []).append(candidate)
+
+    def mean_step(fraction: float) -> tuple[float, float]:
+        steps = [c.step_s for c in by_fraction[fraction]]
+        return (sum(steps) / len(steps), -fraction)
+
+    fraction = min(by_fraction, key=mean_step)
+    costs = layer_costs(profile, plans[fraction])
+    cap = None
+    if max_overhead is not None:
+        cap = max_overhead * profile.step_s - every_step_seconds(profile, plans[fraction])
+    fits = sorted(by_fraction[fraction], key=lambda c: c.inv_update_steps)
+    start = fits[0]
+    if cap is not None:
+        # The cap as the schedule prices it (the per-layer costs): the shortest rung within it.
+        within = [
+            c
+            for c in fits
+            if sum(
+                cost.per_step((c.factor_update_steps, c.inv_update_steps))
+                for cost in costs.values()
+            )
+            <= cap
+        ]
+        start = within[0] if within else fits[-1]
+        if not within:  # the two models round apart: the cap the longest rung needs
+            cap = sum(
+                cost.per_step((start.factor_update_steps, start.inv_update_steps))
+                for cost in costs.values()
+            )
+    adaptive = AdaptivePlan(
+        rungs=tuple(rungs),
+        start=list(rungs).index((start.factor_update_steps, start.inv_update_steps)),
+        layer_costs=costs,
+        max_seconds=cap,
+    )
+    return Decision(
+        chosen=start, candidates=tuple(table), budget_bytes=budget_bytes, adaptive=adaptive
+    )
 
 
 def _with_reason(candidate: Candidate, reason: str | None) -> Candidate:
@@ -325,9 +475,13 @@ def _with_reason(candidate: Candidate, reason: str | None) -> Candidate:
     return dataclasses.replace(candidate, rejected=reason)
 
 
-def _mem_opt_state(layers: Sequence[LayerShape], world: int, compute_method: str) -> int:
+def _mem_opt_state(
+    layers: Sequence[LayerShape], world: int, compute_method: str, probes: int = 0
+) -> int:
     """The worst rank's K-FAC state bytes under MEM-OPT (the least memory of any f)."""
-    ranks = plan(list(layers), world, 1 / world, compute_method=compute_method).ranks
+    ranks = plan(
+        list(layers), world, 1 / world, compute_method=compute_method, staleness_probes=probes
+    ).ranks
     return max(r.memory["total"] for r in ranks)
 
 
@@ -336,6 +490,7 @@ def _what_would_fit(
     table: list[Candidate],
     budget_bytes: int | None,
     max_overhead: float | None,
+    probes: int = 0,
 ) -> str:
     smallest = min(table, key=lambda c: c.memory_bytes)
     over_budget = budget_bytes is not None and smallest.memory_bytes > budget_bytes
@@ -360,13 +515,13 @@ def _what_would_fit(
     by_size = sorted(profile.layers, key=lambda layer: layer.a_dim**2 + layer.g_dim**2)
     for skipped in range(1, len(by_size)):
         kept = by_size[: len(by_size) - skipped]
-        if _mem_opt_state(kept, profile.world_size, profile.compute_method) <= room:
+        if _mem_opt_state(kept, profile.world_size, profile.compute_method, probes) <= room:
             names = ", ".join(layer.name for layer in by_size[len(by_size) - skipped :])
             lines.append(f"  - skip_layers the largest: {names}")
             break
     for more in (2, 4, 8):
         world = profile.world_size * more
-        if _mem_opt_state(profile.layers, world, profile.compute_method) <= room:
+        if _mem_opt_state(profile.layers, world, profile.compute_method, probes) <= room:
             lines.append(f"  - {world} workers (MEM-OPT spreads the decompositions)")
             break
     return "\n".join(lines)

@@ -40,6 +40,7 @@ from tuner.measure import (
 from tuner.memory import TensorMemory
 
 Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+REGISTRATION_OPTIONS = ("skip_layers", "kfac_approx", "factor_dtype", "inv_dtype")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,8 +146,9 @@ def profile_job(
         device: where training runs.
         steps: timed steps per phase (after the counted warm-up steps).
         compute_method: K-FAC's ``compute_method`` (``eigen`` or ``inverse``).
-        kfac_options: other ``KFACPreconditioner`` arguments that change which layers are
-            registered (``skip_layers``, ``kfac_approx``).
+        kfac_options: other ``KFACPreconditioner`` arguments: those that change which layers
+            are registered (``skip_layers``, ``kfac_approx``) and those that change the work
+            (the curvature options, ``measure_staleness``).
         precision: autocast and gradient scaling, as training uses them (default fp32).
     """
     began = time.perf_counter()
@@ -171,9 +173,11 @@ def profile_job(
 
     # A few real K-FAC steps (factors every step, decompositions at the first two): phases.
     unwrapped = model.module if isinstance(model, DistributedDataParallel) else model
+    # Which layers register depends on these options only (the curvature options do not).
+    registering = {k: v for k, v in options.items() if k in REGISTRATION_OPTIONS}
     layers = tuple(
         LayerShape(name=layer.name, a_dim=layer.a_dim, g_dim=layer.g_dim, groups=layer.groups)
-        for layer in registered_layers(unwrapped, **options)
+        for layer in registered_layers(unwrapped, **registering)
     )
     preconditioner = trainee.kfac(
         factor_update_steps=1,

@@ -338,7 +338,13 @@ def train(
 
 
 @click.command()
-@config_option
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Job file (YAML or JSON) with kfac: auto; see examples/fashion_mnist_auto.yaml.",
+)
 @storage_option
 @click.option(
     "--verify",
@@ -347,12 +353,31 @@ def train(
     help="Measure the K best predicted candidates in short Ray Tune trials "
     "[default: the job's kfac.verify].",
 )
-def tune(config: Path, storage_path: str | None, verify: int | None) -> None:
+@click.option(
+    "--history",
+    "history",
+    metavar="RUN",
+    default=None,
+    help="Instead: each layer's K-FAC intervals over run RUN so far and why they changed "
+    "(from its records in the Ray cluster's progress sink).",
+)
+def tune(
+    config: Path | None, storage_path: str | None, verify: int | None, history: str | None
+) -> None:
     """Choose K-FAC's strategy for a `kfac: auto` job without training: profile the job on its
-    own workers, print the candidate table and the decision."""
+    own workers, print the candidate table and the decision (with adapted intervals: each
+    layer's cost on every rung). With --history RUN: how a run's intervals adapted."""
     from kaisa_ray.errors import ConfigurationError
     from kaisa_ray.train.spec import KFACSpec
     from kaisa_ray.train.tables import tuning_table
+
+    if history is not None:
+        if config is not None or verify is not None:
+            raise click.UsageError("--history reads a run's records: give it alone")
+        _print_history(history)
+        return
+    if config is None:
+        raise click.UsageError("give --config (a job to tune) or --history RUN")
     from kaisa_ray.train.tuning import tune_job
 
     spec = _load(config)
@@ -363,6 +388,28 @@ def tune(config: Path, storage_path: str | None, verify: int | None) -> None:
     except ConfigurationError as err:
         raise click.ClickException(str(err)) from err
     click.echo(tuning_table(outcome.record))
+
+
+def _print_history(run: str) -> None:
+    from kaisa_ray.errors import ConfigurationError
+    from kaisa_ray.train.progress import read_progress
+    from kaisa_ray.train.records import IntervalsRecord, RecordKind, parse_record
+    from kaisa_ray.train.tables import intervals_timeline
+    from kaisa_ray.train.trainer import ensure_ray
+
+    try:
+        ensure_ray()
+    except ConfigurationError as err:
+        raise click.ClickException(str(err)) from err
+    found = [parse_record(r) for r in read_progress(run, kinds=[RecordKind.INTERVALS])["records"]]
+    records = [r for r in found if isinstance(r, IntervalsRecord)]
+    if not records:
+        raise click.ClickException(
+            f"run {run!r} has no intervals records in this cluster's progress sink: is the name "
+            "right (kaisa-ray train prints it), and does the job use kfac: auto (or "
+            "kfac.measure_staleness)?"
+        )
+    click.echo(intervals_timeline(records))
 
 
 @click.command()

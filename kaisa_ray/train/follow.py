@@ -3,7 +3,8 @@ door (``kaisa-ray train`` and ``sweep`` read the progress sink, ``kaisa-ray subm
 the service's event stream, ``kaisa-ray example`` its own loop).
 
 On a terminal, a progress bar redrawn in place with the lines above it; elsewhere (a log, a
-pipe), a line per evaluation, decision and trial change, and nothing printed twice. A sweep's
+pipe), a line per evaluation, decision, change of a layer's K-FAC intervals and trial change,
+and nothing printed twice. A sweep's
 trials are a table, redrawn on a terminal.
 
 Torch-free and Ray-free: the service's client commands use it.
@@ -18,13 +19,14 @@ from tqdm.auto import tqdm
 
 from kaisa_ray.train.records import (
     EvalRecord,
+    IntervalsRecord,
     Record,
     StartRecord,
     StepRecord,
     TrialRecord,
     TunerRecord,
 )
-from kaisa_ray.train.tables import TrialTable, decision_line
+from kaisa_ray.train.tables import TrialTable, change_line, decision_line
 
 __all__ = ["Follower", "eval_line"]
 
@@ -117,6 +119,9 @@ class Follower:
             self.say(eval_line(record))
         elif isinstance(record, TunerRecord):
             self.say(decision_line(record))
+        elif isinstance(record, IntervalsRecord):
+            for change in record.changes:
+                self.say(change_line(change))
         elif isinstance(record, TrialRecord) and self.table is not None:
             line = self.table.update(record)
             if self.show and self.live:

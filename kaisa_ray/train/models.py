@@ -9,7 +9,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-__all__ = ["MLP", "LeNetCNN"]
+__all__ = ["MLP", "LeNetCNN", "WideMLP"]
 
 # The constructors' parameters are what a job's ``model.params`` may set; their annotations
 # (with these bounds) are how the JobSpec checks them before anything is built.
@@ -71,6 +71,34 @@ class MLP(nn.Module):
         """Maps inputs ``(N, ...)`` with ``in_features`` elements each to logits."""
         out: torch.Tensor = self.net(x)
         return out
+
+
+class WideMLP(MLP):
+    """A fully connected classifier whose K-FAC state outweighs the job itself: the workload
+    where a memory budget decides K-FAC's strategy.
+
+    Three hidden layers of ``width`` (512 by default) on Fashion-MNIST: about 0.93 M
+    parameters (3.7 MB), while K-FAC keeps, per layer, two factors and their batch buffers
+    and, on the layer's gradient workers, two eigenbases and an eigenvalue table, each about
+    ``width²`` numbers: 28.8 MiB per worker under COMM-OPT, over twice the parameters,
+    gradients and momentum together, and 21.7 MiB under MEM-OPT at 4 workers (``plan()``
+    gives the figures per strategy).
+
+    Args:
+        in_features: Number of input features after flattening (784 for 28×28 images).
+        width: Width of each hidden layer.
+        depth: Number of hidden layers.
+        num_classes: Number of output logits.
+    """
+
+    def __init__(
+        self,
+        in_features: Annotated[int, Field(ge=1, le=2**24)] = 784,
+        width: Width = 512,
+        depth: Annotated[int, Field(ge=1, le=64)] = 3,
+        num_classes: Classes = 10,
+    ) -> None:
+        super().__init__(in_features=in_features, hidden=(width,) * depth, num_classes=num_classes)
 
 
 class _BasicBlock(nn.Module):

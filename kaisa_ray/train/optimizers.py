@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
+from kaisa_ray.intervals import AdaptiveIntervals
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.train.spec import KFACSpec, OptimizerSpec, ScheduleSpec
 
@@ -62,15 +64,25 @@ def build_preconditioner(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None = None,
+    intervals: AdaptiveIntervals | None = None,
 ) -> KFACPreconditioner:
-    """K-FAC as the job asks for it (a fixed strategy: ``kfac: auto`` is decided before);
-    KL clipping follows the lr schedule; with fp16, the GradScaler's scale is taken out of the
-    output gradients."""
+    """K-FAC as the job asks for it (a fixed strategy: ``kfac: auto`` is decided before, and
+    with adaptive intervals the tuner's ``intervals`` replace the fixed ones); KL clipping
+    follows the lr schedule; with fp16, the GradScaler's scale is taken out of the output
+    gradients."""
     group = optimizer.param_groups[0]
+    steps: dict[str, Any] = (
+        {"intervals": intervals}
+        if intervals is not None
+        else {
+            "factor_update_steps": spec.factor_update_steps,
+            "inv_update_steps": spec.inv_update_steps,
+            "measure_staleness": spec.measure_staleness,
+        }
+    )
     return KFACPreconditioner(
         model,
-        factor_update_steps=spec.factor_update_steps,
-        inv_update_steps=spec.inv_update_steps,
+        **steps,
         damping=spec.damping,
         factor_decay=spec.factor_decay,
         kl_clip=spec.kl_clip,

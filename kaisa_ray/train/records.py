@@ -30,12 +30,16 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, Va
 __all__ = [
     "PHASE_FIELDS",
     "TRIAL_METRICS",
+    "AdaptiveChoice",
     "CandidateRow",
     "CheckpointRecord",
     "Direction",
     "EndRecord",
     "EvalRecord",
+    "IntervalChangeRow",
+    "IntervalsRecord",
     "KFACChoice",
+    "LayerIntervals",
     "MeasuredRecord",
     "ProfilingRecord",
     "Record",
@@ -69,6 +73,7 @@ class RecordKind(enum.StrEnum):
     TUNER = "tuner"  # kfac: auto's decision and its candidate table
     TUNER_ERROR = "tuner-error"  # kfac: auto found nothing that fits
     MEASURED = "measured"  # a candidate strategy measured on the workers
+    INTERVALS = "intervals"  # each layer's K-FAC intervals, staleness and why they changed
     SWEEP_START = "sweep-start"  # a sweep's plan
     TRIAL = "trial"  # a sweep trial started, evaluated or ended
     SWEEP = "sweep"  # a sweep's result
@@ -158,8 +163,44 @@ class _Record(BaseModel):
         return data
 
 
+class AdaptiveChoice(BaseModel):
+    """Intervals adapted per layer during training (``kaisa_ray.intervals``): the ladder,
+    the rung every layer starts on, the staleness target, and each layer's seconds per update
+    with the cap on their sum per step (from ``max_overhead``)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    rungs: list[tuple[int, int]] = Field(description="nested (factor, inverse) intervals")
+    start: int = Field(description="the starting rung (0: the shortest)")
+    target_angle: float = Field(description="degrees of staleness before a layer shortens")
+    layer_costs: dict[str, tuple[float, float]] = Field(
+        default_factory=dict, description="seconds per update of each layer: factors, inverse"
+    )
+    max_seconds: float | None = Field(
+        default=None, description="cap on the interval-dependent K-FAC seconds per step"
+    )
+
+    def intervals(self) -> Any:
+        """As the core's ``AdaptiveIntervals`` (typed Any: this module imports no core
+        module beyond the enums, so that the client commands stay light)."""
+        from kaisa_ray.intervals import AdaptiveIntervals, LayerCost
+
+        costs = {
+            name: LayerCost(factor_s=factor, decomposition_s=inverse)
+            for name, (factor, inverse) in self.layer_costs.items()
+        }
+        return AdaptiveIntervals(
+            rungs=tuple((int(f), int(d)) for f, d in self.rungs),
+            start=self.start,
+            target_angle=self.target_angle,
+            costs=costs or None,
+            max_seconds=self.max_seconds if costs else None,
+        )
+
+
 class KFACChoice(BaseModel):
-    """A K-FAC strategy: the gradient worker fraction and the update intervals."""
+    """A K-FAC strategy: the gradient worker fraction and the update intervals (with
+    ``adaptive``: the intervals every layer starts on, adapted from there)."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
@@ -170,6 +211,9 @@ class KFACChoice(BaseModel):
     )
     factor_update_steps: int
     inv_update_steps: int
+    adaptive: AdaptiveChoice | None = Field(
+        default=None, description="intervals adapted per layer online; null: fixed"
+    )
 
     def spec_fields(self) -> dict[str, Any]:
         """The KFACSpec fields this choice sets."""
@@ -184,6 +228,7 @@ class KFACChoice(BaseModel):
 
 
 class CandidateRow(KFACChoice):
+    # A row is one fixed candidate (the decision's ``chosen`` says whether it adapts).
     """One row of the tuner's candidate table (predicted; measured when verified)."""
 
     memory_bytes: int = Field(description="predicted peak memory per worker")
@@ -288,6 +333,49 @@ class TunerRecord(_Record):
     )
 
 
+class LayerIntervals(BaseModel):
+    """One layer's intervals now and how stale its curvature was (``kaisa_ray.staleness``;
+    -1: not measured yet)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    layer: str
+    factor_update_steps: int
+    inv_update_steps: int
+    change_a: float = Field(description="relative change of A since its last decomposition")
+    change_g: float = Field(description="relative change of G since its last decomposition")
+    measured_step: int | None = Field(description="its last decomposition step (measured)")
+    interval_change_a: float = Field(description="A's change over the interval it ended")
+    interval_change_g: float = Field(description="G's change over the interval it ended")
+    angle: float = Field(description="there, degrees between stale and fresh preconditioning")
+    reason: str = Field(description="why the layer is on these intervals")
+
+
+class IntervalChangeRow(BaseModel):
+    """A layer's intervals changed, and why."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    step: int
+    layer: str
+    before: tuple[int, int]
+    after: tuple[int, int]
+    angle: float
+    gap: int = Field(description="steps since the layer's previous decomposition")
+    reason: str
+
+
+class IntervalsRecord(_Record):
+    """Each layer's K-FAC intervals and staleness now, and the changes since the last one
+    (rank 0, with the step records; only while staleness is measured)."""
+
+    kind: Literal[RecordKind.INTERVALS] = RecordKind.INTERVALS
+    step: int
+    adaptive: bool = Field(description="whether the intervals adapt (else only measured)")
+    layers: list[LayerIntervals]
+    changes: list[IntervalChangeRow] = Field(default_factory=list)
+
+
 class TunerErrorRecord(_Record):
     kind: Literal[RecordKind.TUNER_ERROR] = RecordKind.TUNER_ERROR
     error: str
@@ -369,6 +457,7 @@ Record = Annotated[
     | TunerRecord
     | TunerErrorRecord
     | MeasuredRecord
+    | IntervalsRecord
     | SweepStartRecord
     | TrialRecord
     | SweepRecord,

@@ -23,7 +23,7 @@ from torch import nn
 
 from kaisa_ray.train.corpus import DEFAULT_FORTUNES_DIR, load_text_corpus
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset, synthetic_dataset
-from kaisa_ray.train.models import MLP, LeNetCNN, ResNet20
+from kaisa_ray.train.models import MLP, LeNetCNN, ResNet20, WideMLP
 from kaisa_ray.train.models_large import BertLarge, ResNet50
 from kaisa_ray.train.transformer import CharTransformer
 
@@ -67,6 +67,7 @@ def _synthetic(request: DatasetRequest) -> tuple[torch.Tensor, torch.Tensor]:
 BUILTIN_MODELS: dict[str, ModelFactory] = {
     "lenet": LeNetCNN,
     "mlp": MLP,
+    "wide-mlp": WideMLP,  # K-FAC's state outweighs the job: where the memory budget decides
     "resnet20": ResNet20,
     "resnet50": ResNet50,  # ImageNet; with kaisa-ray plan, priced on the meta device
     "bert-large": BertLarge,  # token ids in: for kaisa-ray plan, or a plugin token dataset

@@ -52,6 +52,7 @@ from kaisa_ray.enums import (
     RunningAverage,
 )
 from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.intervals import DEFAULT_TARGET_ANGLE, check_rungs
 from kaisa_ray.strategy import resolve_grad_worker_fraction
 from kaisa_ray.train.records import Direction, SweepMetric
 from kaisa_ray.train.registry import dataset_entry, dataset_names, model_factory, model_names
@@ -285,12 +286,18 @@ class OptimizerSpec(_Strict):
 
 class KFACSpec(_Strict):
     """K-FAC settings. ``strategy: auto`` (or ``kfac: auto``) lets the tuner choose the
-    gradient worker fraction and the factor/inverse intervals on the job's own workers, under
-    ``memory_budget`` (and ``max_overhead``, K-FAC's predicted time over the plain step's,
-    if given). It chooses the intervals from ``intervals`` (pairs of factor and inverse
-    intervals; ``[[5, 50]]`` fixes them), else from its own ladder; ``factor_update_steps``
-    and ``inv_update_steps`` are then ignored. ``verify: K`` measures the K best predicted
-    candidates in short trials and takes the fastest measured one that fits."""
+    gradient worker fraction on the job's own workers, under ``memory_budget`` (and
+    ``max_overhead``, K-FAC's predicted time over the plain step's, if given), and adapts each
+    layer's factor and inverse intervals during training to how stale its curvature is
+    (``adapt``, on by default): a layer's intervals move along the ladder ``intervals``
+    (nested pairs of factor and inverse intervals, else the tuner's own) shorter when the angle
+    between its gradient preconditioned with the stale and the fresh curvature exceeds
+    ``staleness_target`` degrees, longer when it is well within it. With ``adapt: false`` the
+    tuner picks one pair from the ladder for the whole run, the fastest per step;
+    ``factor_update_steps`` and ``inv_update_steps`` are ignored either way. ``verify: K``
+    measures the K best predicted candidates in short trials and takes the fastest measured
+    one that fits (fixed intervals: it implies ``adapt: false``). ``measure_staleness``
+    measures and reports the staleness with fixed intervals too."""
 
     strategy: Literal["auto"] | DistributedStrategy | Annotated[float, Field(gt=0, le=1)] = (
         DistributedStrategy.COMM_OPT
@@ -320,6 +327,9 @@ class KFACSpec(_Strict):
         | None
     ) = None
     verify: Annotated[int, Field(ge=0, le=32)] = 0
+    adapt: bool | None = None
+    staleness_target: Annotated[float, Field(gt=0, lt=90)] = DEFAULT_TARGET_ANGLE
+    measure_staleness: bool = False
 
     @field_validator("strategy", mode="before")
     @classmethod
@@ -351,12 +361,24 @@ class KFACSpec(_Strict):
         """The tuner chooses (``strategy: auto``)."""
         return self.strategy == AUTO
 
+    @property
+    def adaptive(self) -> bool:
+        """``kfac: auto`` with intervals adapted online (``adapt``; by default unless
+        ``verify`` measures fixed candidates)."""
+        return self.auto and (self.adapt if self.adapt is not None else self.verify == 0)
+
     @model_validator(mode="after")
     def _auto_only(self) -> KFACSpec:
         if not self.auto:
             # By value, not by fields set: a spec dumped to JSON and read back (as the workers
             # do) has every field set.
-            defaults = {"max_overhead": None, "intervals": None, "verify": 0}
+            defaults = {
+                "max_overhead": None,
+                "intervals": None,
+                "verify": 0,
+                "adapt": None,
+                "staleness_target": DEFAULT_TARGET_ANGLE,
+            }
             given = [name for name, empty in defaults.items() if getattr(self, name) != empty]
             if given:
                 raise ValueError(
@@ -364,6 +386,16 @@ class KFACSpec(_Strict):
                     f"{'it' if len(given) == 1 else 'them'} or set strategy: auto instead of "
                     f"{self.strategy!r}"
                 )
+        if self.adapt and self.verify:
+            raise ValueError(
+                "verify measures candidates with fixed intervals; adapted intervals cannot be "
+                "verified that way: set adapt: false, or verify: 0"
+            )
+        if self.adaptive and self.intervals is not None:
+            try:
+                check_rungs(self.intervals)
+            except ConfigurationError as error:
+                raise ValueError(f"intervals: {error} (or set adapt: false)") from None
         return self
 
     def ladder(self) -> list[tuple[int, int]] | None:

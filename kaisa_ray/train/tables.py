@@ -1,5 +1,6 @@
-"""Records as text for people: the tuner's decision in a line and its candidate table, and a
-sweep's trials as a table (``kaisa-ray tune``, ``train`` and ``sweep`` print them).
+"""Records as text for people: the tuner's decision in a line and its candidate table, each
+layer's adapted K-FAC intervals over time and why they changed, and a sweep's trials as a
+table (``kaisa-ray tune``, ``train`` and ``sweep`` print them).
 
 Torch-free: the service's client commands print them too.
 """
@@ -8,9 +9,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from kaisa_ray.train.records import TrialRecord, TrialState, TunerRecord
+from kaisa_ray.train.records import (
+    AdaptiveChoice,
+    IntervalChangeRow,
+    IntervalsRecord,
+    TrialRecord,
+    TrialState,
+    TunerRecord,
+)
 
-__all__ = ["TrialTable", "decision_line", "tuning_table"]
+__all__ = [
+    "TrialTable",
+    "adaptive_plan_table",
+    "change_line",
+    "decision_line",
+    "intervals_timeline",
+    "tuning_table",
+]
 
 
 def decision_line(record: TunerRecord) -> str:
@@ -23,9 +38,16 @@ def decision_line(record: TunerRecord) -> str:
     )
     if record.verify_s is not None:
         how += f", {record.verify_s:.0f} s of verification trials"
+    intervals = f"intervals {chosen.factor_update_steps}/{chosen.inv_update_steps}"
+    if chosen.adaptive is not None:
+        ladder = ", ".join(f"{f}/{d}" for f, d in chosen.adaptive.rungs)
+        intervals = (
+            f"intervals adapted per layer from {chosen.factor_update_steps}/"
+            f"{chosen.inv_update_steps} over {ladder} (staleness target "
+            f"{chosen.adaptive.target_angle:g}°)"
+        )
     return (
-        f"kfac: auto chose grad_worker_fraction={chosen.grad_worker_fraction:g}, intervals "
-        f"{chosen.factor_update_steps}/{chosen.inv_update_steps} "
+        f"kfac: auto chose grad_worker_fraction={chosen.grad_worker_fraction:g}, {intervals} "
         f"({record.how}: {how}; {len(record.candidates)} candidates)"
     )
 
@@ -71,8 +93,77 @@ def tuning_table(record: TunerRecord) -> str:
         f"{_mib(record.kfac_transient_bytes)} MiB + K-FAC state; plain step "
         f"{record.plain_ms_per_step:.1f} ms"
     )
+    if record.chosen.adaptive is not None:
+        text.append(adaptive_plan_table(record.chosen.adaptive))
     text.append(decision_line(record))
     return "\n".join(text)
+
+
+def _rung(pair: tuple[int, int]) -> str:
+    return f"{pair[0]}/{pair[1]}"
+
+
+def adaptive_plan_table(plan: AdaptiveChoice) -> str:
+    """What adaptive intervals start from: each layer's predicted K-FAC ms per step on every
+    rung (its factor and decomposition costs over the intervals), and the overhead cap."""
+    rungs = [(int(f), int(d)) for f, d in plan.rungs]
+    header = ["layer", "ms/update (factors, inverse)", *(f"ms/step at {_rung(r)}" for r in rungs)]
+    lines = [header]
+    totals = [0.0] * len(rungs)
+    for name, (factor_s, inverse_s) in plan.layer_costs.items():
+        per_step = [1000 * (factor_s / f + inverse_s / d) for f, d in rungs]
+        totals = [t + p for t, p in zip(totals, per_step, strict=True)]
+        lines.append(
+            [
+                name,
+                f"{1000 * factor_s:.2f}, {1000 * inverse_s:.2f}",
+                *(f"{p:.2f}" for p in per_step),
+            ]
+        )
+    lines.append(["every layer", "", *(f"{t:.2f}" for t in totals)])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
+    cap = (
+        "no overhead cap"
+        if plan.max_seconds is None
+        else f"the overhead cap leaves {1000 * plan.max_seconds:.2f} ms per step to them"
+    )
+    text.append(
+        f"every layer starts on {_rung(rungs[plan.start])}; a layer moves one rung shorter "
+        f"when its staleness exceeds {plan.target_angle:g}° and one longer when it is within "
+        f"half of it; {cap}"
+    )
+    return "\n".join(text)
+
+
+def change_line(change: IntervalChangeRow) -> str:
+    """``step 120: fc1 intervals 1/10 -> 5/50 (6.72° of staleness after 10 steps, ...)``."""
+    return (
+        f"step {change.step}: {change.layer} intervals {_rung(change.before)} -> "
+        f"{_rung(change.after)} ({change.reason})"
+    )
+
+
+def intervals_timeline(records: list[IntervalsRecord]) -> str:
+    """Each layer's intervals over a run and why they changed, from its ``intervals``
+    records: a line per layer (its rungs and the steps it moved), then every change."""
+    if not records:
+        return "no intervals records: the run measured no staleness (kfac: auto adapts them)"
+    changes = [c for r in records for c in r.changes]
+    first: dict[str, tuple[int, int]] = {}
+    for change in changes:
+        first.setdefault(change.layer, change.before)
+    last = records[-1]
+    lines = []
+    for layer in last.layers:
+        start = first.get(layer.layer, (layer.factor_update_steps, layer.inv_update_steps))
+        path = [_rung(start)]
+        path += [f"{_rung(c.after)} at step {c.step}" for c in changes if c.layer == layer.layer]
+        angle = "-" if layer.angle < 0 else f"{layer.angle:.2f}°"
+        lines.append(f"{layer.layer}: {' -> '.join(path)}; last staleness {angle}")
+    mode = "adapted" if last.adaptive else "fixed (staleness measured)"
+    head = f"K-FAC intervals per layer ({mode}), to step {last.step}:"
+    return "\n".join([head, *lines, *(change_line(c) for c in changes)])
 
 
 class TrialTable:

@@ -87,8 +87,13 @@ class Training:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_factor(spec.optimizer.schedule, max_steps)
         )
+        intervals = None
+        if decided is not None and decided.adaptive is not None:
+            intervals = decided.adaptive.intervals()
         preconditioner = (
-            build_preconditioner(kfac, net, optimizer, scaler) if kfac is not None else None
+            build_preconditioner(kfac, net, optimizer, scaler, intervals)
+            if kfac is not None
+            else None
         )
         return cls(
             spec=spec,

@@ -31,6 +31,7 @@ from kaisa_ray.amp import MixedPrecision
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.progress import read_progress
 from kaisa_ray.train.records import (
+    AdaptiveChoice,
     CandidateRow,
     KFACChoice,
     MeasuredRecord,
@@ -84,11 +85,28 @@ def candidate_rows(candidates: Any) -> list[CandidateRow]:
     return rows
 
 
-def _choice(candidate: Candidate) -> KFACChoice:
+def _choice(candidate: Candidate, adaptive: AdaptiveChoice | None = None) -> KFACChoice:
     return KFACChoice(
         grad_worker_fraction=candidate.grad_worker_fraction,
         factor_update_steps=candidate.factor_update_steps,
         inv_update_steps=candidate.inv_update_steps,
+        adaptive=adaptive,
+    )
+
+
+def adaptive_choice(decision: Decision, target_angle: float) -> AdaptiveChoice | None:
+    """The decision's adaptive intervals as the tuner record carries them."""
+    plan = decision.adaptive
+    if plan is None:
+        return None
+    return AdaptiveChoice(
+        rungs=[tuple(rung) for rung in plan.rungs],  # type: ignore[misc]
+        start=plan.start,
+        target_angle=target_angle,
+        layer_costs={
+            name: (cost.factor_s, cost.decomposition_s) for name, cost in plan.layer_costs.items()
+        },
+        max_seconds=plan.max_seconds,
     )
 
 
@@ -113,6 +131,8 @@ def choose_in_workers(
         "factor_scale": kfac.factor_scale,
         "pi_damping": kfac.pi_damping,
         "factor_samples": kfac.factor_samples,
+        # Measuring staleness (adaptive intervals) holds sketches and temporaries: profiled.
+        "measure_staleness": kfac.adaptive or kfac.measure_staleness,
     }
     options = {"compute_method": kfac.compute_method, **curvature, "precision": spec.precision}
     model = net.module if isinstance(net, DistributedDataParallel) else net
@@ -143,6 +163,7 @@ def choose_in_workers(
             budget,
             kfac.max_overhead,
             kfac.ladder() or DEFAULT_INTERVALS,
+            kfac.adaptive,
         )
         try:
             outcome = ray.get(call)
@@ -155,7 +176,7 @@ def choose_in_workers(
         raise outcome
     if not isinstance(outcome, Decision):
         raise TypeError(f"the tuner answered {type(outcome).__name__}, not a Decision")
-    chosen = _choice(outcome.chosen)
+    chosen = _choice(outcome.chosen, adaptive_choice(outcome, kfac.staleness_target))
     record = TunerRecord(
         how=outcome.how,
         cache="hit" if cached is not None else "miss",

@@ -25,11 +25,15 @@ from torch import nn
 
 from kaisa_ray.amp import optimizer_step
 from kaisa_ray.errors import ConfigurationError, KaisaRayError
+from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.timing import PHASES
 from kaisa_ray.train.records import (
     EndRecord,
     EvalRecord,
+    IntervalChangeRow,
+    IntervalsRecord,
     KFACChoice,
+    LayerIntervals,
     MeasuredRecord,
     ProfilingRecord,
     StartRecord,
@@ -44,7 +48,7 @@ from kaisa_ray.train.state import restore, snapshot
 from kaisa_ray.train.training import Training
 from kaisa_ray.train.worker_config import MeasureConfig, ProfileConfig, TrainConfig
 
-__all__ = ["TrainingDivergedError", "Window", "train", "train_worker"]
+__all__ = ["TrainingDivergedError", "Window", "intervals_record", "train", "train_worker"]
 
 
 class TrainingDivergedError(KaisaRayError):
@@ -141,6 +145,11 @@ def _measure(config: MeasureConfig) -> None:
                 "damping": kfac.damping,
                 "factor_decay": kfac.factor_decay,
                 "kl_clip": kfac.kl_clip,
+                "running_average": kfac.running_average,
+                "factor_scale": kfac.factor_scale,
+                "pi_damping": kfac.pi_damping,
+                "factor_samples": kfac.factor_samples,
+                "measure_staleness": kfac.adaptive or kfac.measure_staleness,
             },
         )
         if round_ == 0:
@@ -196,6 +205,48 @@ class Window:
             kfac_communication_ms=ms["communication"],
             kfac_staleness_ms=ms["staleness"],
         )
+
+
+def intervals_record(
+    preconditioner: KFACPreconditioner | None, step: int
+) -> IntervalsRecord | None:
+    """Each layer's K-FAC intervals and staleness now, and the changes since the last call
+    (every rank drains its changes; rank 0 sends the record). None: staleness not measured."""
+    if preconditioner is None or not preconditioner.measures_staleness:
+        return None
+    changes = [
+        IntervalChangeRow(
+            step=c.step,
+            layer=c.layer,
+            before=c.before,
+            after=c.after,
+            angle=c.angle,
+            gap=c.gap,
+            reason=c.reason,
+        )
+        for c in preconditioner.interval_changes()
+    ]
+    layers = [
+        LayerIntervals(
+            layer=r.layer,
+            factor_update_steps=r.factor_update_steps,
+            inv_update_steps=r.inv_update_steps,
+            change_a=r.change_a,
+            change_g=r.change_g,
+            measured_step=r.measured_step,
+            interval_change_a=r.measured_change_a,
+            interval_change_g=r.measured_change_g,
+            angle=r.angle,
+            reason=r.reason,
+        )
+        for r in preconditioner.staleness()
+    ]
+    return IntervalsRecord(
+        step=step,
+        adaptive=preconditioner.schedule.adaptive_policy,
+        layers=layers,
+        changes=changes,
+    )
 
 
 def _target_met(spec: JobSpec, test_loss: float, test_accuracy: float) -> bool:
@@ -282,6 +333,9 @@ def _loop(training: Training, session: Session, config: TrainConfig) -> None:
                 epoch, _ = training.shard.position(step)
                 lr = float(training.optimizer.param_groups[0]["lr"])
                 session.push(window.record(step=step, epoch=epoch, lr=lr, world=training.world))
+            intervals = intervals_record(training.preconditioner, step)
+            if session.rank == 0 and intervals is not None:
+                session.push(intervals)
             window = Window()
 
         evaluated = step % spec.eval_every == 0 or done

@@ -100,7 +100,9 @@ export function curves(box, id, sets, signal) {
     let last = 0;
     let since = 0;
     for (;;) {
-      const page = await api(`/v1/jobs/${id}/metrics?since=${since}&limit=10000`, { signal });
+      const page = await api(
+        `/v1/jobs/${id}/metrics?kind=${kind.step}&kind=${kind.eval}&since=${since}&limit=10000`,
+        { signal });
       for (const p of page.points) {
         const point = { step: p.step, time: Date.parse(p.at) / 1000, values: p.values };
         fresh[p.kind].push(point);

@@ -1,11 +1,13 @@
 // A job's page: its state and facts, its curves (charts.js), a sweep's trials (sweep.js),
-// the tuner's decision (tuner.js), its spec, the tail of its log and its history, all kept
-// live by the job's event stream (and read again after a reconnection).
+// the tuner's decision (tuner.js), each layer's K-FAC intervals over time (intervals.js), its
+// spec, the tail of its log and its history, all kept live by the job's event stream (and read
+// again after a reconnection).
 
 import { api, follow } from "./api.js";
 import { curves } from "./charts.js";
 import { badge, elapsedText, metricText, progressBar, strategy } from "./display.js";
 import { every, fmt, h, percent, sleep, when } from "./dom.js";
+import { intervals } from "./intervals.js";
 import { registry } from "./registry.js";
 import { renderSweep, withTrial } from "./sweep.js";
 import { renderTuner } from "./tuner.js";
@@ -43,8 +45,10 @@ export async function jobPage(view, id, signal) {
   const sweepBox = h("section", { class: "sweep", id: "sweep", hidden: true });
   const curveBox = h("section", { hidden: Boolean(job.spec.sweep) });
   const chart = curves(curveBox, id, sets, signal);
+  const intervalBox = h("section", { class: "intervals", id: "intervals" });
+  const layerIntervals = intervals(intervalBox, id, sets, signal);
   view.append(
-    header, factList, sweepBox, curveBox, tuner,
+    header, factList, sweepBox, curveBox, tuner, intervalBox,
     h("div", { class: "two" },
       h("section", {}, h("h2", {}, "Spec"), specBox),
       h("section", {}, h("h2", {}, "Log (tail)"), logBox)),
@@ -134,7 +138,7 @@ export async function jobPage(view, id, signal) {
   const streamed = follow(`/v1/jobs/${id}/events`, (name, data) => {
     if (opened) {
       opened = false;
-      loading = chart.load().catch((err) => {
+      loading = Promise.all([chart.load(), layerIntervals.load()]).catch((err) => {
         if (!signal.aborted) header.append(h("p", { class: "error", role: "alert" }, err.message));
       });
     }
@@ -149,6 +153,7 @@ export async function jobPage(view, id, signal) {
       return;
     }
     if (data.kind === sets.kind.tuner) { job = { ...job, tuner: data }; renderTuner(tuner, job); return; }
+    if (layerIntervals.add(data)) return;
     if (data.kind === sets.kind.trial) { job = withTrial(job, data, sets); renderHead(); refreshSweep(); return; }
     if (data.kind === sets.kind.sweep) { refreshSweep(); return; }
     if (chart.add(data) && data.kind === sets.kind.step) {

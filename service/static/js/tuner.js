@@ -30,7 +30,12 @@ export function renderTuner(box, job) {
     h("h2", {}, "The tuner's decision"),
     h("p", { class: "decision" },
       `Chose gradient worker fraction ${chosen.grad_worker_fraction}, factors every ${chosen.factor_update_steps} `,
-      `and inverses every ${chosen.inv_update_steps} steps (${record.how}). Budget `,
+      `and inverses every ${chosen.inv_update_steps} steps`,
+      chosen.adaptive
+        ? `, from where each layer's intervals adapt over ${chosen.adaptive.rungs.map((r) => r.join("/")).join(", ")} `
+          + `to keep its staleness within ${chosen.adaptive.target_angle}° (K-FAC intervals per layer, below)`
+        : "",
+      ` (${record.how}). Budget `,
       record.budget_bytes ? mib(record.budget_bytes) : "none",
       `; ${fits} of ${candidates.length} candidates fit. Profiling `,
       record.cache === "hit" ? "came from the tuner's cache" : `took ${fmt(record.profile_s)} s`,
