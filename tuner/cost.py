@@ -126,6 +126,10 @@ class Profile:
     layers: tuple[LayerShape, ...]
     base_memory_bytes: int  # model, optimizer state, activations: the peak without K-FAC
     kfac_transient_bytes: int = 0  # K-FAC's temporaries at the peak of a step, over its state
+    # The same temporaries measured under each grad_worker_fraction (profiling steps each one):
+    # COMM-OPT's broadcasts every decomposition to every rank, f < 1 broadcasts gradients
+    # instead, so the peak over the state depends on the strategy. Missing: the one above.
+    kfac_transient_by_fraction: tuple[tuple[float, int], ...] = ()
     step_s: float  # one plain forward + backward + optimizer step
     factor_s: float  # computing every layer's batch factors once (a factor-update step)
     decomposition: DecompositionModel
@@ -139,6 +143,14 @@ class Profile:
     # Collectives priced by the nodes their group spans; None: every call at the ``allreduce``
     # and ``broadcast`` fits, as measured between the job's own workers.
     topology: CollectivePricer | None = None
+
+    def transient_bytes(self, fraction: float) -> int:
+        """K-FAC's temporaries over its state under ``fraction``, as measured (else the
+        fraction-free ``kfac_transient_bytes``)."""
+        for measured, nbytes in self.kfac_transient_by_fraction:
+            if math.isclose(measured, fraction):
+                return nbytes
+        return self.kfac_transient_bytes
 
     def collective_seconds(self, op: str, group: tuple[int, ...], nbytes: int) -> float:
         if self.topology is not None:
@@ -338,7 +350,9 @@ def _priced(profile: Profile, strategy: Plan, fus: int, ius: int) -> Candidate:
         grad_worker_fraction=strategy.grad_worker_fraction,
         factor_update_steps=fus,
         inv_update_steps=ius,
-        memory_bytes=profile.base_memory_bytes + profile.kfac_transient_bytes + state,
+        memory_bytes=profile.base_memory_bytes
+        + profile.transient_bytes(strategy.grad_worker_fraction)
+        + state,
         kfac_state_bytes=state,
         step_s=worst[0],
         breakdown=worst[1],
@@ -503,15 +517,16 @@ def _what_would_fit(
             "longer intervals"
         )
     assert budget_bytes is not None
+    transient = profile.transient_bytes(smallest.grad_worker_fraction)
     lines = [
         f"no strategy fits the memory budget {_gib(budget_bytes)}: the smallest, f="
         f"{smallest.grad_worker_fraction:g}, needs {_gib(smallest.memory_bytes)} "
         f"({_gib(profile.base_memory_bytes)} for the job, {_gib(smallest.kfac_state_bytes)} "
-        f"of K-FAC state, {_gib(profile.kfac_transient_bytes)} of K-FAC temporaries). "
+        f"of K-FAC state, {_gib(transient)} of K-FAC temporaries). "
         "What would fit:",
         f"  - a budget of at least {_gib(smallest.memory_bytes)}",
     ]
-    room = budget_bytes - profile.base_memory_bytes - profile.kfac_transient_bytes
+    room = budget_bytes - profile.base_memory_bytes - transient
     by_size = sorted(profile.layers, key=lambda layer: layer.a_dim**2 + layer.g_dim**2)
     for skipped in range(1, len(by_size)):
         kept = by_size[: len(by_size) - skipped]

@@ -30,6 +30,7 @@ from kaisa_ray.assignment import LayerShape
 from kaisa_ray.enums import ComputeMethod
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.registration import registered_layers
+from kaisa_ray.strategy import valid_fractions
 from tuner.cost import Profile, precondition_flops
 from tuner.measure import (
     DEFAULT_DIMS,
@@ -202,6 +203,9 @@ def profile_job(
         trainee.step(preconditioner, i)
     phases = preconditioner.times.reset()
     preconditioner.remove_hooks()
+    by_fraction = _transients_by_fraction(
+        trainee, 2 * steps + 4, base_memory, compute_method, options
+    )
     flops = sum(precondition_flops(layer, compute_method) for layer in layers)
     factor_s = phases["factors"] / steps
     precondition_s = phases["precondition"] / steps
@@ -222,6 +226,7 @@ def profile_job(
         layers=layers,
         base_memory_bytes=int(_slowest(float(base_memory), device)),
         kfac_transient_bytes=int(_slowest(float(max(transient, 0)), device)),
+        kfac_transient_by_fraction=by_fraction,
         step_s=_slowest(step_s, device),
         factor_s=_slowest(factor_s, device),
         decomposition=decomposition,
@@ -237,6 +242,42 @@ def profile_job(
         dist.broadcast_object_list(shared, src=0)
         profile = dataclasses.replace(profile, decomposition=shared[0])
     return ProfileResult(profile=profile, seconds=time.perf_counter() - began)
+
+
+def _transients_by_fraction(
+    trainee: _Trainee,
+    batch: int,
+    base_memory: int,
+    compute_method: str,
+    options: dict[str, Any],
+) -> tuple[tuple[float, int], ...]:
+    """K-FAC's temporaries over its state under every ``grad_worker_fraction`` (collective):
+    for each, a warm-up step and an inverse-update step counted as in ``profile_job``, and
+    what the worst rank's peak holds over the base and the worst rank's state, so that base +
+    this + the plan's worst state is the worst rank's peak. (Which collectives a step makes,
+    and so which buffers are in flight beside the state, depends on the fraction.)"""
+    if not _distributed():
+        return ()
+    found = []
+    for fraction in valid_fractions(dist.get_world_size()):
+        preconditioner = trainee.kfac(
+            factor_update_steps=1,
+            inv_update_steps=lambda step: 1 if step < 2 else 10**6,
+            compute_method=compute_method,
+            grad_worker_fraction=fraction,
+            **options,
+        )
+        with TensorMemory(trainee.device, existing=trainee.held()) as memory:
+            trainee.step(preconditioner, batch)
+            state = preconditioner.memory_usage()["total"]
+            memory.reset_peak()
+            trainee.step(preconditioner, batch + 1)
+        preconditioner.remove_hooks()
+        peak = _slowest(float(memory.peak_bytes), trainee.device)
+        worst_state = _slowest(float(state), trainee.device)
+        base = _slowest(float(base_memory), trainee.device)
+        found.append((fraction, int(max(peak - base - worst_state, 0))))
+    return tuple(found)
 
 
 @dataclass(frozen=True, kw_only=True)
