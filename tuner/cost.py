@@ -5,8 +5,9 @@ step, the factor computation, fits of decomposition time and of collectives). Fo
 candidate ``(grad_worker_fraction, factor_update_steps, inv_update_steps)``, ``predict`` gives:
 
 - memory per worker: the measured base, plus K-FAC's measured transient memory (the
-  temporaries of a factor-and-decomposition step over its state), plus the exact K-FAC state
-  from ``kaisa_ray.plan``;
+  temporaries of a factor-and-decomposition step over its state, measured under the
+  candidate's own fraction: which buffers are in flight depends on the strategy), plus the
+  exact K-FAC state from ``kaisa_ray.plan``;
 - time per step, on the slowest rank (collectives make every rank wait for it)::
 
       step + factors / fus + decompositions(rank) / ius + precondition(rank) + comm(rank)
