@@ -47,6 +47,7 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 import argparse
 import datetime
+import json
 import statistics
 import tempfile
 from functools import partial
@@ -146,10 +147,12 @@ def summarize(entries: list[Entry], header: str) -> str:
             edge = " (edge of the grid)" if point in (tried[0], tried[-1]) else ""
             name = "κ" if optimizer == "K-FAC" else "lr"
             t, s = train[optimizer], steps[optimizer]
-            ratio_t = ratio_s = "-"
+            ratio_t = ratio_s = ratio_sgd = "-"
             if optimizer == "K-FAC" and best is not None and t is not None and s is not None:
                 ratio_t = f"{t / (train[best] or 1):.2f}x {best}"
                 ratio_s = f"{s / (steps[best] or 1):.2f}x {best}"
+            if optimizer == "K-FAC" and s is not None and steps["SGD"] is not None:
+                ratio_sgd = f"{s / steps['SGD']:.2f}x"
             reached = sum(e.run.steps is not None for e in es)
             rows.append(
                 [
@@ -161,6 +164,7 @@ def summarize(entries: list[Entry], header: str) -> str:
                     "-" if t is None else f"{t:.1f}",
                     f"{statistics.mean(e.run.ms_per_step for e in es):.1f}",
                     ratio_s,
+                    ratio_sgd,
                     ratio_t,
                 ]
             )
@@ -175,6 +179,7 @@ def summarize(entries: list[Entry], header: str) -> str:
             "train s (median)",
             "ms/step",
             "K-FAC steps ÷ best first-order",
+            "K-FAC steps ÷ SGD",
             "K-FAC train s ÷ best first-order",
         ],
         rows,
@@ -245,12 +250,16 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="batch 128, 2 grid points, 1 seed")
     parser.add_argument("--write", action="store_true", help="store the table and the plots")
+    parser.add_argument(
+        "--report", action="store_true", help="run nothing: the table (and --write) from the JSON"
+    )
     parser.add_argument("--json", type=Path, default=RESULTS / "batch_size_study.json")
     args = parser.parse_args()
     unknown = set(args.batches) - set(LIMITS)
     if unknown:
         parser.error(f"batches {sorted(unknown)} have no step limits; choose from {sorted(LIMITS)}")
-    grids, seeds = GRIDS, SEEDS
+    grids: dict[str, list[float]] = GRIDS
+    seeds: tuple[int, ...] = SEEDS
     if args.quick:
         args.batches = [128]
         grids = {o: g[2:4] for o, g in GRIDS.items()}
@@ -261,15 +270,22 @@ def main() -> None:
     phases = ("tune", "final") if args.phase == "both" else (args.phase,)
     started = datetime.datetime.now(datetime.UTC)
     meta = {"commit": git_commit(), "machine": machine(), "started": started.isoformat()}
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    with tempfile.TemporaryDirectory(prefix="kaisa-bs-") as storage:
-        study = Study(args.json, Path(storage), meta, resume=args.resume)
-        for batch in sorted(args.batches):
-            study.run(str(batch), grids, seeds, partial(spec, batch), LIMITS[batch][0], phases)
-    ray.shutdown()
-    entries = study.entries
+    if args.report:
+        stored = json.loads(args.json.read_text())
+        meta = {key: stored[key] for key in ("commit", "machine", "started")}
+        started = datetime.datetime.fromisoformat(meta["started"])
+        entries = Study(args.json, Path(), meta, resume=True).entries
+    else:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        with tempfile.TemporaryDirectory(prefix="kaisa-bs-") as storage:
+            study = Study(args.json, Path(storage), meta, resume=args.resume)
+            for batch in sorted(args.batches):
+                study.run(str(batch), grids, seeds, partial(spec, batch), LIMITS[batch][0], phases)
+        ray.shutdown()
+        entries = study.entries
     header = (
-        f"Measured {started:%Y-%m-%d} at commit {meta['commit']} on {meta['machine']}; "
+        f"Measured {started:%Y-%m-%d} (the last run's commit {meta['commit']}) on "
+        f"{meta['machine']}; "
         f"{WORKERS} Ray Train workers, tuned on seed 0 over 5 step sizes per optimizer, then "
         f"seeds {', '.join(map(str, seeds))} interleaved; medians."
     )
