@@ -1,0 +1,191 @@
+"""The batch-size study's optimizers, step cost measured interleaved: time to target as
+steps × the cost of a step, on a machine whose load changes during a long study.
+
+The batch-size study (``batch_size_study.py``) runs each job to 88% as a real Ray Train job;
+its steps to target do not depend on the machine's load, but its seconds do, and over a study of
+hours on a shared 2-core machine the load moves (its table gives the load average). Here each
+global batch's three tuned jobs (the study's chosen step sizes, read from its JSON) are built
+exactly as a Ray Train worker builds them (``Training.build`` from the same JobSpec) on 2 gloo
+processes, one thread each, and stepped in interleaved rounds (``--steps`` steps of each job in
+turn, ``--rounds`` times): every job sees the same load. A step is what the worker's loop does
+(the batch, forward, loss, K-FAC and the optimizer step, the lr schedule), timed on rank 0 from
+a barrier to the end of the step; the mean over steps includes K-FAC's periodic factor and
+decomposition work (``--steps`` is a multiple of every interval used).
+
+The table: ms per step (mean) and its ratio to SGD's in the same rounds, the study's median
+steps to target (its finals), and their product, the time to target at this step cost, as a
+ratio to the best first-order optimizer's. Run ``python benchmarks/step_cost.py`` after the
+study (``--json`` names its results); ``--quick`` for a smoke run; ``--write`` stores the table
+in benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from batch_size_study import OPTIMIZERS, RESULTS, spec
+from report import git_commit, machine, table, write_block
+from targets import Entry, Study, median_or_none
+from torch import nn
+
+from kaisa_ray.amp import optimizer_step
+from kaisa_ray.train.spec import parse_job_spec
+from kaisa_ray.train.training import Training
+
+WORKERS = 2
+
+
+def chosen(entries: list[Entry], batch: int) -> dict[str, tuple[float, float | None]]:
+    """Each optimizer's step size in the study's finals at ``batch``, and its median steps."""
+    out: dict[str, tuple[float, float | None]] = {}
+    for optimizer in OPTIMIZERS:
+        finals = [
+            e
+            for e in entries
+            if (e.group, e.optimizer, e.phase) == (str(batch), optimizer, "final")
+        ]
+        if finals:
+            out[optimizer] = (finals[0].step_size, median_or_none([e.run.steps for e in finals]))
+    return out
+
+
+def worker(
+    rank: int, store: str, out: str, jobs: list[dict[str, Any]], rounds: int, steps: int
+) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORKERS)
+    built = [
+        Training.build(parse_job_spec(job), rank=rank, world=WORKERS, device=torch.device("cpu"))
+        for job in jobs
+    ]
+    criterion = nn.CrossEntropyLoss()
+    times: list[list[float]] = [[] for _ in jobs]
+    for _ in range(rounds):
+        for index, training in enumerate(built):
+            training.net.train()
+            for _ in range(steps):
+                step = training.step + 1
+                x, y = training.shard.batch(step)
+                dist.barrier()
+                tick = time.perf_counter()
+                training.optimizer.zero_grad(set_to_none=True)
+                loss = criterion(training.net(x), y)
+                optimizer_step(loss, training.optimizer, training.preconditioner, training.scaler)
+                training.scheduler.step()
+                training.step = step
+                times[index].append((time.perf_counter() - tick) * 1000)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "wb") as handle:
+            pickle.dump(times, handle)
+
+
+def measure(jobs: list[dict[str, Any]], rounds: int, steps: int) -> list[list[float]]:
+    with tempfile.TemporaryDirectory(prefix="kaisa-step-cost-") as tmp:
+        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "times.pkl")
+        mp.spawn(worker, args=(store, out, jobs, rounds, steps), nprocs=WORKERS, join=True)
+        with open(out, "rb") as handle:
+            times: list[list[float]] = pickle.load(handle)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=RESULTS / "batch_size_study.json")
+    parser.add_argument("--batches", type=int, nargs="+", default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=50, help="steps of a job per round")
+    parser.add_argument("--quick", action="store_true", help="batch 128, 1 round of 10 steps")
+    parser.add_argument("--write", action="store_true", help="store the table")
+    parser.add_argument("--out", type=Path, default=RESULTS / "step_cost.json")
+    args = parser.parse_args(argv)
+    if not args.json.exists():
+        parser.error(f"{args.json} does not exist: run batch_size_study.py first (or give --json)")
+    entries = Study(args.json, Path(), {}, resume=True).entries
+    batches = args.batches or sorted({int(e.group) for e in entries if e.phase == "final"})
+    if args.quick:
+        batches, args.rounds, args.steps = [128], 1, 10
+    load_before = os.getloadavg()
+    rows: list[list[str]] = []
+    results: list[dict[str, Any]] = []
+    for batch in batches:
+        points = chosen(entries, batch)
+        if not points:
+            print(f"batch {batch}: no finals in {args.json}; skipped", file=sys.stderr)
+            continue
+        names = list(points)
+        jobs = [spec(batch, name, points[name][0], 0, 100_000) for name in names]
+        times = measure(jobs, args.rounds, args.steps)
+        ms = {name: statistics.mean(t) for name, t in zip(names, times, strict=True)}
+        wall = {
+            name: (points[name][1] * ms[name] / 1000 if points[name][1] is not None else None)
+            for name in names
+        }
+        first_order = [n for n in ("SGD", "AdamW") if wall.get(n) is not None]
+        best = min(first_order, key=lambda n: wall[n] or 0.0) if first_order else None
+        for name in names:
+            med = points[name][1]
+            w = wall[name]
+            ratio = "-"
+            if best is not None and w is not None and name == "K-FAC":
+                ratio = f"{w / (wall[best] or 1):.2f}x {best}"
+            rows.append(
+                [
+                    str(batch),
+                    name,
+                    f"{points[name][0]:g}",
+                    f"{ms[name]:.1f}",
+                    f"{ms[name] / ms['SGD']:.2f}x" if "SGD" in ms else "-",
+                    "-" if med is None else f"{med:.0f}",
+                    "-" if w is None else f"{w:.1f}",
+                    ratio,
+                ]
+            )
+            results.append(
+                {"batch": batch, "optimizer": name, "step_size": points[name][0],
+                 "ms_per_step": ms[name], "median_steps": med, "seconds": w}
+            )  # fmt: skip
+    started = datetime.datetime.now(datetime.UTC)
+    header = (
+        f"Measured {started:%Y-%m-%d} at commit {git_commit()} on {machine()} (load average "
+        f"before: {', '.join(f'{v:.2f}' for v in load_before)}); {WORKERS} gloo processes, one "
+        f"thread each, {args.rounds} interleaved rounds of {args.steps} steps per job; steps to "
+        f"88% from the study's finals ({args.json.name})."
+    )
+    text = table(
+        header,
+        [
+            "global batch",
+            "optimizer",
+            "step size",
+            "ms/step (mean)",
+            "step ÷ SGD's",
+            "steps to 88% (median)",
+            "steps x ms/step (s)",
+            "K-FAC ÷ best first-order",
+        ],
+        rows,
+    )
+    print(text)
+    if args.write:
+        args.out.write_text(json.dumps({"header": header, "rows": results}, indent=1))
+        write_block("step-cost", text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
