@@ -97,7 +97,9 @@ def worker(
 def measure(jobs: list[dict[str, Any]], rounds: int, steps: int) -> list[list[float]]:
     with tempfile.TemporaryDirectory(prefix="kaisa-step-cost-") as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "times.pkl")
-        mp.spawn(worker, args=(store, out, jobs, rounds, steps), nprocs=WORKERS, join=True)
+        mp.spawn(  # type: ignore[attr-defined]
+            worker, args=(store, out, jobs, rounds, steps), nprocs=WORKERS, join=True
+        )
         with open(out, "rb") as handle:
             times: list[list[float]] = pickle.load(handle)
     return times
@@ -131,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [spec(batch, name, points[name][0], 0, 100_000) for name in names]
         times = measure(jobs, args.rounds, args.steps)
         ms = {name: statistics.mean(t) for name, t in zip(names, times, strict=True)}
-        wall = {
-            name: (points[name][1] * ms[name] / 1000 if points[name][1] is not None else None)
-            for name in names
-        }
+        wall: dict[str, float | None] = {}
+        for name in names:
+            med = points[name][1]
+            wall[name] = None if med is None else med * ms[name] / 1000
         first_order = [n for n in ("SGD", "AdamW") if wall.get(n) is not None]
         best = min(first_order, key=lambda n: wall[n] or 0.0) if first_order else None
         for name in names:
