@@ -97,7 +97,7 @@ def worker(
 def measure(jobs: list[dict[str, Any]], rounds: int, steps: int) -> list[list[float]]:
     with tempfile.TemporaryDirectory(prefix="kaisa-step-cost-") as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "times.pkl")
-        mp.spawn(  # type: ignore[attr-defined]
+        mp.spawn(  # type: ignore[attr-defined,no-untyped-call]
             worker, args=(store, out, jobs, rounds, steps), nprocs=WORKERS, join=True
         )
         with open(out, "rb") as handle:
