@@ -239,3 +239,23 @@ def test_adaptive_choice_under_an_overhead_cap_starts_within_it() -> None:
 def test_an_adaptive_ladder_must_nest() -> None:
     with pytest.raises(ConfigurationError, match="do not nest"):
         choose(profile(), None, adaptive=True, intervals=[(1, 10), (3, 30), (2, 20)])
+
+
+def test_each_fraction_takes_its_own_measured_temporaries() -> None:
+    """Profiling measures K-FAC's temporaries under every fraction (COMM-OPT's decomposition
+    broadcasts are not MEM-OPT's gradient broadcasts): a candidate's memory adds its own
+    fraction's, a fraction not measured the fraction-free figure; the budget sees the same."""
+    p = profile(
+        layers=EVEN,
+        kfac_transient_bytes=9 * MIB,
+        kfac_transient_by_fraction=((0.25, 1 * MIB), (1.0, 8 * MIB)),
+    )
+    by_f = {c.grad_worker_fraction: c for c in choose(p, None, intervals=[(5, 50)]).candidates}
+    for fraction, transient in ((0.25, 1 * MIB), (0.5, 9 * MIB), (1.0, 8 * MIB)):
+        c = by_f[fraction]
+        assert c.memory_bytes == 200 * MIB + transient + c.kfac_state_bytes, fraction
+    # A budget the COMM-OPT temporaries would have ruled MEM-OPT out of.
+    mem = by_f[0.25].memory_bytes
+    assert choose(p, mem, intervals=[(5, 50)]).chosen.grad_worker_fraction == 0.25
+    with pytest.raises(NoFeasibleCandidateError, match=r"1\.00 MiB of K-FAC temporaries"):
+        choose(p, mem - 1, intervals=[(5, 50)])
