@@ -36,7 +36,8 @@ def test_kfac_auto_profiles_on_the_workers_chooses_and_trains(
     ray_head: RayHead, tmp_path: Path
 ) -> None:
     ray.get(tuner_actor().forget.remote())  # no profile cached by an earlier test
-    spec = job(kfac="auto", memory_budget="1GiB", stop={"max_steps": 20}, eval_every=10)
+    kfac = {"strategy": "auto", "adapt": True}
+    spec = job(kfac=kfac, memory_budget="1GiB", stop={"max_steps": 20}, eval_every=10)
     result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
     assert result.succeeded, result.error
     (tuning,) = records(result.run_name, "tuner")
@@ -47,7 +48,7 @@ def test_kfac_auto_profiles_on_the_workers_chooses_and_trains(
     assert len(table) == 2 * 3  # f in {1/2, 1} at 2 workers x three interval pairs
     feasible = [row for row in table if row["rejected"] is None]
     chosen = tuning["chosen"]
-    # Adapted intervals (the default): every layer starts on the shortest rung that fits, on
+    # Adapted intervals (adapt: true): every layer starts on the shortest rung that fits, on
     # the fraction fastest on average over its rungs; the ladder and each layer's cost go along.
     shortest = min(feasible, key=lambda row: row["inv_update_steps"])
     assert (chosen["factor_update_steps"], chosen["inv_update_steps"]) == (

@@ -119,28 +119,31 @@ def test_tuner_options_need_auto_and_intervals_must_nest() -> None:
         parse_job_spec(with_(kfac={"strategy": "auto", "verify": -1}))
 
 
-def test_auto_adapts_its_intervals_unless_told_not_to_or_verifying() -> None:
-    adaptive = parse_job_spec(with_(kfac="auto"))
+def test_auto_adapts_its_intervals_only_when_asked() -> None:
+    fixed = parse_job_spec(with_(kfac="auto"))  # opt-in: adapted intervals measured slower
+    assert isinstance(fixed.kfac, KFACSpec)
+    assert not fixed.kfac.adaptive
+    adaptive = parse_job_spec(with_(kfac={"strategy": "auto", "adapt": True}))
     assert isinstance(adaptive.kfac, KFACSpec)
     assert adaptive.kfac.adaptive
     assert adaptive.kfac.staleness_target == 15.0
     for kfac in ({"strategy": "auto", "adapt": False}, {"strategy": "auto", "verify": 2}):
-        fixed = parse_job_spec(with_(kfac=kfac))
-        assert isinstance(fixed.kfac, KFACSpec)
-        assert not fixed.kfac.adaptive
+        chosen = parse_job_spec(with_(kfac=kfac))
+        assert isinstance(chosen.kfac, KFACSpec)
+        assert not chosen.kfac.adaptive
     assert not KFACSpec().adaptive  # a fixed strategy
-    tuned = parse_job_spec(with_(kfac={"strategy": "auto", "staleness_target": 5}))
+    tuned = parse_job_spec(with_(kfac={"strategy": "auto", "adapt": True, "staleness_target": 5}))
     assert parse_job_spec(tuned.model_dump(mode="json")) == tuned
     with pytest.raises(JobSpecError, match=r"kfac.*adapt, staleness_target only for strategy"):
         parse_job_spec(with_(kfac={"strategy": "comm-opt", "adapt": True, "staleness_target": 5}))
     with pytest.raises(JobSpecError, match=r"kfac.*verify measures candidates with fixed"):
         parse_job_spec(with_(kfac={"strategy": "auto", "adapt": True, "verify": 2}))
+    not_nested = {"strategy": "auto", "intervals": [[2, 10], [3, 30]]}
     with pytest.raises(
         JobSpecError, match=r"kfac.*\(2, 10\) and \(3, 30\) do not nest.*adapt: false"
     ):
-        parse_job_spec(with_(kfac={"strategy": "auto", "intervals": [[2, 10], [3, 30]]}))
-    not_nested = with_(kfac={"strategy": "auto", "intervals": [[2, 10], [3, 30]], "adapt": False})
-    assert isinstance(parse_job_spec(not_nested).kfac, KFACSpec)  # one pair for the run: fine
+        parse_job_spec(with_(kfac={**not_nested, "adapt": True}))
+    assert isinstance(parse_job_spec(with_(kfac=not_nested)).kfac, KFACSpec)  # one pair: fine
     with pytest.raises(JobSpecError, match=r"kfac.staleness_target"):
         parse_job_spec(with_(kfac={"strategy": "auto", "staleness_target": 90}))
     measured = parse_job_spec(with_(kfac={"strategy": "comm-opt", "measure_staleness": True}))

@@ -287,17 +287,17 @@ class OptimizerSpec(_Strict):
 class KFACSpec(_Strict):
     """K-FAC settings. ``strategy: auto`` (or ``kfac: auto``) lets the tuner choose the
     gradient worker fraction on the job's own workers, under ``memory_budget`` (and
-    ``max_overhead``, K-FAC's predicted time over the plain step's, if given), and adapts each
-    layer's factor and inverse intervals during training to how stale its curvature is
-    (``adapt``, on by default): a layer's intervals move along the ladder ``intervals``
-    (nested pairs of factor and inverse intervals, else the tuner's own) shorter when the angle
-    between its gradient preconditioned with the stale and the fresh curvature exceeds
-    ``staleness_target`` degrees, longer when it is well within it. With ``adapt: false`` the
-    tuner picks one pair from the ladder for the whole run, the fastest per step;
-    ``factor_update_steps`` and ``inv_update_steps`` are ignored either way. ``verify: K``
-    measures the K best predicted candidates in short trials and takes the fastest measured
-    one that fits (fixed intervals: it implies ``adapt: false``). ``measure_staleness``
-    measures and reports the staleness with fixed intervals too."""
+    ``max_overhead``, K-FAC's predicted time over the plain step's, if given), and picks one
+    pair of factor and inverse intervals from the ladder ``intervals`` (else its own) for the
+    whole run, the fastest per step. With ``adapt: true`` (opt-in: on the batch-512 benchmark
+    it took 2.7x the best fixed pair's time, docs/adaptive-intervals.md) each layer's
+    intervals instead adapt during training to how stale its curvature is: they move along the
+    ladder (nested pairs) shorter when the angle between its gradient preconditioned with the
+    stale and the fresh curvature exceeds ``staleness_target`` degrees, longer when it is well
+    within it. ``factor_update_steps`` and ``inv_update_steps`` are ignored either way.
+    ``verify: K`` measures the K best predicted candidates in short trials and takes the
+    fastest measured one that fits (fixed intervals only). ``measure_staleness`` measures and
+    reports the staleness with fixed intervals too."""
 
     strategy: Literal["auto"] | DistributedStrategy | Annotated[float, Field(gt=0, le=1)] = (
         DistributedStrategy.COMM_OPT
@@ -363,9 +363,8 @@ class KFACSpec(_Strict):
 
     @property
     def adaptive(self) -> bool:
-        """``kfac: auto`` with intervals adapted online (``adapt``; by default unless
-        ``verify`` measures fixed candidates)."""
-        return self.auto and (self.adapt if self.adapt is not None else self.verify == 0)
+        """``kfac: auto`` with intervals adapted online (``adapt: true``)."""
+        return self.auto and bool(self.adapt)
 
     @model_validator(mode="after")
     def _auto_only(self) -> KFACSpec:
