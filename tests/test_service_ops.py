@@ -158,7 +158,11 @@ def test_two_services_side_by_side_each_job_sees_only_its_own_cluster(
         assert "finished at step 30" in log
         assert "multiple active Ray instances" not in log
         assert other.gcs_address.rsplit(":", 1)[1] not in log
-        assert "Traceback" not in log
+        # Ray Train's own controller actor may log a traceback of its own under load (its
+        # autoscaling coordinator call, retried by Ray): lines it prefixes with its name are
+        # Ray's, not the job's. A traceback anywhere else in the job's log is a failure.
+        ours = [line for line in log.splitlines() if not line.startswith("(TrainController")]
+        assert not [line for line in ours if "Traceback" in line], log
     assert b.process.poll() is None
 
     # SIGTERM, what systemd, Docker and Kubernetes send, to service a while its long job
