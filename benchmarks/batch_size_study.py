@@ -72,12 +72,16 @@ FACTOR_SAMPLES = 256  # per worker, from batches larger than this
 # cost the same share of a step, and a run of a few hundred steps needs fresh curvature.
 INTERVALS = {128: (5, 50), 512: (5, 50), 2048: (1, 10), 8192: (1, 10)}
 
-OPTIMIZERS = ("SGD", "AdamW", "K-FAC")
+OPTIMIZERS = ("SGD", "AdamW", "K-FAC", "K-FAC (lr)")
 GRIDS: dict[str, list[float]] = {
     "SGD": [0.0125, 0.025, 0.05, 0.1, 0.2],
     "AdamW": [5e-4, 1e-3, 2e-3, 4e-3, 8e-3],
-    "K-FAC": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2],  # the KL clip
+    "K-FAC": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2],  # the KL clip, on SGD lr 1
+    "K-FAC (lr)": [0.0125, 0.025, 0.05, 0.1, 0.2],  # SGD's lr under the KL clip KL_CLIP
 }
+# "K-FAC (lr)": the same curvature on SGD's own lr grid with the JobSpec's KL clip, as the
+# one-process ablation (optimizers_fashion_mnist.py --ablation) ran it.
+KL_CLIP = 1e-3
 KFAC: dict[str, Any] = {
     "strategy": "comm-opt",
     "factor_update_steps": 5,
@@ -99,9 +103,10 @@ def spec(batch: int, optimizer: str, step_size: float, seed: int, max_steps: int
     elif optimizer == "AdamW":
         opt = {"name": "adamw", "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
     else:
-        opt = {"name": "sgd", "lr": 1.0, "momentum": 0.9, "schedule": schedule}
+        lr, clip = (1.0, step_size) if optimizer == "K-FAC" else (step_size, KL_CLIP)
+        opt = {"name": "sgd", "lr": lr, "momentum": 0.9, "schedule": schedule}
         fus, ius = INTERVALS[batch]
-        kfac = {**KFAC, "kl_clip": step_size, "factor_update_steps": fus, "inv_update_steps": ius}
+        kfac = {**KFAC, "kl_clip": clip, "factor_update_steps": fus, "inv_update_steps": ius}
         if per_worker > FACTOR_SAMPLES:
             kfac["factor_samples"] = FACTOR_SAMPLES
     return {
@@ -146,12 +151,13 @@ def summarize(entries: list[Entry], header: str) -> str:
             )
             edge = " (edge of the grid)" if point in (tried[0], tried[-1]) else ""
             name = "κ" if optimizer == "K-FAC" else "lr"
+            kfac = optimizer.startswith("K-FAC")
             t, s = train[optimizer], steps[optimizer]
             ratio_t = ratio_s = ratio_sgd = "-"
-            if optimizer == "K-FAC" and best is not None and t is not None and s is not None:
+            if kfac and best is not None and t is not None and s is not None:
                 ratio_t = f"{t / (train[best] or 1):.2f}x {best}"
                 ratio_s = f"{s / (steps[best] or 1):.2f}x {best}"
-            if optimizer == "K-FAC" and s is not None and steps["SGD"] is not None:
+            if kfac and s is not None and steps["SGD"] is not None:
                 ratio_sgd = f"{s / steps['SGD']:.2f}x"
             reached = sum(e.run.steps is not None for e in es)
             rows.append(
@@ -192,7 +198,12 @@ def plot(entries: list[Entry], steps_path: Path, curve_path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"SGD": "tab:gray", "AdamW": "tab:orange", "K-FAC": "tab:blue"}
+    colors = {
+        "SGD": "tab:gray",
+        "AdamW": "tab:orange",
+        "K-FAC": "tab:blue",
+        "K-FAC (lr)": "tab:green",
+    }
     finals = [e for e in entries if e.phase == "final"]
     fig, ax = plt.subplots(figsize=(7, 5))
     for optimizer in OPTIMIZERS:
@@ -243,6 +254,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=sorted(LIMITS))
     parser.add_argument("--resume", action="store_true", help="skip runs already in the JSON")
     parser.add_argument(
+        "--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS), metavar="NAME"
+    )
+    parser.add_argument(
         "--phase",
         choices=["tune", "final", "both"],
         default="both",
@@ -258,11 +272,11 @@ def main() -> None:
     unknown = set(args.batches) - set(LIMITS)
     if unknown:
         parser.error(f"batches {sorted(unknown)} have no step limits; choose from {sorted(LIMITS)}")
-    grids: dict[str, list[float]] = GRIDS
+    grids: dict[str, list[float]] = {o: GRIDS[o] for o in args.optimizers}
     seeds: tuple[int, ...] = SEEDS
     if args.quick:
         args.batches = [128]
-        grids = {o: g[2:4] for o, g in GRIDS.items()}
+        grids = {o: g[2:4] for o, g in grids.items()}
         seeds = (0,)
         LIMITS[128] = (60, 20)
         args.json = Path(tempfile.mkdtemp()) / "quick.json"
