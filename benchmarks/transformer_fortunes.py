@@ -12,7 +12,8 @@ seed 0 (extended by up to 2 points while the best is at an end of the grid), the
 each with seeds 0, 1 and 2 interleaved. K-FAC preconditions every Linear layer (attention's
 query, key, value and output projections, the MLP, the head) with the project's default
 curvature (Fisher-scale factors, debiased averages, π-damping, damping 0.1, factors every 5
-steps, eigendecompositions every 50, no KL clip) and hands the preconditioned gradients to the
+steps, damped inverses every 50 (under π-damping the eigen method's preconditioner at half the
+matmuls a step), no KL clip) and hands the preconditioned gradients to the
 same AdamW, which also updates the embeddings and LayerNorms it leaves alone.
 
 Run ``python benchmarks/transformer_fortunes.py`` (``--quick`` for a smoke run); ``--write``
@@ -49,6 +50,7 @@ SEEDS = (0, 1, 2)
 GRIDS = {"AdamW": [1e-3, 2e-3, 4e-3, 8e-3], "AdamW + K-FAC": [1e-3, 2e-3, 4e-3, 8e-3]}
 KFAC: dict[str, Any] = {
     "strategy": "comm-opt",
+    "compute_method": "inverse",  # under π-damping: the eigen method's preconditioner, cheaper
     "factor_update_steps": 5,
     "inv_update_steps": 50,
     "damping": 0.1,
