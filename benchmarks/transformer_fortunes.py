@@ -31,6 +31,7 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 import argparse
 import datetime
+import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -129,6 +130,9 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="1 seed, 2 lrs, 40 steps")
     parser.add_argument("--write", action="store_true", help="store the table")
+    parser.add_argument(
+        "--report", action="store_true", help="run nothing: the table (and --write) from the JSON"
+    )
     parser.add_argument("--json", type=Path, default=RESULTS / "transformer_fortunes.json")
     args = parser.parse_args()
     grids, seeds, max_steps = GRIDS, SEEDS, MAX_STEPS
@@ -139,11 +143,17 @@ def main() -> None:
     phases = ("tune", "final") if args.phase == "both" else (args.phase,)
     started = datetime.datetime.now(datetime.UTC)
     meta = {"commit": git_commit(), "machine": machine(), "started": started.isoformat()}
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    with tempfile.TemporaryDirectory(prefix="kaisa-lm-") as storage:
-        study = Study(args.json, Path(storage), meta, resume=args.resume)
-        study.run("lm", grids, seeds, spec, max_steps, phases)
-    ray.shutdown()
+    if args.report:  # the stored runs, under the machine and commit they were measured on
+        stored = json.loads(args.json.read_text())
+        meta = {key: stored[key] for key in ("commit", "machine", "started")}
+        started = datetime.datetime.fromisoformat(meta["started"])
+        study = Study(args.json, Path(), meta, resume=True)
+    else:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        with tempfile.TemporaryDirectory(prefix="kaisa-lm-") as storage:
+            study = Study(args.json, Path(storage), meta, resume=args.resume)
+            study.run("lm", grids, seeds, spec, max_steps, phases)
+        ray.shutdown()
     header = (
         f"Measured {started:%Y-%m-%d} at commit {meta['commit']} on {meta['machine']}; "
         f"{WORKERS} Ray Train workers x {PER_WORKER} sequences of 64 bytes, validation loss "
