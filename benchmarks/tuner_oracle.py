@@ -15,6 +15,9 @@ picks, the ratio of their measured times (goal: at most 1.10), and the profiling
 Run ``python benchmarks/tuner_oracle.py`` (about 10 minutes; ``--quick`` for a smoke run);
 ``--write`` stores the tables in ``benchmarks/README.md`` and the raw figures in
 ``benchmarks/results/tuner_oracle.json`` (``--from-json`` re-prints a stored run).
+
+``tuner_oracle_wide.py`` runs the same oracle on ``wide-mlp`` with this script's helpers (the
+measured rows, the oracle's pick, the candidate table's cells, the command line and the run).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import argparse
 import datetime
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +53,7 @@ MIB = 2**20
 VERIFY = 3
 
 
-def spec_for(workers: int, budget: int | str, limit: int | None) -> Any:
-    data = yaml.safe_load(EXAMPLE.read_text())
-    data["scaling"] = {"workers": workers, "cpus_per_worker": 1}
-    data["memory_budget"] = budget
-    if limit is not None:
-        data["dataset"]["limit"] = limit
-    return parse_job_spec(data, source=str(EXAMPLE))
+# -- what tuner_oracle_wide.py shares: measuring, the oracle, the tables, the command line -----
 
 
 def key(row: dict[str, Any]) -> tuple[float, int, int]:
@@ -66,24 +64,32 @@ def name(k: tuple[float, int, int]) -> str:
     return f"f={k[0]:g}, {k[1]}/{k[2]}"
 
 
-def one_world(workers: int, args: argparse.Namespace, storage: Path) -> dict[str, Any]:
-    ray.get(tuner_actor().forget.remote())
-    first = tune_job(spec_for(workers, "2GiB", args.limit), storage_path=storage)
-    record = first.record.wire()
-    candidates = [row.choice() for row in first.record.candidates]
+def measure_rows(
+    record: Any,
+    spec: Any,
+    run_name: str,
+    args: argparse.Namespace,
+    storage: Path,
+    *,
+    per_round: bool = False,
+) -> list[dict[str, Any]]:
+    """Every candidate of the tuner's ``record`` measured on the job's workers (one run named
+    ``run_name`` and the time), each row its predicted beside its measured memory and time
+    (with ``per_round``, also the time of each round)."""
+    candidates = [row.choice() for row in record.candidates]
     measured = {
         m.candidate.key(): m.wire()
         for m in measure_candidates(
-            spec_for(workers, "2GiB", args.limit),
+            spec,
             candidates,
-            run_name=f"oracle-w{workers}-{datetime.datetime.now(datetime.UTC):%H%M%S}",
+            run_name=f"{run_name}-{datetime.datetime.now(datetime.UTC):%H%M%S}",
             storage_path=storage,
             min_steps=args.min_steps,
             rounds=args.rounds,
         )
     }
     rows = []
-    for row in record["candidates"]:
+    for row in record.wire()["candidates"]:
         m = measured[key(row)]
         rows.append(
             {
@@ -92,9 +98,156 @@ def one_world(workers: int, args: argparse.Namespace, storage: Path) -> dict[str
                 "measured_bytes": m["memory_bytes"],
                 "predicted_ms": row["ms_per_step"],
                 "measured_ms": m["ms_per_step"],
+                **({"measured_ms_rounds": m["ms_per_step_rounds"]} if per_round else {}),
                 "steps_timed": m["steps"],
             }
         )
+    return rows
+
+
+def oracle_pick(rows: list[dict[str, Any]], budget: int) -> dict[str, Any] | None:
+    """The oracle: the fastest measured of ``rows`` whose measured peak fits ``budget``."""
+    fitting = [r for r in rows if r["measured_bytes"] <= budget]
+    return min(fitting, key=lambda r: r["measured_ms"]) if fitting else None
+
+
+def world_result(
+    workers: int,
+    record: dict[str, Any],
+    rows: list[dict[str, Any]],
+    picks: list[dict[str, Any]],
+    **extra: Any,
+) -> dict[str, Any]:
+    """One worker count's stored figures: the profile's from the tuner's ``record``, then
+    ``extra``, the candidate rows and the picks."""
+    return {
+        "workers": workers,
+        "profile_s": record["profile_s"],
+        "profile_run_s": record["profile_run_s"],
+        "base_bytes": record["base_memory_bytes"],
+        "transient_bytes": record["kfac_transient_bytes"],
+        "plain_ms": record["plain_ms_per_step"],
+        **extra,
+        "rows": rows,
+        "picks": picks,
+    }
+
+
+CANDIDATE_COLUMNS = [
+    "W",
+    "candidate",
+    "MiB/worker predicted",
+    "MiB/worker measured",
+    "error",
+    "ms/step predicted",
+    "ms/step measured",
+    "error",
+]
+
+
+def candidate_cells(workers: int, label: str, r: dict[str, Any]) -> list[str]:
+    """The cells of ``CANDIDATE_COLUMNS`` for one measured row."""
+    return [
+        str(workers),
+        label,
+        f"{r['predicted_bytes'] / MIB:.2f}",
+        f"{r['measured_bytes'] / MIB:.2f}",
+        f"{(r['predicted_bytes'] / r['measured_bytes'] - 1) * 100:+.1f}%",
+        f"{r['predicted_ms']:.1f}",
+        f"{r['measured_ms']:.1f}",
+        f"{(r['predicted_ms'] / r['measured_ms'] - 1) * 100:+.0f}%",
+    ]
+
+
+def oracle_cell(p: dict[str, Any]) -> str:
+    return "none fits" if p["oracle"] is None else f"{name(p['oracle'])} ({p['oracle_ms']:.1f} ms)"
+
+
+def ratio_cell(p: dict[str, Any]) -> str:
+    """The tuner's pick's measured time over the oracle's (the tuner picked)."""
+    return f"{p['tuner_ms'] / p['oracle_ms']:.2f}" if p["oracle"] else "-"
+
+
+def arguments(doc: str, *, rounds: int, quick: str, from_json: str) -> argparse.Namespace:
+    """The oracle scripts' command line (``doc``'s first line describes it)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--min-steps", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved timing rounds")
+    parser.add_argument("--limit", type=int, default=None, help="samples per split (smoke runs)")
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--write", action="store_true", help="store the tables and the JSON")
+    parser.add_argument("--from-json", type=Path, default=None, help=from_json)
+    return parser.parse_args()
+
+
+def run_oracle(
+    args: argparse.Namespace,
+    *,
+    one_world: Callable[[int, argparse.Namespace, Path], dict[str, Any]],
+    summarize: Callable[[list[dict[str, Any]], str], str],
+    describe: Callable[[str], str],
+    stem: str,
+) -> None:
+    """Measure ``one_world`` at each of ``args.workers`` on one local Ray and print the tables
+    (``args.from_json``: those of a stored run; measures nothing). The header says what ran:
+    ``describe`` is given the load average at the start. ``--write`` stores the tables in the
+    README block ``stem`` (dashed) and a measured run's figures in ``results/<stem>.json``."""
+    block = stem.replace("_", "-")
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        text = summarize(saved["results"], saved["header"])
+        print(text)
+        if args.write:
+            write_block(block, text)
+        return
+    ray.init(
+        address="local", num_cpus=max(args.workers), include_dashboard=False, log_to_driver=False
+    )
+    commit = git_commit()
+    started = datetime.datetime.now(datetime.UTC)
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    results = []
+    with tempfile.TemporaryDirectory(prefix=f"kaisa-{block}-") as storage:
+        for workers in args.workers:
+            results.append(one_world(workers, args, Path(storage)))
+            print(json.dumps(results[-1]["picks"]), flush=True)
+    ray.shutdown()
+    header = (
+        f"Measured {started:%Y-%m-%d} at commit {commit} on {machine()}{describe(load)}"
+        f"time per step: the median of {args.rounds} interleaved rounds of at least "
+        f"{args.min_steps} steps per candidate"
+        + (f", {args.limit} samples per split" if args.limit else "")
+        + "."
+    )
+    text = summarize(results, header)
+    print(text)
+    if args.write:
+        RESULTS.mkdir(exist_ok=True)
+        saved = {"header": header, "results": results}
+        (RESULTS / f"{stem}.json").write_text(json.dumps(saved, indent=1))
+        write_block(block, text)
+
+
+# -- the example job ---------------------------------------------------------------------------
+
+
+def spec_for(workers: int, budget: int | str, limit: int | None) -> Any:
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["scaling"] = {"workers": workers, "cpus_per_worker": 1}
+    data["memory_budget"] = budget
+    if limit is not None:
+        data["dataset"]["limit"] = limit
+    return parse_job_spec(data, source=str(EXAMPLE))
+
+
+def one_world(workers: int, args: argparse.Namespace, storage: Path) -> dict[str, Any]:
+    ray.get(tuner_actor().forget.remote())
+    first = tune_job(spec_for(workers, "2GiB", args.limit), storage_path=storage)
+    record = first.record.wire()
+    rows = measure_rows(
+        first.record, spec_for(workers, "2GiB", args.limit), f"oracle-w{workers}", args, storage
+    )
     comm = max(r["predicted_bytes"] for r in rows if r["candidate"][0] == 1.0)
     smallest = min(r["predicted_bytes"] for r in rows)
     budgets = [
@@ -104,8 +257,7 @@ def one_world(workers: int, args: argparse.Namespace, storage: Path) -> dict[str
     ]
     picks = []
     for label, budget in budgets:
-        fitting = [r for r in rows if r["measured_bytes"] <= budget]
-        oracle = min(fitting, key=lambda r: r["measured_ms"]) if fitting else None
+        oracle = oracle_pick(rows, budget)
         try:
             chosen = tune_job(spec_for(workers, budget, args.limit), storage_path=storage)
         except NoFeasibleCandidateError as error:
@@ -132,16 +284,7 @@ def one_world(workers: int, args: argparse.Namespace, storage: Path) -> dict[str
                 "oracle_ms": None if oracle is None else oracle["measured_ms"],
             }
         )
-    return {
-        "workers": workers,
-        "profile_s": record["profile_s"],
-        "profile_run_s": record["profile_run_s"],
-        "base_bytes": record["base_memory_bytes"],
-        "transient_bytes": record["kfac_transient_bytes"],
-        "plain_ms": record["plain_ms_per_step"],
-        "rows": rows,
-        "picks": picks,
-    }
+    return world_result(workers, record, rows, picks)
 
 
 def verify_pick(rows: list[dict[str, Any]], budget: int) -> dict[str, Any] | None:
@@ -150,40 +293,16 @@ def verify_pick(rows: list[dict[str, Any]], budget: int) -> dict[str, Any] | Non
     predicted = sorted(
         (r for r in rows if r["predicted_bytes"] <= budget), key=lambda r: r["predicted_ms"]
     )[:VERIFY]
-    fitting = [r for r in predicted if r["measured_bytes"] <= budget]
-    return min(fitting, key=lambda r: r["measured_ms"]) if fitting else None
+    return oracle_pick(predicted, budget)
 
 
 def summarize(results: list[dict[str, Any]], header: str) -> str:
-    rows = []
-    for result in results:
-        for r in result["rows"]:
-            rows.append(
-                [
-                    str(result["workers"]),
-                    name(r["candidate"]),
-                    f"{r['predicted_bytes'] / MIB:.2f}",
-                    f"{r['measured_bytes'] / MIB:.2f}",
-                    f"{(r['predicted_bytes'] / r['measured_bytes'] - 1) * 100:+.1f}%",
-                    f"{r['predicted_ms']:.1f}",
-                    f"{r['measured_ms']:.1f}",
-                    f"{(r['predicted_ms'] / r['measured_ms'] - 1) * 100:+.0f}%",
-                ]
-            )
-    candidates = table(
-        header,
-        [
-            "W",
-            "candidate",
-            "MiB/worker predicted",
-            "MiB/worker measured",
-            "error",
-            "ms/step predicted",
-            "ms/step measured",
-            "error",
-        ],
-        rows,
-    )
+    rows = [
+        candidate_cells(result["workers"], name(r["candidate"]), r)
+        for result in results
+        for r in result["rows"]
+    ]
+    candidates = table(header, CANDIDATE_COLUMNS, rows)
     rows = []
     for result in results:
         for p in result["picks"]:
@@ -193,12 +312,7 @@ def summarize(results: list[dict[str, Any]], header: str) -> str:
                 tuner = (
                     f"{name(p['tuner'])} ({p['tuner_ms']:.1f} ms, {p['tuner_bytes'] / MIB:.2f} MiB)"
                 )
-                ratio = f"{p['tuner_ms'] / p['oracle_ms']:.2f}" if p["oracle"] else "-"
-            oracle = (
-                "none fits"
-                if p["oracle"] is None
-                else f"{name(p['oracle'])} ({p['oracle_ms']:.1f} ms)"
-            )
+                ratio = ratio_cell(p)
             verified = verify_pick(result["rows"], p["budget_bytes"])
             verify_ratio = "-"
             if verified is not None and p["oracle"] is not None:
@@ -208,7 +322,7 @@ def summarize(results: list[dict[str, Any]], header: str) -> str:
                     str(result["workers"]),
                     f"{p['budget']} ({p['budget_bytes'] / MIB:.2f} MiB)",
                     tuner,
-                    oracle,
+                    oracle_cell(p),
                     ratio,
                     verify_ratio,
                     f"{result['profile_s']:.1f} s in the workers "
@@ -234,55 +348,25 @@ def summarize(results: list[dict[str, Any]], header: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--min-steps", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
-    parser.add_argument("--limit", type=int, default=None, help="samples per split (smoke runs)")
-    parser.add_argument("--quick", action="store_true", help="2 workers, 20 steps, 4k samples")
-    parser.add_argument("--write", action="store_true", help="store the tables and the JSON")
-    parser.add_argument(
-        "--from-json",
-        type=Path,
-        default=None,
-        help="print (with --write: store) the tables of an earlier run's JSON; measures nothing",
+    args = arguments(
+        __doc__,
+        rounds=3,
+        quick="2 workers, 20 steps, 4k samples",
+        from_json="print (with --write: store) the tables of an earlier run's JSON; measures "
+        "nothing",
     )
-    args = parser.parse_args()
-    if args.from_json is not None:
-        saved = json.loads(args.from_json.read_text())
-        text = summarize(saved["results"], saved["header"])
-        print(text)
-        if args.write:
-            write_block("tuner-oracle", text)
-        return
     if args.quick:
         args.workers, args.min_steps, args.limit, args.rounds = [2], 20, 4096, 1
-    ray.init(
-        address="local", num_cpus=max(args.workers), include_dashboard=False, log_to_driver=False
+    run_oracle(
+        args,
+        one_world=one_world,
+        summarize=summarize,
+        describe=lambda _load: (
+            "; the example job (`examples/fashion_mnist_auto.yaml`), W Ray "
+            "Train workers with one logical CPU each; "
+        ),
+        stem="tuner_oracle",
     )
-    commit = git_commit()
-    started = datetime.datetime.now(datetime.UTC)
-    results = []
-    with tempfile.TemporaryDirectory(prefix="kaisa-oracle-") as storage:
-        for workers in args.workers:
-            results.append(one_world(workers, args, Path(storage)))
-            print(json.dumps(results[-1]["picks"]), flush=True)
-    ray.shutdown()
-    header = (
-        f"Measured {started:%Y-%m-%d} at commit {commit} on {machine()}; the example job "
-        f"(`examples/fashion_mnist_auto.yaml`), W Ray Train workers with one logical CPU each; "
-        f"time per step: the median of {args.rounds} interleaved rounds of at least "
-        f"{args.min_steps} steps per candidate"
-        + (f", {args.limit} samples per split" if args.limit else "")
-        + "."
-    )
-    text = summarize(results, header)
-    print(text)
-    if args.write:
-        RESULTS.mkdir(exist_ok=True)
-        saved = {"header": header, "results": results}
-        (RESULTS / "tuner_oracle.json").write_text(json.dumps(saved, indent=1))
-        write_block("tuner-oracle", text)
 
 
 if __name__ == "__main__":

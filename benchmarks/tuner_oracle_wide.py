@@ -41,26 +41,32 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 import argparse
-import datetime
-import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import ray
 import ray.exceptions
 import torch
-from report import git_commit, machine, table, write_block
-from tuner_oracle import key, name
+from report import table
+from tuner_oracle import (
+    CANDIDATE_COLUMNS,
+    MIB,
+    arguments,
+    candidate_cells,
+    measure_rows,
+    name,
+    oracle_cell,
+    oracle_pick,
+    ratio_cell,
+    run_oracle,
+    world_result,
+)
 
 from kaisa_ray.train.spec import parse_job_spec
-from kaisa_ray.train.tuning import measure_candidates, tune_job
+from kaisa_ray.train.tuning import tune_job
 from tuner.actor import tuner_actor
 from tuner.cost import DEFAULT_INTERVALS, NoFeasibleCandidateError, Profile, choose
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
-MIB = 2**20
 MARGIN = 0.01  # budgets 1% below or above a strategy's predicted peak
 LARGE = 2 * 2**30
 
@@ -154,43 +160,20 @@ def one_world(workers: int, args: argparse.Namespace, storage: Path) -> dict[str
     record = first.record.wire()
     profile_key, profile = cached_profile()
     ladder = [tuple(p) for p in (args.intervals or DEFAULT_INTERVALS)]
-    candidates = [row.choice() for row in first.record.candidates]
-    measured = {
-        m.candidate.key(): m.wire()
-        for m in measure_candidates(
-            spec,
-            candidates,
-            run_name=f"oracle-wide-w{workers}-{datetime.datetime.now(datetime.UTC):%H%M%S}",
-            storage_path=storage,
-            min_steps=args.min_steps,
-            rounds=args.rounds,
-        )
-    }
+    rows = measure_rows(
+        first.record, spec, f"oracle-wide-w{workers}", args, storage, per_round=True
+    )
     breakdowns = {
         c.key: {"step": profile.step_s * 1000, **{k: v * 1000 for k, v in c.breakdown.items()}}
-        for c in choose(profile, None, intervals=ladder).candidates  # type: ignore[arg-type]
+        for c in choose(profile, None, intervals=ladder).candidates
     }
-    rows = []
-    for row in record["candidates"]:
-        m = measured[key(row)]
-        rows.append(
-            {
-                "candidate": key(row),
-                "predicted_bytes": row["memory_bytes"],
-                "measured_bytes": m["memory_bytes"],
-                "predicted_ms": row["ms_per_step"],
-                "measured_ms": m["ms_per_step"],
-                "measured_ms_rounds": m["ms_per_step_rounds"],
-                "steps_timed": m["steps"],
-                "predicted_breakdown_ms": breakdowns[key(row)],
-            }
-        )
+    for r in rows:
+        r["predicted_breakdown_ms"] = breakdowns[r["candidate"]]
     picks = []
     for label, budget in binding_budgets(rows, workers):
-        fitting = [r for r in rows if r["measured_bytes"] <= budget]
-        oracle = min(fitting, key=lambda r: r["measured_ms"]) if fitting else None
+        oracle = oracle_pick(rows, budget)
         ruled_out = sorted({r["candidate"][0] for r in rows if r["predicted_bytes"] > budget})
-        outcome = decide(profile_key, budget, ladder)  # type: ignore[arg-type]
+        outcome = decide(profile_key, budget, ladder)
         entry: dict[str, Any] = {
             "budget": label,
             "budget_bytes": budget,
@@ -209,17 +192,7 @@ def one_world(workers: int, args: argparse.Namespace, storage: Path) -> dict[str
                 tuner_predicted_bytes=pick["predicted_bytes"],
             )
         picks.append(entry)
-    return {
-        "workers": workers,
-        "profile_s": record["profile_s"],
-        "profile_run_s": record["profile_run_s"],
-        "base_bytes": record["base_memory_bytes"],
-        "transient_bytes": record["kfac_transient_bytes"],
-        "plain_ms": record["plain_ms_per_step"],
-        "contention": profile.contention,
-        "rows": rows,
-        "picks": picks,
-    }
+    return world_result(workers, record, rows, picks, contention=profile.contention)
 
 
 def summarize(results: list[dict[str, Any]], header: str) -> str:
@@ -228,16 +201,10 @@ def summarize(results: list[dict[str, Any]], header: str) -> str:
         w = result["workers"]
         for r in result["rows"]:
             b = r["predicted_breakdown_ms"]
+            label = f"{strategy_name(r['candidate'][0], w)} {name(r['candidate'])}"
             rows.append(
                 [
-                    str(w),
-                    f"{strategy_name(r['candidate'][0], w)} {name(r['candidate'])}",
-                    f"{r['predicted_bytes'] / MIB:.2f}",
-                    f"{r['measured_bytes'] / MIB:.2f}",
-                    f"{(r['predicted_bytes'] / r['measured_bytes'] - 1) * 100:+.1f}%",
-                    f"{r['predicted_ms']:.1f}",
-                    f"{r['measured_ms']:.1f}",
-                    f"{(r['predicted_ms'] / r['measured_ms'] - 1) * 100:+.0f}%",
+                    *candidate_cells(w, label, r),
                     " / ".join(
                         f"{b[k]:.1f}" for k in ("step", "factors", "decompositions", "precondition")
                     )
@@ -247,14 +214,7 @@ def summarize(results: list[dict[str, Any]], header: str) -> str:
     candidates = table(
         header,
         [
-            "W",
-            "candidate",
-            "MiB/worker predicted",
-            "MiB/worker measured",
-            "error",
-            "ms/step predicted",
-            "ms/step measured",
-            "error",
+            *CANDIDATE_COLUMNS,
             "predicted ms: plain step / factors / decomp. / precond. / comm.",
         ],
         rows,
@@ -272,20 +232,15 @@ def summarize(results: list[dict[str, Any]], header: str) -> str:
                     f"{p['tuner_bytes'] / MIB:.2f} MiB measured, "
                     f"{p['tuner_predicted_bytes'] / MIB:.2f} predicted)"
                 )
-                ratio = f"{p['tuner_ms'] / p['oracle_ms']:.2f}" if p["oracle"] else "-"
+                ratio = ratio_cell(p)
                 over = "no" if p["tuner_bytes"] <= p["budget_bytes"] else "**yes**"
-            oracle = (
-                "none fits"
-                if p["oracle"] is None
-                else f"{name(p['oracle'])} ({p['oracle_ms']:.1f} ms)"
-            )
             rows.append(
                 [
                     str(w),
                     f"{p['budget']} ({p['budget_bytes'] / MIB:.2f} MiB)",
                     ruled,
                     tuner,
-                    oracle,
+                    oracle_cell(p),
                     ratio,
                     over,
                 ]
@@ -316,55 +271,28 @@ def summarize(results: list[dict[str, Any]], header: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--min-steps", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds")
-    parser.add_argument("--limit", type=int, default=None, help="samples per split (smoke runs)")
-    parser.add_argument("--quick", action="store_true", help="2 workers, short intervals")
-    parser.add_argument("--write", action="store_true", help="store the tables and the JSON")
-    parser.add_argument("--from-json", type=Path, default=None, help="re-print a stored run")
-    args = parser.parse_args()
+    args = arguments(
+        __doc__,
+        rounds=2,
+        quick="2 workers, short intervals",
+        from_json="re-print a stored run",
+    )
     args.intervals = None
-    if args.from_json is not None:
-        saved = json.loads(args.from_json.read_text())
-        text = summarize(saved["results"], saved["header"])
-        print(text)
-        if args.write:
-            write_block("tuner-oracle-wide", text)
-        return
     if args.quick:
         args.workers, args.min_steps, args.limit, args.rounds = [2], 10, 4096, 1
         args.intervals = [[1, 5], [5, 10]]
     torch.set_num_threads(1)
-    ray.init(
-        address="local", num_cpus=max(args.workers), include_dashboard=False, log_to_driver=False
+    run_oracle(
+        args,
+        one_world=one_world,
+        summarize=summarize,
+        describe=lambda load: (
+            f" (at the start: {load}; the machine was shared with other work); `wide-mlp` on "
+            "Fashion-MNIST, batch 128 per worker, W Ray Train workers with one logical CPU each "
+            "on the 2 cores; "
+        ),
+        stem="tuner_oracle_wide",
     )
-    commit = git_commit()
-    started = datetime.datetime.now(datetime.UTC)
-    before = ", ".join(f"{v:.2f}" for v in os.getloadavg())
-    results = []
-    with tempfile.TemporaryDirectory(prefix="kaisa-oracle-wide-") as storage:
-        for workers in args.workers:
-            results.append(one_world(workers, args, Path(storage)))
-            print(json.dumps(results[-1]["picks"]), flush=True)
-    ray.shutdown()
-    header = (
-        f"Measured {started:%Y-%m-%d} at commit {commit} on {machine()} (at the start: "
-        f"{before}; the machine was shared with other work); `wide-mlp` on Fashion-MNIST, "
-        "batch 128 per worker, W Ray Train workers with one logical CPU each on the 2 cores; "
-        f"time per step: the median of {args.rounds} interleaved rounds of at least "
-        f"{args.min_steps} steps per candidate"
-        + (f", {args.limit} samples per split" if args.limit else "")
-        + "."
-    )
-    text = summarize(results, header)
-    print(text)
-    if args.write:
-        RESULTS.mkdir(exist_ok=True)
-        saved = {"header": header, "results": results}
-        (RESULTS / "tuner_oracle_wide.json").write_text(json.dumps(saved, indent=1))
-        write_block("tuner-oracle-wide", text)
 
 
 if __name__ == "__main__":
