@@ -72,12 +72,13 @@ FACTOR_SAMPLES = 256  # per worker, from batches larger than this
 # cost the same share of a step, and a run of a few hundred steps needs fresh curvature.
 INTERVALS = {128: (5, 50), 512: (5, 50), 2048: (1, 10), 8192: (1, 10)}
 
-OPTIMIZERS = ("SGD", "AdamW", "K-FAC", "K-FAC (lr)")
+OPTIMIZERS = ("SGD", "AdamW", "K-FAC", "K-FAC (lr)", "AdamW + K-FAC")
 GRIDS: dict[str, list[float]] = {
     "SGD": [0.0125, 0.025, 0.05, 0.1, 0.2],
     "AdamW": [5e-4, 1e-3, 2e-3, 4e-3, 8e-3],
     "K-FAC": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2],  # the KL clip, on SGD lr 1
     "K-FAC (lr)": [0.0125, 0.025, 0.05, 0.1, 0.2],  # SGD's lr under the KL clip KL_CLIP
+    "AdamW + K-FAC": [5e-4, 1e-3, 2e-3, 4e-3, 8e-3],  # AdamW's lr, no KL clip
 }
 # "K-FAC (lr)": the same curvature on SGD's own lr grid with the JobSpec's KL clip, as the
 # one-process ablation (optimizers_fashion_mnist.py --ablation) ran it, and the inverse method:
@@ -104,6 +105,15 @@ def spec(batch: int, optimizer: str, step_size: float, seed: int, max_steps: int
         opt = {"name": "sgd", "lr": step_size, "momentum": 0.9, "schedule": schedule}
     elif optimizer == "AdamW":
         opt = {"name": "adamw", "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
+    elif optimizer == "AdamW + K-FAC":
+        # The transformer benchmark's form: preconditioned gradients into the same AdamW, which
+        # normalises their scale itself, so no KL clip.
+        opt = {"name": "adamw", "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
+        fus, ius = INTERVALS[batch]
+        kfac = {**KFAC, "kl_clip": None, "factor_update_steps": fus, "inv_update_steps": ius}
+        kfac["compute_method"] = "inverse"
+        if per_worker > FACTOR_SAMPLES:
+            kfac["factor_samples"] = FACTOR_SAMPLES
     else:
         lr, clip = (1.0, step_size) if optimizer == "K-FAC" else (step_size, KL_CLIP)
         opt = {"name": "sgd", "lr": lr, "momentum": 0.9, "schedule": schedule}
@@ -155,7 +165,7 @@ def summarize(entries: list[Entry], header: str) -> str:
             )
             edge = " (edge of the grid)" if point in (tried[0], tried[-1]) else ""
             name = "κ" if optimizer == "K-FAC" else "lr"
-            kfac = optimizer.startswith("K-FAC")
+            kfac = "K-FAC" in optimizer
             t, s = train[optimizer], steps[optimizer]
             ratio_t = ratio_s = ratio_sgd = "-"
             if kfac and best is not None and t is not None and s is not None:
@@ -207,6 +217,7 @@ def plot(entries: list[Entry], steps_path: Path, curve_path: Path) -> None:
         "AdamW": "tab:orange",
         "K-FAC": "tab:blue",
         "K-FAC (lr)": "tab:green",
+        "AdamW + K-FAC": "tab:purple",
     }
     finals = [e for e in entries if e.phase == "final"]
     fig, ax = plt.subplots(figsize=(7, 5))

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             med = points[name][1]
             w = wall[name]
             ratio = "-"
-            if best is not None and w is not None and name.startswith("K-FAC"):
+            if best is not None and w is not None and "K-FAC" in name:
                 ratio = f"{w / (wall[best] or 1):.2f}x {best}"
             rows.append(
                 [
