@@ -47,7 +47,6 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 import argparse
 import datetime
-import json
 import statistics
 import tempfile
 from functools import partial
@@ -101,25 +100,18 @@ def spec(batch: int, optimizer: str, step_size: float, seed: int, max_steps: int
     per_worker = batch // WORKERS
     schedule = {"kind": "constant", "warmup_steps": WARMUP}
     kfac: dict[str, Any] | str = "off"
-    if optimizer == "SGD":
-        opt = {"name": "sgd", "lr": step_size, "momentum": 0.9, "schedule": schedule}
-    elif optimizer == "AdamW":
+    if optimizer in ("AdamW", "AdamW + K-FAC"):
         opt = {"name": "adamw", "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
-    elif optimizer == "AdamW + K-FAC":
-        # The transformer benchmark's form: preconditioned gradients into the same AdamW, which
-        # normalises their scale itself, so no KL clip.
-        opt = {"name": "adamw", "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
-        fus, ius = INTERVALS[batch]
-        kfac = {**KFAC, "kl_clip": None, "factor_update_steps": fus, "inv_update_steps": ius}
-        kfac["compute_method"] = "inverse"
-        if per_worker > FACTOR_SAMPLES:
-            kfac["factor_samples"] = FACTOR_SAMPLES
-    else:
-        lr, clip = (1.0, step_size) if optimizer == "K-FAC" else (step_size, KL_CLIP)
+    else:  # SGD's lr; under the "K-FAC" form 1, the clip being the step size
+        lr = 1.0 if optimizer == "K-FAC" else step_size
         opt = {"name": "sgd", "lr": lr, "momentum": 0.9, "schedule": schedule}
+    if "K-FAC" in optimizer:
+        # "AdamW + K-FAC", the transformer benchmark's form: AdamW normalises the
+        # preconditioned gradients' scale itself, so no KL clip.
+        clip = {"K-FAC": step_size, "K-FAC (lr)": KL_CLIP}.get(optimizer)
         fus, ius = INTERVALS[batch]
         kfac = {**KFAC, "kl_clip": clip, "factor_update_steps": fus, "inv_update_steps": ius}
-        if optimizer == "K-FAC (lr)":
+        if optimizer != "K-FAC":
             kfac["compute_method"] = "inverse"
         if per_worker > FACTOR_SAMPLES:
             kfac["factor_samples"] = FACTOR_SAMPLES
@@ -300,10 +292,9 @@ def main() -> None:
     started = datetime.datetime.now(datetime.UTC)
     meta = {"commit": git_commit(), "machine": machine(), "started": started.isoformat()}
     if args.report:
-        stored = json.loads(args.json.read_text())
-        meta = {key: stored[key] for key in ("commit", "machine", "started")}
+        stored = Study.stored(args.json)
+        meta, entries = stored.meta, stored.entries
         started = datetime.datetime.fromisoformat(meta["started"])
-        entries = Study(args.json, Path(), meta, resume=True).entries
     else:
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         with tempfile.TemporaryDirectory(prefix="kaisa-bs-") as storage:

@@ -136,6 +136,14 @@ class Study:
         self.meta = meta
         self.entries: list[Entry] = self._load() if resume else []
 
+    @classmethod
+    def stored(cls, path: Path) -> Study:
+        """The runs stored at ``path``, with the commit, machine and start they were measured
+        under (for re-printing a table; it runs nothing)."""
+        saved = json.loads(path.read_text())
+        meta = {key: saved[key] for key in ("commit", "machine", "started")}
+        return cls(path, Path(), meta, resume=True)
+
     def _load(self) -> list[Entry]:
         if not self.path.exists():
             return []

@@ -31,7 +31,6 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 import argparse
 import datetime
-import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -47,7 +46,7 @@ TARGET = 2.0  # validation loss, nats per byte
 WORKERS = 2
 PER_WORKER = 32
 MAX_STEPS = 1500
-SEEDS = (0, 1, 2)
+SEEDS: tuple[int, ...] = (0, 1, 2)
 GRIDS = {"AdamW": [1e-3, 2e-3, 4e-3, 8e-3], "AdamW + K-FAC": [1e-3, 2e-3, 4e-3, 8e-3]}
 KFAC: dict[str, Any] = {
     "strategy": "comm-opt",
@@ -144,10 +143,9 @@ def main() -> None:
     started = datetime.datetime.now(datetime.UTC)
     meta = {"commit": git_commit(), "machine": machine(), "started": started.isoformat()}
     if args.report:  # the stored runs, under the machine and commit they were measured on
-        stored = json.loads(args.json.read_text())
-        meta = {key: stored[key] for key in ("commit", "machine", "started")}
+        study = Study.stored(args.json)
+        meta = study.meta
         started = datetime.datetime.fromisoformat(meta["started"])
-        study = Study(args.json, Path(), meta, resume=True)
     else:
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         with tempfile.TemporaryDirectory(prefix="kaisa-lm-") as storage:
