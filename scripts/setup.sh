@@ -24,7 +24,9 @@ if [ -n "$missing" ]; then
 fi
 
 stamp="$VENV/.kaisa-setup-stamp"
-want="$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
+# The checkout's own path is part of the stamp: the editable install points at one checkout,
+# so a venv reached from another one (a symlink, a copied tree) is installed again.
+want="$( (cat pyproject.toml constraints.txt; pwd -P) | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
