@@ -1,28 +1,35 @@
-"""Time to 88% with intervals adapted online (``kfac: auto``) against every fixed point of its
-ladder and against the tuner's fixed-interval pick, at global batch 512 on 2 Ray workers.
+"""Time to target with intervals adapted online (``kfac: auto``) against every fixed point of
+its ladder and against the tuner's fixed-interval pick, on the two workloads where K-FAC won
+(``batch_size_study.py``, ``transformer_fortunes.py``), with their winning curvature settings.
 
 Every run is a real kaisa-ray job (``targets.run_to_target``: TorchTrainer, DDP over gloo, one
-CPU per worker) of the LeNet-style CNN on Fashion-MNIST, 256 samples per worker per step, test
-accuracy on the full 10k test set every 10 steps, stopped at 88%. The optimizer is the K-FAC of
-``batch_size_study.py`` at batch 512: SGD (momentum 0.9) at lr 1 with a 20-step linear warm-up,
-the JobSpec's curvature defaults (Fisher-scale factors, debiased averages, π-damping, damping
-0.1, K-FAC-reduce) and the KL clip κ = 3e-3 as the step size. Configurations:
+CPU per worker, 2 workers). Workloads (``--workload``):
 
-- ``adaptive``: ``kfac: auto`` as it is by default: the tuner picks the fraction and the
+- ``large-batch``: ``examples/fashion_mnist_large_batch.yaml`` as it stands (LeNet, global
+  batch 2048, K-FAC's preconditioned gradients into AdamW at lr 0.032, no KL clip, the inverse
+  method, factors from 256 examples per worker), to 88% test accuracy on the full test set,
+  evaluated every 10 steps;
+- ``transformer``: ``transformer_fortunes.py``'s AdamW + K-FAC at its tuned lr (4e-3), to a
+  validation loss of 2.0, evaluated every 50 steps.
+
+Only the ``kfac`` section's strategy and intervals change. Configurations:
+
+- ``adaptive``: ``kfac: auto`` with ``adapt: true``: the tuner picks the fraction and the
   starting rung of the ladder 1/10, 5/50, 10/100, and each layer's intervals move along the
   ladder with the staleness measured during training;
 - ``fixed F/I``: ``kfac: auto`` with ``adapt: false`` and the one-pair ladder F/I (the tuner
   still picks the fraction), for each rung of the ladder;
 - ``auto, fixed``: ``kfac: auto`` with ``adapt: false`` and the whole ladder: the tuner's pick
-  by time per step, which is always the longest intervals (what ``kfac: auto`` did before
-  intervals adapted).
+  by time per step (the default ``kfac: auto``).
 
 Seeds 0, 1, 2, interleaved seed by seed (every configuration of a seed before the next seed).
-Training seconds exclude evaluation and worker start-up. Runs are appended to
-``results/adaptive_intervals.json`` as they end; ``--resume`` skips those already there.
+Training seconds exclude evaluation, profiling and worker start-up. Runs are appended to
+``results/adaptive_intervals_<workload>.json`` as they end; ``--resume`` skips those already
+there.
 
-Run ``python benchmarks/adaptive_intervals.py --write`` (about 40 minutes on a loaded 2-core
-machine; ``--quick`` for a smoke run).
+Run ``python benchmarks/adaptive_intervals.py --workload large-batch --write`` (about 15
+minutes on a quiet 2-core machine; ``--quick`` for a smoke run), the same with
+``--workload transformer``.
 """
 
 from __future__ import annotations
@@ -45,49 +52,54 @@ from typing import Any
 
 import ray
 import torch
+import transformer_fortunes
+import yaml
 from report import git_commit, machine, table, write_block
 from targets import Run, median_or_none, run_to_target
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-TARGET = 0.88
-WORKERS = 2
-BATCH = 512
-KL_CLIP = 3e-3
 LADDER = [[1, 10], [5, 50], [10, 100]]
 CONFIGS: dict[str, dict[str, Any]] = {
-    "adaptive": {},
+    "adaptive": {"adapt": True},
     **{f"fixed {f}/{i}": {"adapt": False, "intervals": [[f, i]]} for f, i in LADDER},
     "auto, fixed": {"adapt": False},
 }
+WORKLOADS = {
+    "large-batch": "examples/fashion_mnist_large_batch.yaml (LeNet, global batch 2048 on 2 Ray "
+    "Train workers, AdamW lr 0.032 + K-FAC, inverse method, no KL clip)",
+    "transformer": "char-transformer on fortunes (2 Ray Train workers x 32 sequences, AdamW lr "
+    "4e-3 + K-FAC on its Linear layers, inverse method, no KL clip)",
+}
+EXAMPLE = HERE.parent / "examples" / "fashion_mnist_large_batch.yaml"
 
 
-def spec(config: str, seed: int, max_steps: int, eval_every: int) -> dict[str, Any]:
+def workload_spec(workload: str, seed: int) -> dict[str, Any]:
+    """The workload's winning job, as committed, for ``seed``."""
+    if workload == "large-batch":
+        data: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    else:
+        lr = transformer_fortunes.GRIDS["AdamW + K-FAC"][2]  # 4e-3: the study's tuned lr
+        data = transformer_fortunes.spec("AdamW + K-FAC", lr, seed, transformer_fortunes.MAX_STEPS)
+    data["seed"] = seed
+    return data
+
+
+def spec(workload: str, config: str, seed: int, max_steps: int | None) -> dict[str, Any]:
+    data = workload_spec(workload, seed)
     kfac = {
-        "strategy": "auto",
-        "kl_clip": KL_CLIP,
-        "kfac_approx": "reduce",
-        "intervals": LADDER,
-        **CONFIGS[config],
+        k: v
+        for k, v in data["kfac"].items()
+        if k not in ("strategy", "factor_update_steps", "inv_update_steps")
     }
-    return {
-        "name": "adaptive-" + config.replace(" ", "").replace(",", "-").replace("/", "-"),
-        "model": {"name": "lenet"},
-        "dataset": {"name": "fashion-mnist", "batch_size": BATCH // WORKERS},
-        "optimizer": {
-            "name": "sgd",
-            "lr": 1.0,
-            "momentum": 0.9,
-            "schedule": {"kind": "constant", "warmup_steps": 20},
-        },
-        "kfac": kfac,
-        "memory_budget": "2GiB",
-        "scaling": {"workers": WORKERS, "cpus_per_worker": 1},
-        "stop": {"max_steps": max_steps, "target": {"metric": "test_accuracy", "value": TARGET}},
-        "eval_every": eval_every,
-        "checkpoint": {"every_steps": 100_000, "keep": 1},
-        "seed": seed,
-    }
+    data["kfac"] = {"strategy": "auto", **kfac, "intervals": LADDER, **CONFIGS[config]}
+    data["name"] = "adaptive-" + config.replace(" ", "").replace(",", "-").replace("/", "-")
+    data["memory_budget"] = "4GiB"
+    data["checkpoint"] = {"every_steps": 100_000, "keep": 1}
+    data["max_failures"] = 0
+    if max_steps is not None:  # --quick: a few steps
+        data["stop"]["max_steps"] = max_steps
+    return data
 
 
 def chosen(run: Run) -> str:
@@ -138,7 +150,7 @@ def summarize(runs: list[Run], header: str) -> str:
         [
             "configuration",
             "tuner's start (seed 0)",
-            "seeds at 88%",
+            "seeds at the target",
             "steps per seed",
             "steps (median)",
             "train s per seed",
@@ -160,35 +172,39 @@ def load(path: Path) -> tuple[dict[str, Any], list[Run]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=WORKLOADS, default="large-batch")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--resume", action="store_true", help="skip runs already in the JSON")
-    parser.add_argument("--quick", action="store_true", help="1 seed, 30 steps, no target")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 20 steps")
     parser.add_argument("--write", action="store_true", help="store the table")
-    parser.add_argument("--json", type=Path, default=RESULTS / "adaptive_intervals.json")
+    parser.add_argument("--json", type=Path, help="default: results/adaptive_intervals_<workload>")
     parser.add_argument("--from-json", action="store_true", help="re-print the stored run")
     args = parser.parse_args()
-    eval_every = 10
+    block = f"adaptive-intervals-{args.workload}"
+    json_path: Path = args.json or RESULTS / f"adaptive_intervals_{args.workload}.json"
+    max_steps = None
     if args.quick:
-        args.seeds, args.max_steps, eval_every = [0], 30, 10
-        args.json = Path(tempfile.mkdtemp()) / "quick.json"
+        args.seeds, max_steps = [0], 20
+        json_path = Path(tempfile.mkdtemp()) / "quick.json"
     if args.from_json:
-        meta, runs = load(args.json)
+        meta, runs = load(json_path)
         text = summarize(runs, meta["header"])
         print(text)
         if args.write:
-            write_block("adaptive-intervals", text)
+            write_block(block, text)
         return
     torch.set_num_threads(1)
-    meta, runs = load(args.json) if args.resume else ({}, [])
+    meta, runs = load(json_path) if args.resume else ({}, [])
     started = datetime.datetime.now(datetime.UTC)
+    example = spec(args.workload, "adaptive", 0, None)
+    target = example["stop"]["target"]
     meta = meta or {
         "header": (
-            f"Measured {started:%Y-%m-%d} at commit {git_commit()} on {machine()} (at the start; "
-            "the machine was shared with other work); LeNet, global batch 512 on 2 Ray Train "
-            f"workers, SGD lr 1 + K-FAC κ={KL_CLIP:g}, seeds "
+            f"Measured {started:%Y-%m-%d} at commit {git_commit()} on {machine()} (at the "
+            f"start); {WORKLOADS[args.workload]}; ladder "
+            f"{', '.join(f'{f}/{i}' for f, i in LADDER)}; seeds "
             f"{', '.join(map(str, args.seeds))} interleaved; medians of training seconds to "
-            f"{TARGET:.0%}."
+            f"{target['metric']} {target['value']:g}."
         )
     }
     done = {(r.config, r.seed) for r in runs}
@@ -199,11 +215,11 @@ def main() -> None:
                 if (config, seed) in done:
                     continue
                 run = run_to_target(
-                    config, spec(config, seed, args.max_steps, eval_every), Path(storage)
+                    config, spec(args.workload, config, seed, max_steps), Path(storage)
                 )
                 runs.append(run)
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(
+                json_path.parent.mkdir(parents=True, exist_ok=True)
+                json_path.write_text(
                     json.dumps(
                         {"meta": meta, "runs": [dataclasses.asdict(r) for r in runs]}, indent=1
                     )
@@ -218,7 +234,7 @@ def main() -> None:
     text = summarize(runs, meta["header"])
     print(text)
     if args.write:
-        write_block("adaptive-intervals", text)
+        write_block(block, text)
 
 
 if __name__ == "__main__":

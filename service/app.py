@@ -117,14 +117,16 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
             follower.start()
             # What start-up loaded (Ray, torch, pydantic's schemas: some 300 000 objects) lives
             # as long as the process; left to the collector, every full collection walks it all
-            # (150 ms here), a pause every request in flight waits for. Freeze it.
-            gc.collect()
-            gc.freeze()
+            # (150 ms here), a pause every request in flight waits for. Freeze it, once per
+            # process: a process that builds apps one after another (the tests) keeps the first
+            # one's start-up frozen rather than paying a full collection per app.
+            if gc.get_freeze_count() == 0:
+                gc.collect()
+                gc.freeze()
             try:
                 yield
             finally:
                 logger.info("shutting down: the follower, Ray, the embedded head, the store")
-                gc.unfreeze()  # collectable again (a process may build more than one app)
                 follower.stop()
                 await run_in_threadpool(active.close)
                 if head is not None:
