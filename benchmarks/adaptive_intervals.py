@@ -55,7 +55,7 @@ import torch
 import transformer_fortunes
 import yaml
 from report import git_commit, machine, table, write_block
-from targets import Run, median_or_none, run_to_target
+from targets import Run, Study, median_or_none, run_to_target
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -67,9 +67,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 WORKLOADS = {
     "large-batch": "examples/fashion_mnist_large_batch.yaml (LeNet, global batch 2048 on 2 Ray "
-    "Train workers, AdamW lr 0.032 + K-FAC, inverse method, no KL clip)",
-    "transformer": "char-transformer on fortunes (2 Ray Train workers x 32 sequences, AdamW lr "
-    "4e-3 + K-FAC on its Linear layers, inverse method, no KL clip)",
+    "Train workers, AdamW + K-FAC, inverse method, no KL clip)",
+    "transformer": "char-transformer on fortunes (2 Ray Train workers x 32 sequences, AdamW + "
+    "K-FAC on its Linear layers, inverse method, no KL clip)",
 }
 EXAMPLE = HERE.parent / "examples" / "fashion_mnist_large_batch.yaml"
 
@@ -79,7 +79,8 @@ def workload_spec(workload: str, seed: int) -> dict[str, Any]:
     if workload == "large-batch":
         data: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     else:
-        lr = transformer_fortunes.GRIDS["AdamW + K-FAC"][2]  # 4e-3: the study's tuned lr
+        study = Study.stored(RESULTS / "transformer_fortunes.json")
+        lr = study.finals("lm", "AdamW + K-FAC")[0].step_size  # the study's tuned lr
         data = transformer_fortunes.spec("AdamW + K-FAC", lr, seed, transformer_fortunes.MAX_STEPS)
     data["seed"] = seed
     return data
@@ -201,7 +202,7 @@ def main() -> None:
     meta = meta or {
         "header": (
             f"Measured {started:%Y-%m-%d} at commit {git_commit()} on {machine()} (at the "
-            f"start); {WORKLOADS[args.workload]}; ladder "
+            f"start); {WORKLOADS[args.workload]}, lr {example['optimizer']['lr']:g}; ladder "
             f"{', '.join(f'{f}/{i}' for f, i in LADDER)}; seeds "
             f"{', '.join(map(str, args.seeds))} interleaved; medians of training seconds to "
             f"{target['metric']} {target['value']:g}."
