@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +19,23 @@ from service.client import ServiceClient
 from service.head import free_port, venv_path
 
 KAISA_RAY = str(Path(sys.executable).with_name("kaisa-ray"))
+
+
+def reusable_port() -> int:
+    """A free loopback port that stays free while a service restarts on it: below the kernel's
+    ephemeral range (which every outgoing connection on the machine draws its local port from:
+    one took a restarted service's port while its Ray head started) and above Ray's worker
+    ports (10002-19999 by default)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    below = range(20000, low)
+    for port in random.sample(below, k=min(200, len(below))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
 
 
 @dataclass

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from service_process import ServiceProcess, start_service
+from service_process import ServiceProcess, reusable_port, start_service
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
-from service.head import RayHead, free_port
+from service.head import RayHead
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -129,7 +129,7 @@ def test_a_job_from_the_form_survives_a_service_crash_and_is_watched_to_the_end(
     browser: Any, tmp_path: Path
 ) -> None:
     data = tmp_path / "service"
-    port = free_port()  # the restarted service takes the same one: the open page reconnects
+    port = reusable_port()  # the restarted service takes the same one: the open page reconnects
     first = start_service(data, token=TOKEN, port=port)  # no --ray-address: the embedded head
     head = RayHead.load(data / "ray" / "head.json")
     assert head is not None
