@@ -39,8 +39,9 @@ SPEC = parse_job_spec(
         "checkpoint": {"every_steps": SPLIT},
     }
 )
-# What the tuner would decide: f = 1, every layer from the shortest rung, with a target among
-# this job's staleness (some layers lengthen, some stay).
+# A decision as the tuner hands it over: f = 1, every layer from the shortest rung (the tuner
+# starts on the fixed choice's rung; this one has room to lengthen), with a target among this
+# job's staleness (some layers lengthen, some stay).
 DECIDED = KFACChoice(
     grad_worker_fraction=1.0,
     factor_update_steps=1,

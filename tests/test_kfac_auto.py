@@ -48,16 +48,15 @@ def test_kfac_auto_profiles_on_the_workers_chooses_and_trains(
     assert len(table) == 2 * 3  # f in {1/2, 1} at 2 workers x three interval pairs
     feasible = [row for row in table if row["rejected"] is None]
     chosen = tuning["chosen"]
-    # Adapted intervals (adapt: true): every layer starts on the shortest rung that fits, on
-    # the fraction fastest on average over its rungs; the ladder and each layer's cost go along.
-    shortest = min(feasible, key=lambda row: row["inv_update_steps"])
-    assert (chosen["factor_update_steps"], chosen["inv_update_steps"]) == (
-        shortest["factor_update_steps"],
-        shortest["inv_update_steps"],
-    )
-    assert chosen["grad_worker_fraction"] in {row["grad_worker_fraction"] for row in feasible}
+    # Adapted intervals (adapt: true): every layer starts where the fixed choice would be,
+    # the fastest step that fits (its fraction, its rung); the ladder and each layer's cost
+    # go along.
+    fastest = min(feasible, key=lambda row: (row["ms_per_step"], -row["grad_worker_fraction"]))
+    for key in ("grad_worker_fraction", "factor_update_steps", "inv_update_steps"):
+        assert chosen[key] == fastest[key], (key, chosen, fastest)
     adaptive = chosen["adaptive"]
-    assert adaptive["start"] == 0
+    rungs = [tuple(rung) for rung in adaptive["rungs"]]
+    assert rungs[adaptive["start"]] == (fastest["factor_update_steps"], fastest["inv_update_steps"])
     assert {tuple(rung) for rung in adaptive["rungs"]} == {
         (row["factor_update_steps"], row["inv_update_steps"]) for row in table
     }

@@ -184,25 +184,26 @@ def test_predict_matches_the_table_and_bad_intervals_are_refused() -> None:
 # -- adaptive intervals: the fraction, the starting rung and each layer's cost ---------------
 
 
-def test_adaptive_choice_starts_on_the_shortest_rung_of_the_fastest_fraction_on_average() -> None:
+def test_adaptive_choice_starts_where_the_fixed_choice_would_be() -> None:
     p = profile(layers=EVEN)
     decision = choose(p, None, adaptive=True)
     assert decision.adaptive is not None
     chosen = decision.chosen
-    assert (chosen.factor_update_steps, chosen.inv_update_steps) == (1, 10)
-    assert decision.adaptive.rungs[decision.adaptive.start] == (1, 10)
-    by_fraction: dict[float, list[float]] = {}
-    for c in decision.candidates:
-        by_fraction.setdefault(c.grad_worker_fraction, []).append(c.step_s)
-    fastest = min(by_fraction, key=lambda f: sum(by_fraction[f]) / len(by_fraction[f]))
-    assert chosen.grad_worker_fraction == fastest
-    # Staleness measured: the plan's sketches are in every candidate's memory.
-    sketches = plan(list(EVEN), 4, fastest, staleness_probes=8).ranks[0].memory["total"]
-    assert chosen.kfac_state_bytes == sketches
-    assert sketches - plan(list(EVEN), 4, fastest).ranks[0].memory["total"] == 8 * 4 * 8 * 1025
-    # Not adaptive: the fastest per step, always the longest intervals here.
+    # Not adaptive, the fastest per step: the longest intervals here. Adaptive starts there,
+    # on the same fraction, priced with the staleness sketches.
+    feasible = [c for c in decision.candidates if c.rejected is None]
+    fastest = min(feasible, key=lambda c: (c.step_s, -c.grad_worker_fraction))
+    assert chosen == fastest
+    assert (chosen.factor_update_steps, chosen.inv_update_steps) == (10, 100)
+    assert decision.adaptive.rungs[decision.adaptive.start] == (10, 100)
     fixed = choose(p, None).chosen
-    assert (fixed.factor_update_steps, fixed.inv_update_steps) == (10, 100)
+    assert fixed.key == chosen.key
+    assert chosen.step_s > fixed.step_s  # the measurement's own cost, in the prediction
+    # Staleness measured: the plan's sketches are in every candidate's memory.
+    f = chosen.grad_worker_fraction
+    sketches = plan(list(EVEN), 4, f, staleness_probes=8).ranks[0].memory["total"]
+    assert chosen.kfac_state_bytes == sketches
+    assert sketches - plan(list(EVEN), 4, f).ranks[0].memory["total"] == 8 * 4 * 8 * 1025
 
 
 def test_layer_costs_add_up_to_a_candidates_interval_dependent_time() -> None:
@@ -220,20 +221,24 @@ def test_layer_costs_add_up_to_a_candidates_interval_dependent_time() -> None:
             assert dependent + every_step_seconds(p, strategy) == pytest.approx(kfac, rel=1e-9)
 
 
-def test_adaptive_choice_under_an_overhead_cap_starts_within_it() -> None:
-    p = profile(layers=EVEN, world_size=1)  # one fraction: the cap decides the rung alone
+def test_adaptive_choice_under_an_overhead_cap_keeps_the_layers_within_it() -> None:
+    p = profile(layers=EVEN, world_size=1)  # one fraction: the cap decides the rungs alone
     shortest = predict(p, 1.0, 1, 10, staleness=True).overhead
     middle = predict(p, 1.0, 5, 50, staleness=True).overhead
     cap = (shortest + middle) / 2  # rules out 1/10 only
     decision = choose(p, None, adaptive=True, max_overhead=cap)
     assert decision.adaptive is not None
-    assert decision.adaptive.rungs[decision.adaptive.start] == (5, 50)
+    assert decision.adaptive.rungs[decision.adaptive.start] == (10, 100)
     seconds = decision.adaptive.max_seconds
     assert seconds is not None
-    total = sum(c.per_step((5, 50)) for c in decision.adaptive.layer_costs.values())
-    assert (
-        total <= seconds < sum(c.per_step((1, 10)) for c in decision.adaptive.layer_costs.values())
-    )
+    # What the layers may spend per step: 5/50 everywhere fits, 1/10 everywhere does not.
+    costs = decision.adaptive.layer_costs.values()
+    assert sum(c.per_step((5, 50)) for c in costs) <= seconds
+    assert seconds < sum(c.per_step((1, 10)) for c in costs)
+    # A cap below even the longest rung's cost: nothing fits, and the error says so.
+    longest = predict(p, 1.0, 10, 100, staleness=True).overhead
+    with pytest.raises(NoFeasibleCandidateError, match="overhead"):
+        choose(p, None, adaptive=True, max_overhead=longest / 2)
 
 
 def test_an_adaptive_ladder_must_nest() -> None:
