@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from itertools import takewhile
 from pathlib import Path
 from typing import Any
@@ -93,28 +94,72 @@ def service(
         started.stop()
 
 
-def _train_workers_alive(head: RayHead) -> int:
+def _train_workers_alive(head: RayHead, ray_job_id: str) -> int:
+    """The live TrainWorker actors of one Ray Job (the workers an actor of a job creates
+    belong to that job): other jobs' workers may be alive beside them."""
     # The head's own address: other Ray clusters may run on the machine (a second pytest
     # worker's, another service's), and Ray would not guess which one is meant.
-    actors = list_actors(address=head.dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000)
+    actors = list_actors(
+        address=head.dashboard_url,
+        filters=[("state", "=", "ALIVE"), ("job_id", "=", ray_job_id)],
+        limit=1000,
+    )
     return sum(1 for a in actors if "TrainWorker" in (a.class_name or ""))
 
 
 @pytest.mark.timeout(600)  # two real jobs and a cancel: minutes on a loaded machine
-def test_two_jobs_side_by_side_one_followed_to_success_one_cancelled(
+def test_two_jobs_side_by_side_one_cancelled_while_it_trains_the_other_followed_to_success(
     service: ServiceProcess, ray_head: RayHead
 ) -> None:
-    """Two jobs at once on the head's 4 CPUs: one is followed by its event stream to
-    SUCCEEDED (metrics, log, Ray's own status); the other, cancelled while it trains,
-    stops in Ray (its Ray Job STOPPED, its train workers gone)."""
+    """Two jobs in Ray at once on the head's 4 CPUs: one, cancelled once it trains, stops in
+    Ray (its Ray Job STOPPED, its train worker gone, the other job's workers not counted);
+    the other is followed by its event stream, opened before it started, to SUCCEEDED
+    (metrics, log, Ray's own status)."""
     client = service.client()
     job = client.submit(small_job("svc-e2e", 40), idempotency_key="e2e-once")
     assert job["state"] == "QUEUED"
     again = client.submit(small_job("svc-e2e", 40), idempotency_key="e2e-once")
     assert again["id"] == job["id"]  # a retried POST: the same job, not a second one
-    endless = client.submit(small_job("svc-cancel", 100_000))
+    # The stream sends the job's state once subscribed, then what happens from then on (no
+    # replay): its first event is read here, the rest in a thread while the other job runs.
+    stream = service.client().events(job["id"])  # ends when the job finishes
+    first = next(stream)
+    # One worker: with its driver 1.25 CPUs, beside the first job's 2.25 within the head's 4
+    # (two 2-worker jobs do not fit: the service would queue the second until the first ends).
+    endless = client.submit(small_job("svc-cancel", 100_000, scaling={"workers": 1}))
+    ray_client = JobSubmissionClient(ray_head.dashboard_url)
 
-    events = list(client.events(job["id"]))  # ends when the job finishes
+    with ThreadPoolExecutor(1) as pool:
+        following = pool.submit(list, stream)
+
+        # Cancel the other job once it trains (the first one is in Ray too).
+        running = wait_for(
+            state_is(client, endless["id"], "RUNNING", min_step=10), "the second job to train"
+        )
+        ray_job_id = ray_client.get_job_info(running["submission_id"]).job_id
+        assert ray_job_id is not None  # its driver runs
+        wait_for(
+            lambda: {} if _train_workers_alive(ray_head, ray_job_id) == 1 else None,
+            "its train worker",
+            60,
+        )
+        cancelling = client.cancel(endless["id"])
+        assert cancelling["state"] in ("CANCELLING", "CANCELLED")
+        assert client.cancel(endless["id"])["state"] in ("CANCELLING", "CANCELLED")  # idempotent
+        done = wait_for(state_is(client, endless["id"], "CANCELLED"), "CANCELLED", timeout_s=60)
+        assert [t["to_state"] for t in done["transitions"]][-2:] == ["CANCELLING", "CANCELLED"]
+        assert ray_client.get_job_status(done["submission_id"]) == JobStatus.STOPPED
+        wait_for(
+            lambda: {} if _train_workers_alive(ray_head, ray_job_id) == 0 else None,
+            "its train worker to go",
+            60,
+        )
+        step = client.job(endless["id"])["progress"]["step"]
+        time.sleep(1)
+        assert client.job(endless["id"])["progress"]["step"] == step  # nothing trains any more
+
+        events = [first, *following.result(timeout=300)]
+
     states = [data["state"] for kind, data in events if kind == "state"]
     assert states[0] in ("QUEUED", "RUNNING")
     assert states[-1] == "SUCCEEDED", events[-1]
@@ -140,30 +185,19 @@ def test_two_jobs_side_by_side_one_followed_to_success_one_cancelled(
     assert [p["step"] for p in history["points"] if p["kind"] == "eval"] == [20, 40]
     assert "finished at step 40" in client.logs(job["id"])
 
-    ray_client = JobSubmissionClient(ray_head.dashboard_url)
     assert ray_client.get_job_status(final["submission_id"]) == JobStatus.SUCCEEDED
+    # Side by side: the cancelled job was in Ray before this one ended.
+    first_ended = ray_client.get_job_info(final["submission_id"]).end_time
+    cancelled_started = ray_client.get_job_info(done["submission_id"]).start_time
+    assert first_ended is not None
+    assert cancelled_started is not None
+    assert cancelled_started < first_ended
     # (The module's service is shared: the other test's jobs may be there too.)
     listed = client.jobs(["SUCCEEDED"])
     assert job["id"] in [j["id"] for j in listed["jobs"]]
     assert {j["state"] for j in listed["jobs"]} == {"SUCCEEDED"}
     scrape = httpx.get(f"{service.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert f'kaisa_ray_jobs{{state="SUCCEEDED"}} {float(listed["total"])}' in scrape
-
-    # The other job trains meanwhile; cancel it.
-    wait_for(state_is(client, endless["id"], "RUNNING", min_step=10), "the second job to train")
-    wait_for(lambda: {} if _train_workers_alive(ray_head) == 2 else None, "one job's workers", 60)
-    cancelling = client.cancel(endless["id"])
-    assert cancelling["state"] in ("CANCELLING", "CANCELLED")
-    assert client.cancel(endless["id"])["state"] in ("CANCELLING", "CANCELLED")  # idempotent
-    done = wait_for(state_is(client, endless["id"], "CANCELLED"), "CANCELLED", timeout_s=60)
-    assert [t["to_state"] for t in done["transitions"]][-2:] == ["CANCELLING", "CANCELLED"]
-    assert ray_client.get_job_status(done["submission_id"]) == JobStatus.STOPPED
-    wait_for(
-        lambda: {} if _train_workers_alive(ray_head) == 0 else None, "the train workers to go", 60
-    )
-    step = client.job(endless["id"])["progress"]["step"]
-    time.sleep(1)
-    assert client.job(endless["id"])["progress"]["step"] == step  # nothing trains any more
 
 
 # With the search seed 2 the trials draw these learning rates, in this order (Ray 2.60's
