@@ -1,8 +1,7 @@
 """Multi-node: a head and two worker nodes on this machine (``ray.cluster_utils.Cluster``, in
 the child ``multinode_cluster.py``), a 2-worker K-FAC job placed one worker per node,
-checkpoints on shared storage, and the loss of a node mid-run, twice in one job: after the
-first a node comes back and the job resumes from its checkpoint on it; after the second none
-does, and the job fails naming its latest checkpoint."""
+checkpoints on shared storage, and the loss of a node mid-run: the job resumes from its
+checkpoint when a node comes back, and fails naming its latest checkpoint when none does."""
 
 from __future__ import annotations
 
@@ -50,24 +49,19 @@ def kinds(run: dict[str, Any], kind: str) -> list[dict[str, Any]]:
     return [r for r in run["records"] if r["kind"] == kind]
 
 
-def resumed_at(run: dict[str, Any]) -> int:
-    from_step: int = kinds(run, "start")[1]["from_step"]
-    return from_step
-
-
 def test_workers_spread_one_per_node_and_resume_on_a_new_node(cluster_run: dict[str, Any]) -> None:
-    run = cluster_run["job"]
+    run = cluster_run["returns"]
+    assert run["succeeded"], run["error"]
     workers = kinds(run, "worker")
-    # Two worker groups: the first, and the one after the first loss; none after the second.
-    assert len(workers) == 4
     first, second = workers[:2], workers[2:]
     # strict-spread: one worker on each worker node, none on the head (it has no CPUs).
     assert sorted(w["node"] for w in first) == cluster_run["first_nodes"]
-    removed = run["removed"][0]
+    removed = run["removed"]
     assert removed["node"] in {w["node"] for w in first if w["rank"] == 1}
     # The worker group came back after the loss, one worker per node again, one on the new node.
+    assert len(second) == 2
     assert {w["node"] for w in second} == set(cluster_run["first_nodes"]) - {removed["node"]} | {
-        run["added"]["node"]
+        run["added"]
     }
     starts = kinds(run, "start")
     # It resumed from the newest checkpoint Ray Train held at the loss: the newest checkpoint
@@ -75,27 +69,22 @@ def test_workers_spread_one_per_node_and_resume_on_a_new_node(cluster_run: dict[
     # record from rank 0 after its own report, as before, could name a checkpoint the
     # controller never took in: a worker lost before the controller polled the others'
     # reports leaves it unregistered, and the run resumed from an older one, 30 for 40.)
-    checkpoints = kinds(run, "checkpoint")
-    before = [c["step"] for c in checkpoints if c["seq"] < starts[1]["seq"]]
+    before = [c["step"] for c in kinds(run, "checkpoint") if c["seq"] < starts[1]["seq"]]
     assert before[-1] >= removed["after_checkpoint"] >= 20
     assert [s["from_step"] for s in starts] == [0, before[-1]]
     assert "resumed_from" in starts[1]
-    # It trained on from there: checkpoints every 10 steps again, until the second loss.
-    after = [c["step"] for c in checkpoints if c["seq"] > starts[1]["seq"]]
-    assert after[:2] == [before[-1] + 10, before[-1] + 20]
-    assert run["removed"][1]["after_checkpoint"] >= before[-1] + 20
+    assert kinds(run, "end")[-1]["step"] == 60
+    assert run["metrics"]["step"] == 60
 
 
 def test_checkpoints_are_on_the_shared_storage(cluster_run: dict[str, Any]) -> None:
-    run = cluster_run["job"]
+    run = cluster_run["returns"]
     storage = Path(cluster_run["shared"]) / run["run"]
-    checkpoint = Path(run["error"].split("kaisa-ray train --resume-from ")[1].rstrip("`."))
-    assert checkpoint.parent == storage
+    assert Path(run["checkpoint"]).parent == storage
     states = sorted(storage.glob("checkpoint_*/state.pt"))
-    # Steps 10, 20 before the first loss, then two at least after the resume.
-    assert len(states) >= 4
-    final = load_checkpoint_file(checkpoint)
-    assert final["step"] >= resumed_at(run) + 20
+    assert len(states) >= 4  # steps 10, 20 before the loss, then 30...60 after it
+    final = load_checkpoint_file(Path(run["checkpoint"]))
+    assert final["step"] == 60
     assert final["world_size"] == 2
     assert all(torch.isfinite(p).all() for p in final["model"].values())
 
@@ -103,11 +92,9 @@ def test_checkpoints_are_on_the_shared_storage(cluster_run: dict[str, Any]) -> N
 def test_a_node_that_never_comes_back_fails_the_job_naming_the_checkpoint(
     cluster_run: dict[str, Any],
 ) -> None:
-    run = cluster_run["job"]
+    run = cluster_run["lost"]
     assert not run["succeeded"]
     error = run["error"]
-    # Ray Train 2.60 retries the second loss like the first (max_failures: 2), and its restart
-    # waits for the placement group scaling.resource_timeout_s at most, as every start does.
     assert "did not get their resources within scaling.resource_timeout_s=5 s" in error
     assert "placement strict-spread" in error
     assert "a node left and none came back" in error
@@ -117,12 +104,6 @@ def test_a_node_that_never_comes_back_fails_the_job_naming_the_checkpoint(
     # newer still that rank 0 had written when the node left, which the controller never
     # took in (a whole checkpoint all the same: it resumes).
     held = kinds(run, "checkpoint")[-1]["step"]
-    assert state["step"] >= held >= run["removed"][1]["after_checkpoint"]
-    storage = Path(cluster_run["shared"]) / run["run"]
-    newest = max(
-        load_checkpoint_file(s.parent)["step"] for s in storage.glob("checkpoint_*/state.pt")
-    )
-    assert state["step"] == newest
+    assert state["step"] >= held >= run["removed"]["after_checkpoint"]
     assert state["step"] % 10 == 0  # a checkpoint of the job's every_steps
-    # It never trained again after the second loss: no start after the resume's.
-    assert [s["from_step"] for s in kinds(run, "start")] == [0, resumed_at(run)]
+    assert [s["from_step"] for s in kinds(run, "start")] == [0]  # it never trained again
