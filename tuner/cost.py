@@ -422,31 +422,29 @@ def choose(
         raise NoFeasibleCandidateError(
             _what_would_fit(profile, table, budget_bytes, max_overhead, PROBES if adaptive else 0)
         )
+    best = min(feasible, key=lambda c: (c.step_s, -c.grad_worker_fraction))
     if not adaptive:
-        best = min(feasible, key=lambda c: (c.step_s, -c.grad_worker_fraction))
         return Decision(chosen=best, candidates=tuple(table), budget_bytes=budget_bytes)
-    return _adaptive_decision(
-        profile, table, feasible, plans, intervals, max_overhead, budget_bytes
-    )
+    return _adaptive_decision(profile, table, best, plans, intervals, max_overhead, budget_bytes)
 
 
 def _adaptive_decision(
     profile: Profile,
     table: list[Candidate],
-    feasible: list[Candidate],
+    start: Candidate,
     plans: dict[float, Plan],
     rungs: Sequence[tuple[int, int]],
     max_overhead: float | None,
     budget_bytes: int | None,
 ) -> Decision:
-    """Start where the fixed choice would be (its fraction and its rung: the fastest step that
-    fits, a rung over the cap is ruled out in the table already); the layers move from there.
+    """Start where the fixed choice would be, ``start`` (its fraction and its rung: the fastest
+    step that fits, a rung over the cap is ruled out in the table already); the layers move
+    from there.
 
     Measured (docs/adaptive-intervals.md): starting every layer on the shortest rung paid its
     factor work on every step for most of a short run, because the angle's sampling floor (7-12
     degrees on Fashion-MNIST) keeps a layer from lengthening fast, and the fraction fastest on
     average over the rungs was not the one fastest on the rungs the layers ended on."""
-    start = min(feasible, key=lambda c: (c.step_s, -c.grad_worker_fraction))
     fraction = start.grad_worker_fraction
     costs = layer_costs(profile, plans[fraction])
     cap = None
