@@ -290,7 +290,7 @@ class KFACSpec(_Strict):
     ``max_overhead``, K-FAC's predicted time over the plain step's, if given), and picks one
     pair of factor and inverse intervals from the ladder ``intervals`` (else its own) for the
     whole run, the fastest per step. With ``adapt: true`` (opt-in: on the benchmarked jobs it
-    took 1.03-1.17x the best fixed pair's time, docs/adaptive-intervals.md) each layer's
+    took 0.94-1.03x the default pick's time, docs/adaptive-intervals.md) each layer's
     intervals instead adapt during training to how stale its curvature is: they move along the
     ladder (nested pairs) shorter when the angle between its gradient preconditioned with the
     stale and the fresh curvature exceeds ``staleness_target`` degrees, longer when it is well
