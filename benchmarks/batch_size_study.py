@@ -15,6 +15,10 @@ The same tuning effort for every optimizer, at every batch size (seed 0):
   about 3 apart. No "scaling rule" guess is needed: each grid spans 16-100x and is the same at
   every batch size, so the optimum a scaling rule would predict lies inside it (the chosen
   points are in the table; an optimum on a grid's edge is flagged);
+- "AdamW + K-FAC (damping)": a second stage for AdamW + K-FAC, its damping over 0.01-0.3
+  (4 points, about 3 apart; extended the same way) at the lr AdamW + K-FAC tuned to, on
+  seed 0: its row is AdamW + K-FAC with both tuned, at more tuning runs than the first-order
+  optimizers had (run it with ``--optimizers 'AdamW + K-FAC (damping)'`` after the lr stage);
 - the best grid point is the one with the fewest steps to the target (ties: fewer training
   seconds); a grid point stops as soon as it has taken as many steps as the best one so far
   needed (it cannot beat it), and a diverging one stops at once;
@@ -49,13 +53,14 @@ import argparse
 import datetime
 import statistics
 import tempfile
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import ray
 from report import git_commit, machine, table, write_block
-from targets import Entry, Study, median_or_none
+from targets import Entry, Study, best_tuned, median_or_none
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -71,13 +76,16 @@ FACTOR_SAMPLES = 256  # per worker, from batches larger than this
 # cost the same share of a step, and a run of a few hundred steps needs fresh curvature.
 INTERVALS = {128: (5, 50), 512: (5, 50), 2048: (1, 10), 8192: (1, 10)}
 
-OPTIMIZERS = ("SGD", "AdamW", "K-FAC", "K-FAC (lr)", "AdamW + K-FAC")
+DAMPED = "AdamW + K-FAC (damping)"
+OPTIMIZERS = ("SGD", "AdamW", "K-FAC", "K-FAC (lr)", "AdamW + K-FAC", DAMPED)
 GRIDS: dict[str, list[float]] = {
     "SGD": [0.0125, 0.025, 0.05, 0.1, 0.2],
     "AdamW": [5e-4, 1e-3, 2e-3, 4e-3, 8e-3],
     "K-FAC": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2],  # the KL clip, on SGD lr 1
     "K-FAC (lr)": [0.0125, 0.025, 0.05, 0.1, 0.2],  # SGD's lr under the KL clip KL_CLIP
     "AdamW + K-FAC": [5e-4, 1e-3, 2e-3, 4e-3, 8e-3],  # AdamW's lr, no KL clip
+    # A second stage for AdamW + K-FAC: its damping, at the lr it tuned to in the same group.
+    DAMPED: [0.01, 0.03, 0.1, 0.3],
 }
 # "K-FAC (lr)": the same curvature on SGD's own lr grid with the JobSpec's KL clip, as the
 # one-process ablation (optimizers_fashion_mnist.py --ablation) ran it, and the inverse method:
@@ -96,21 +104,52 @@ KFAC: dict[str, Any] = {
 }
 
 
-def spec(batch: int, optimizer: str, step_size: float, seed: int, max_steps: int) -> dict[str, Any]:
+def tuned_lr(entries: list[Entry], batch: int) -> float:
+    """AdamW + K-FAC's tuned lr at ``batch`` (its best tuning run), where its damping is tuned."""
+    best = best_tuned(entries, str(batch), "AdamW + K-FAC")
+    if best is None:
+        raise SystemExit(
+            f"{DAMPED!r} at batch {batch} tunes the damping at AdamW + K-FAC's tuned lr: tune "
+            f"AdamW + K-FAC at batch {batch} first (--optimizers 'AdamW + K-FAC')"
+        )
+    return best.step_size
+
+
+def spec(
+    batch: int,
+    optimizer: str,
+    step_size: float,
+    seed: int,
+    max_steps: int,
+    lr: Callable[[], float] | None = None,
+) -> dict[str, Any]:
+    """The job of ``optimizer`` at ``step_size``; for ``DAMPED`` the step size is the damping
+    and ``lr()`` gives AdamW's lr."""
     per_worker = batch // WORKERS
     schedule = {"kind": "constant", "warmup_steps": WARMUP}
     kfac: dict[str, Any] | str = "off"
-    if optimizer in ("AdamW", "AdamW + K-FAC"):
+    damping = KFAC["damping"]
+    if optimizer == DAMPED:
+        if lr is None:
+            raise ValueError(f"{DAMPED!r} needs AdamW + K-FAC's tuned lr (lr=...)")
+        damping, step_size = step_size, lr()
+    if optimizer in ("AdamW", "AdamW + K-FAC", DAMPED):
         opt = {"name": "adamw", "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
     else:  # SGD's lr; under the "K-FAC" form 1, the clip being the step size
-        lr = 1.0 if optimizer == "K-FAC" else step_size
-        opt = {"name": "sgd", "lr": lr, "momentum": 0.9, "schedule": schedule}
+        sgd_lr = 1.0 if optimizer == "K-FAC" else step_size
+        opt = {"name": "sgd", "lr": sgd_lr, "momentum": 0.9, "schedule": schedule}
     if "K-FAC" in optimizer:
         # "AdamW + K-FAC", the transformer benchmark's form: AdamW normalises the
         # preconditioned gradients' scale itself, so no KL clip.
         clip = {"K-FAC": step_size, "K-FAC (lr)": KL_CLIP}.get(optimizer)
         fus, ius = INTERVALS[batch]
-        kfac = {**KFAC, "kl_clip": clip, "factor_update_steps": fus, "inv_update_steps": ius}
+        kfac = {
+            **KFAC,
+            "damping": damping,
+            "kl_clip": clip,
+            "factor_update_steps": fus,
+            "inv_update_steps": ius,
+        }
         if optimizer != "K-FAC":
             kfac["compute_method"] = "inverse"
         if per_worker > FACTOR_SAMPLES:
@@ -156,7 +195,7 @@ def summarize(entries: list[Entry], header: str) -> str:
                 }
             )
             edge = " (edge of the grid)" if point in (tried[0], tried[-1]) else ""
-            name = "κ" if optimizer == "K-FAC" else "lr"
+            name = {"K-FAC": "κ", DAMPED: "damping"}.get(optimizer, "lr")
             kfac = "K-FAC" in optimizer
             t, s = train[optimizer], steps[optimizer]
             ratio_t = ratio_s = ratio_sgd = "-"
@@ -170,7 +209,8 @@ def summarize(entries: list[Entry], header: str) -> str:
                 [
                     str(batch),
                     optimizer,
-                    f"{name} {point:g}{edge}",
+                    f"{name} {point:g}{edge}"
+                    + (f" (lr {tuned_lr(entries, batch):g})" if optimizer == DAMPED else ""),
                     f"{reached}/{len(es)}",
                     "-" if s is None else f"{s:.0f}",
                     "-" if t is None else f"{t:.1f}",
@@ -210,6 +250,7 @@ def plot(entries: list[Entry], steps_path: Path, curve_path: Path) -> None:
         "K-FAC": "tab:blue",
         "K-FAC (lr)": "tab:green",
         "AdamW + K-FAC": "tab:purple",
+        DAMPED: "tab:red",
     }
     finals = [e for e in entries if e.phase == "final"]
     fig, ax = plt.subplots(figsize=(7, 5))
@@ -300,12 +341,15 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="kaisa-bs-") as storage:
             study = Study(args.json, Path(storage), meta, resume=args.resume)
             for batch in sorted(args.batches):
-                study.run(str(batch), grids, seeds, partial(spec, batch), LIMITS[batch][0], phases)
+                lr = partial(tuned_lr, study.entries, batch)
+                study.run(
+                    str(batch), grids, seeds, partial(spec, batch, lr=lr), LIMITS[batch][0], phases
+                )
         ray.shutdown()
         entries = study.entries
     header = (
-        f"Measured {started:%Y-%m-%d} (the last run's commit {meta['commit']}) on "
-        f"{meta['machine']}; "
+        f"The last run measured {started:%Y-%m-%d} at commit {meta['commit']} on "
+        f"{meta['machine']} (rows run on other days and machines: the text above says which); "
         f"{WORKERS} Ray Train workers, tuned on seed 0 over 5 step sizes per optimizer, then "
         f"seeds {', '.join(map(str, seeds))} interleaved; medians."
     )

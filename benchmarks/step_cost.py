@@ -30,13 +30,14 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from batch_size_study import OPTIMIZERS, RESULTS, spec
+from batch_size_study import OPTIMIZERS, RESULTS, spec, tuned_lr
 from report import git_commit, machine, table, write_block
 from targets import Entry, Study, median_or_none
 from torch import nn
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batch {batch}: no finals in {args.json}; skipped", file=sys.stderr)
             continue
         names = list(points)
-        jobs = [spec(batch, name, points[name][0], 0, 100_000) for name in names]
+        lr = partial(tuned_lr, entries, batch)
+        jobs = [spec(batch, name, points[name][0], 0, 100_000, lr=lr) for name in names]
         times = measure(jobs, args.rounds, args.steps)
         ms = {name: statistics.mean(t) for name, t in zip(names, times, strict=True)}
         wall: dict[str, float | None] = {}

@@ -120,6 +120,17 @@ def median_or_none(values: Sequence[float | None]) -> float | None:
     return statistics.median(v for v in values if v is not None)
 
 
+def best_tuned(entries: Sequence[Entry], group: str, optimizer: str) -> Entry | None:
+    """The best tuning run of ``optimizer`` in ``group`` among ``entries``."""
+    best: Entry | None = None
+    for e in entries:
+        if (e.group, e.optimizer, e.phase) == (group, optimizer, "tune") and better(
+            e.run, best.run if best else None
+        ):
+            best = e
+    return best
+
+
 class Study:
     """The same tuning effort for every optimizer, then seeds interleaved.
 
@@ -159,13 +170,7 @@ class Study:
 
     def best(self, group: str, optimizer: str) -> Entry | None:
         """The best tuning run of ``optimizer`` in ``group``."""
-        best: Entry | None = None
-        for e in self.entries:
-            if (e.group, e.optimizer, e.phase) == (group, optimizer, "tune") and better(
-                e.run, best.run if best else None
-            ):
-                best = e
-        return best
+        return best_tuned(self.entries, group, optimizer)
 
     def measure(
         self,
