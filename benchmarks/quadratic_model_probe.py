@@ -22,8 +22,8 @@ count the example's 2 workers use, inverses every 10 steps, no KL clip), built b
   kfac-jax has it; a new γ takes effect at the next inverse update).
 
 Steps, not seconds, are the point (the quadratic model costs two forward-mode passes over 512
-examples a step, unoptimised here). Run ``python benchmarks/quadratic_model_probe.py``
-(``--write`` stores the table in benchmarks/README.md; raw runs in
+examples a step, unoptimised here). Run ``python benchmarks/quadratic_model_probe.py --seeds 0
+1 2 3 4`` (about 18 minutes; ``--write`` stores the table in benchmarks/README.md; raw runs in
 ``results/quadratic_model_probe.json``).
 """
 
