@@ -113,10 +113,12 @@ def points(driver: Any, chart: str) -> int:
 
 def console_errors(driver: Any) -> list[str]:
     """SEVERE console entries, but for the errors the test causes on purpose: the 401 before
-    the token, the 422 of the bad spec, and the broken stream and refused connections while
-    the killed service is down."""
+    the token, the 422 of the bad spec, and the broken stream, refused connections and dead
+    sockets while the killed service is down (a request in flight when it is killed fails
+    with ERR_SOCKET_NOT_CONNECTED or ERR_CONNECTION_RESET, by when it was sent)."""
     expected = re.compile(
         r"status of (401|422) |net::ERR_INCOMPLETE_CHUNKED_ENCODING|net::ERR_CONNECTION_REFUSED"
+        r"|net::ERR_SOCKET_NOT_CONNECTED|net::ERR_CONNECTION_RESET"
     )
     return [
         entry["message"]
