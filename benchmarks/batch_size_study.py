@@ -20,8 +20,9 @@ The same tuning effort for every optimizer, at every batch size (seed 0):
   seed 0: its row is AdamW + K-FAC with both tuned, at more tuning runs than the first-order
   optimizers had (run it with ``--optimizers 'AdamW + K-FAC (damping)'`` after the lr stage);
 - the best grid point is the one with the fewest steps to the target (ties: fewer training
-  seconds); a grid point stops as soon as it has taken as many steps as the best one so far
-  needed (it cannot beat it), and a diverging one stops at once;
+  seconds); the grid is visited from its middle outwards (``targets.middle_out``: the same
+  points, likeliest best first), a grid point stops as soon as it has taken as many steps as
+  the best one so far needed (it cannot beat it), and a diverging one stops at once;
 - then the best point of each optimizer runs with seeds 0, 1 and 2, interleaved seed by seed,
   and the table reports medians.
 

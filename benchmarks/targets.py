@@ -113,6 +113,19 @@ def better(a: Run, b: Run | None) -> bool:
     return (a.steps, a.train_s or 0.0) < (b.steps, b.train_s or 0.0)
 
 
+def middle_out(points: Sequence[float]) -> list[float]:
+    """``points`` (sorted) from the middle outwards, alternating above and below it: the same
+    points in an order whose first runs are the likeliest best, so the later ones stop early at
+    the best's steps (``Study.measure``) instead of running to the limit."""
+    centre = len(points) // 2
+    order = [points[centre]]
+    for offset in range(1, len(points)):
+        for index in (centre + offset, centre - offset):
+            if 0 <= index < len(points):
+                order.append(points[index])
+    return order
+
+
 def median_or_none(values: Sequence[float | None]) -> float | None:
     """Median over seeds; None if any seed missed the target (its time is unbounded)."""
     if not values or any(v is None for v in values):
@@ -233,7 +246,7 @@ class Study:
         more point beyond that end (the grid's own spacing), at most ``EXTEND`` times: every
         optimizer's optimum ends up inside what it tried, or the table says it is not."""
         tried = sorted(grid)
-        yield from tried
+        yield from middle_out(tried)
         for _ in range(EXTEND):
             best = self.best(group, optimizer)
             if best is None or best.step_size not in (tried[0], tried[-1]):
