@@ -80,30 +80,30 @@ def main() -> None:
                     print(f"{optimizer} seed {seed}: steps {run.steps}", flush=True)
                     args.json.write_text(json.dumps({"header": header, "runs": runs}, indent=1))
         ray.shutdown()
-    rows: list[list[str]] = []
-    medians: dict[str, float | None] = {}
-    study_medians: dict[str, float | None] = {}
-    for optimizer, es in finals.items():
-        study = [e.run.steps for e in sorted(es, key=lambda e: e.run.seed)]
-        extra = [r["steps"] for r in runs if r["optimizer"] == optimizer]
-        medians[optimizer] = median_or_none([*study, *extra])
-        study_medians[optimizer] = median_or_none(study)
-        rows.append(
-            [
-                optimizer,
-                f"{es[0].step_size:g}",
-                " / ".join("-" if s is None else str(s) for s in study),
-                " / ".join("-" if s is None else str(s) for s in extra),
-                f"{study_medians[optimizer] or float('nan'):.0f}",
-                f"{medians[optimizer] or float('nan'):.1f}",
-            ]
-        )
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "-" if a is None or b is None else f"{a / b:.2f}x"
+
     first = next(iter(finals))  # the ratios' baseline
-    for row, optimizer in zip(rows, finals, strict=True):
-        row.append(
-            f"{(study_medians[optimizer] or 0) / (study_medians[first] or 1):.2f}x / "
-            f"{(medians[optimizer] or 0) / (medians[first] or 1):.2f}x"
-        )
+    study = {
+        o: [e.run.steps for e in sorted(es, key=lambda e: e.run.seed)] for o, es in finals.items()
+    }
+    extra = {o: [r["steps"] for r in runs if r["optimizer"] == o] for o in finals}
+    study_medians = {o: median_or_none(study[o]) for o in finals}
+    medians = {o: median_or_none([*study[o], *extra[o]]) for o in finals}
+    rows = [
+        [
+            optimizer,
+            f"{es[0].step_size:g}",
+            " / ".join("-" if s is None else str(s) for s in study[optimizer]),
+            " / ".join("-" if s is None else str(s) for s in extra[optimizer]),
+            "-" if study_medians[optimizer] is None else f"{study_medians[optimizer]:.0f}",
+            "-" if medians[optimizer] is None else f"{medians[optimizer]:.1f}",
+            f"{ratio(study_medians[optimizer], study_medians[first])} / "
+            f"{ratio(medians[optimizer], medians[first])}",
+        ]
+        for optimizer, es in finals.items()
+    ]
     text = table(
         header,
         [
