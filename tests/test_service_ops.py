@@ -5,6 +5,7 @@ README's service quickstart, with its own, is ``test_service_quickstart.py``).""
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from service.head import RayHead, descendants
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "ops-token-0123456789"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # a colour escape in a log line
 MARKER = "KAISA_RAY_MAX_WORKERS"  # a service variable set in the services' environment
 
 
@@ -163,7 +165,9 @@ def test_two_services_side_by_side_each_job_sees_only_its_own_cluster(
         # Ray Train's own controller actor may log a traceback of its own under load (its
         # autoscaling coordinator call, retried by Ray): lines it prefixes with its name are
         # Ray's, not the job's. A traceback anywhere else in the job's log is a failure.
-        ours = [line for line in log.splitlines() if not line.startswith("(TrainController")]
+        # Ray colours that prefix (an ANSI escape before the name) where its output is a tty.
+        plain = [ANSI.sub("", line) for line in log.splitlines()]
+        ours = [line for line in plain if not line.startswith("(TrainController")]
         assert not [line for line in ours if "Traceback" in line], log
     assert b.process.poll() is None
 
