@@ -78,7 +78,8 @@ FACTOR_SAMPLES = 256  # per worker, from batches larger than this
 INTERVALS = {128: (5, 50), 512: (5, 50), 2048: (1, 10), 8192: (1, 10)}
 
 DAMPED = "AdamW + K-FAC (damping)"
-OPTIMIZERS = ("SGD", "AdamW", "K-FAC", "K-FAC (lr)", "AdamW + K-FAC", DAMPED)
+QM = "K-FAC (quadratic model)"
+OPTIMIZERS = ("SGD", "AdamW", "K-FAC", "K-FAC (lr)", "AdamW + K-FAC", DAMPED, QM)
 GRIDS: dict[str, list[float]] = {
     "SGD": [0.0125, 0.025, 0.05, 0.1, 0.2],
     "AdamW": [5e-4, 1e-3, 2e-3, 4e-3, 8e-3],
@@ -87,6 +88,9 @@ GRIDS: dict[str, list[float]] = {
     "AdamW + K-FAC": [5e-4, 1e-3, 2e-3, 4e-3, 8e-3],  # AdamW's lr, no KL clip
     # A second stage for AdamW + K-FAC: its damping, at the lr it tuned to in the same group.
     DAMPED: [0.01, 0.03, 0.1, 0.3],
+    # kfac.update: quadratic-model: no lr, no momentum; its one setting, the starting damping
+    # λ₀, adapts by the Levenberg-Marquardt rule, so it runs at the JobSpec's 0.1, untuned.
+    QM: [0.1],
 }
 # "K-FAC (lr)": the same curvature on SGD's own lr grid with the JobSpec's KL clip, as the
 # one-process ablation (optimizers_fashion_mnist.py --ablation) ran it, and the inverse method:
@@ -134,7 +138,10 @@ def spec(
         if lr is None:
             raise ValueError(f"{DAMPED!r} needs AdamW + K-FAC's tuned lr (lr=...)")
         damping, step_size = step_size, lr()
-    if optimizer in ("AdamW", "AdamW + K-FAC", DAMPED):
+    if optimizer == QM:
+        damping = step_size
+        opt = {"name": "sgd"}  # unused: K-FAC takes the step
+    elif optimizer in ("AdamW", "AdamW + K-FAC", DAMPED):
         opt = {"name": "adamw", "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
     else:  # SGD's lr; under the "K-FAC" form 1, the clip being the step size
         sgd_lr = 1.0 if optimizer == "K-FAC" else step_size
@@ -153,6 +160,8 @@ def spec(
         }
         if optimizer != "K-FAC":
             kfac["compute_method"] = "inverse"
+        if optimizer == QM:
+            kfac["update"] = "quadratic-model"
         if per_worker > FACTOR_SAMPLES:
             kfac["factor_samples"] = FACTOR_SAMPLES
     return {
@@ -195,8 +204,9 @@ def summarize(entries: list[Entry], header: str) -> str:
                     if (e.group, e.optimizer, e.phase) == (str(batch), optimizer, "tune")
                 }
             )
-            edge = " (edge of the grid)" if point in (tried[0], tried[-1]) else ""
-            name = {"K-FAC": "κ", DAMPED: "damping"}.get(optimizer, "lr")
+            at_edge = len(tried) > 1 and point in (tried[0], tried[-1])
+            edge = " (edge of the grid)" if at_edge else ""
+            name = {"K-FAC": "κ", DAMPED: "damping", QM: "λ₀ (untuned)"}.get(optimizer, "lr")
             kfac = "K-FAC" in optimizer
             t, s = train[optimizer], steps[optimizer]
             ratio_t = ratio_s = ratio_sgd = "-"
@@ -252,6 +262,7 @@ def plot(entries: list[Entry], steps_path: Path, curve_path: Path) -> None:
         "K-FAC (lr)": "tab:green",
         "AdamW + K-FAC": "tab:purple",
         DAMPED: "tab:red",
+        QM: "tab:brown",
     }
     finals = [e for e in entries if e.phase == "final"]
     fig, ax = plt.subplots(figsize=(7, 5))

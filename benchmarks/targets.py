@@ -229,6 +229,8 @@ class Study:
         machine does not change; the finals' seconds want a quiet one, so they can run later)."""
         if "tune" in phases:
             for optimizer, grid in grids.items():
+                if len(grid) < 2:
+                    continue  # one setting: nothing to choose, its finals are its runs
                 for step_size in self._extended(grid, group, optimizer):
                     self.measure(group, optimizer, step_size, "tune", seeds[0], spec, max_steps)
         if "final" not in phases:

@@ -161,6 +161,32 @@ def test_killed_worker_resumes_from_its_checkpoint(ray_head: RayHead, tmp_path: 
         assert torch.equal(ours[name], theirs[name]), name
 
 
+def test_quadratic_model_job_trains_and_resumes_bit_for_bit(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    """``kfac.update: quadratic-model`` on 2 workers: K-FAC takes each step itself (its α in
+    the step records), the loss falls, and a resume from the step-20 checkpoint (λ and δ₀ in
+    it) ends where the uninterrupted run did."""
+    kfac = {"factor_update_steps": 1, "inv_update_steps": 5, "update": "quadratic-model"}
+    spec = parse_job_spec(job(kfac={**kfac, "factor_samples": 16}))
+    result = run_job(spec, storage_path=tmp_path / "a", run_name="qm", progress=False)
+    assert result.succeeded, result.error
+    steps = records("qm", "step")
+    assert all(r["lr"] > 0 for r in steps), [r["lr"] for r in steps]  # the model's α
+    assert steps[-1]["loss"] < 0.8 * steps[0]["loss"], [r["loss"] for r in steps]
+    at_20 = next(r for r in records("qm", "checkpoint") if r["step"] == 20)
+    state = load_checkpoint_file(at_20["path"])["quadratic_model"]
+    assert state["steps"] == 20
+    assert state["previous"] is not None
+    assert state["damping"] != 0.1  # the Levenberg-Marquardt rule moved it (every 5 steps)
+
+    again = run_job(spec, storage_path=tmp_path / "b", resume_from=at_20["path"], progress=False)
+    assert again.succeeded, again.error
+    ours, theirs = _final_model(result), _final_model(again)
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("workers", [1, 2], ids=["1-gpu", "2-gpus-nccl"])
 def test_gpu_job_trains_on_cuda(ray_head: RayHead, tmp_path: Path, workers: int) -> None:

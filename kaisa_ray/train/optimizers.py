@@ -65,11 +65,12 @@ def build_preconditioner(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None = None,
     intervals: AdaptiveIntervals | None = None,
+    damping: Callable[[int], float] | None = None,
 ) -> KFACPreconditioner:
     """K-FAC as the job asks for it (a fixed strategy: ``kfac: auto`` is decided before, and
     with adaptive intervals the tuner's ``intervals`` replace the fixed ones); KL clipping
     follows the lr schedule; with fp16, the GradScaler's scale is taken out of the output
-    gradients."""
+    gradients. ``damping``, when given, replaces the spec's (the quadratic-model step's λ)."""
     group = optimizer.param_groups[0]
     steps: dict[str, Any] = (
         {"intervals": intervals}
@@ -83,7 +84,7 @@ def build_preconditioner(
     return KFACPreconditioner(
         model,
         **steps,
-        damping=spec.damping,
+        damping=spec.damping if damping is None else damping,
         factor_decay=spec.factor_decay,
         kl_clip=spec.kl_clip,
         grad_scaler=scaler,

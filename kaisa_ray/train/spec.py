@@ -316,6 +316,23 @@ class KFACSpec(_Strict):
     factor_scale: FactorScale = FactorScale.FISHER
     pi_damping: bool = True
     factor_samples: Annotated[int, Field(gt=0, le=65536)] | None = None
+    # K-FAC's own step: kaisa_ray.quadratic.QuadraticModelStep.
+    update: Annotated[
+        Literal["optimizer", "quadratic-model"],
+        Field(
+            description=(
+                "What moves the parameters. ``optimizer``: the optimizer, from the "
+                "preconditioned gradients. ``quadratic-model``: K-FAC itself (Martens & "
+                "Grosse 2015, section 7): each step is a multiple of the preconditioned "
+                "gradient plus a multiple of the previous step, the two minimising the damped "
+                "Gauss-Newton quadratic model on the factors' examples (``factor_samples``), "
+                "with one damping, started at ``damping`` and adapted every 5 steps by the "
+                "Levenberg-Marquardt rule, for the model and the preconditioner. There is no "
+                "lr to tune: the optimizer's lr, momentum and schedule are unused; "
+                "``kl_clip`` defaults to null; fp32 only."
+            )
+        ),
+    ] = "optimizer"
     max_overhead: Annotated[float, Field(gt=0, le=1000)] | None = None
     intervals: (
         Annotated[
@@ -365,6 +382,28 @@ class KFACSpec(_Strict):
     def adaptive(self) -> bool:
         """``kfac: auto`` with intervals adapted online (``adapt: true``)."""
         return self.auto and bool(self.adapt)
+
+    @property
+    def quadratic_model(self) -> bool:
+        """K-FAC takes the step itself (``update: quadratic-model``)."""
+        return self.update == "quadratic-model"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _quadratic_model_default_clip(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("update") == "quadratic-model":
+            return {"kl_clip": None, **data}  # the model chooses the step's length
+        return data
+
+    @model_validator(mode="after")
+    def _quadratic_model_unclipped(self) -> KFACSpec:
+        if self.quadratic_model and self.kl_clip is not None:
+            raise ValueError(
+                f"kl_clip: {self.kl_clip} with update: quadratic-model: the quadratic model "
+                "chooses each step's length itself; set kl_clip: null (or leave it out), or "
+                "update: optimizer to keep the clip"
+            )
+        return self
 
     @model_validator(mode="after")
     def _auto_only(self) -> KFACSpec:
@@ -572,6 +611,24 @@ class JobSpec(_Strict):
                 resolve_grad_worker_fraction(self.kfac.strategy, self.scaling.workers)
             except ConfigurationError as exc:
                 raise ValueError(f"kfac.strategy does not fit scaling.workers: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _quadratic_model_fits(self) -> JobSpec:
+        if not (isinstance(self.kfac, KFACSpec) and self.kfac.quadratic_model):
+            return self
+        if self.precision != Precision.FP32:
+            raise ValueError(
+                f"kfac.update: quadratic-model runs in fp32 only (its Jacobian-vector products "
+                f"and 2x2 system); set precision: fp32, or kfac.update: optimizer for "
+                f"{self.precision}"
+            )
+        if self.optimizer.weight_decay:
+            raise ValueError(
+                "kfac.update: quadratic-model does not use the optimizer, so "
+                f"optimizer.weight_decay {self.optimizer.weight_decay} would not be applied; "
+                "set optimizer.weight_decay: 0, or kfac.update: optimizer"
+            )
         return self
 
     @model_validator(mode="after")

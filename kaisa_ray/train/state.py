@@ -73,6 +73,7 @@ def snapshot(training: Training) -> dict[str, Any] | None:
         "rng": rngs,
         "best": dict(training.best),
         "kfac_decision": None if training.decided is None else training.decided.model_dump(),
+        "quadratic_model": None if training.quadratic is None else training.quadratic.state_dict(),
         "spec": spec.model_dump(mode="json"),
     }
 
@@ -97,6 +98,8 @@ def restore(training: Training, state: dict[str, Any], source: str) -> None:
         training.scaler.load_state_dict(state["scaler"])
     if training.preconditioner is not None:
         training.preconditioner.load_state_dict(state["preconditioner"])
+    if training.quadratic is not None and state.get("quadratic_model") is not None:
+        training.quadratic.load_state_dict(state["quadratic_model"])
     training.step = int(state["step"])
     training.best = dict(state["best"])
     rngs = state["rng"]

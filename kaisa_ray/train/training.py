@@ -13,8 +13,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from kaisa_ray.amp import MixedPrecision
+from kaisa_ray.amp import MixedPrecision, optimizer_step
 from kaisa_ray.preconditioner import KFACPreconditioner
+from kaisa_ray.quadratic import QuadraticModelStep
 from kaisa_ray.train.optimizers import build_optimizer, build_preconditioner, lr_factor
 from kaisa_ray.train.records import KFACChoice, TunerRecord
 from kaisa_ray.train.registry import model_factory
@@ -43,6 +44,8 @@ class Training:
     scaler: torch.amp.GradScaler  # enabled for fp16 only
     decided: KFACChoice | None = None  # what kfac: auto chose (kept in checkpoints)
     tuning: TunerRecord | None = None  # the tuner's record, when it chose in this attempt
+    quadratic: QuadraticModelStep | None = None  # kfac.update: quadratic-model
+    quadratic_samples: int | None = None  # its examples per worker (None: the whole batch)
     step: int = 0
     best: dict[str, float] = field(default_factory=dict)
 
@@ -90,8 +93,19 @@ class Training:
         intervals = None
         if decided is not None and decided.adaptive is not None:
             intervals = decided.adaptive.intervals()
+        quadratic = None
+        if kfac is not None and kfac.quadratic_model:
+            quadratic = QuadraticModelStep(model, damping=kfac.damping)
         preconditioner = (
-            build_preconditioner(kfac, net, optimizer, scaler, intervals)
+            build_preconditioner(
+                kfac,
+                net,
+                optimizer,
+                scaler,
+                intervals,
+                # One damping: the preconditioner's follows the quadratic model's λ.
+                damping=None if quadratic is None else quadratic.current_damping,
+            )
             if kfac is not None
             else None
         )
@@ -111,4 +125,25 @@ class Training:
             scaler=scaler,
             decided=decided,
             tuning=tuning,
+            quadratic=quadratic,
+            quadratic_samples=None if kfac is None else kfac.factor_samples,
         )
+
+    def update(self, loss: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """Backward and the step: the optimizer's from the preconditioned gradients, or, with
+        ``kfac.update: quadratic-model``, K-FAC's own on the factors' examples of the batch."""
+        if self.quadratic is None or self.preconditioner is None:
+            optimizer_step(loss, self.optimizer, self.preconditioner, self.scaler)
+            return
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.quadratic.capture()
+        self.preconditioner.step()
+        n = self.quadratic_samples or inputs.shape[0]
+        self.quadratic.step(inputs[:n], targets[:n])
+
+    @property
+    def lr(self) -> float:
+        """The step size of the last step: the optimizer's lr, or the quadratic model's α."""
+        if self.quadratic is not None and self.quadratic.last is not None:
+            return self.quadratic.last.alpha
+        return float(self.optimizer.param_groups[0]["lr"])

@@ -23,7 +23,6 @@ from typing import Any
 
 from torch import nn
 
-from kaisa_ray.amp import optimizer_step
 from kaisa_ray.errors import ConfigurationError, KaisaRayError
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.timing import PHASES
@@ -314,7 +313,7 @@ def _loop(training: Training, session: Session, config: TrainConfig) -> None:
                 "the run diverged. Lower optimizer.lr, raise kfac.damping or tighten "
                 "kfac.kl_clip"
             )
-        optimizer_step(loss, training.optimizer, training.preconditioner, training.scaler)
+        training.update(loss, x, y)
         if training.preconditioner is not None:
             window.add_kfac(training.preconditioner.times.reset())
         training.scheduler.step()
@@ -331,8 +330,9 @@ def _loop(training: Training, session: Session, config: TrainConfig) -> None:
         if step % config.progress_every == 0 or done:
             if session.rank == 0:
                 epoch, _ = training.shard.position(step)
-                lr = float(training.optimizer.param_groups[0]["lr"])
-                session.push(window.record(step=step, epoch=epoch, lr=lr, world=training.world))
+                session.push(
+                    window.record(step=step, epoch=epoch, lr=training.lr, world=training.world)
+                )
             intervals = intervals_record(training.preconditioner, step)
             if session.rank == 0 and intervals is not None:
                 session.push(intervals)
