@@ -158,8 +158,9 @@ def spec(
             "factor_update_steps": fus,
             "inv_update_steps": ius,
         }
-        if optimizer != "K-FAC":
-            kfac["compute_method"] = "inverse"
+        # The κ form ran the eigen method (the JobSpec's default until 2026-11-26); the others
+        # the inverse method (today's default).
+        kfac["compute_method"] = "eigen" if optimizer == "K-FAC" else "inverse"
         if optimizer == QM:
             kfac["update"] = "quadratic-model"
         if per_worker > FACTOR_SAMPLES:

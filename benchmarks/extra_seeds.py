@@ -9,8 +9,10 @@ seed, and prints steps to 88% per seed with the medians over the study's seeds a
 It does not change the study's JSON; its runs go to ``results/extra_seeds.json``.
 
 Run ``python benchmarks/extra_seeds.py --batch 8192 --seeds 3 4`` (about 12 minutes at 8192 on
-2 cores; ``--write`` stores the table in benchmarks/README.md; ``--report`` re-prints it from
-the JSON).
+2 cores; ``--optimizers`` names the study's rows, AdamW and AdamW + K-FAC by default, the first
+being the ratios' baseline; ``--resume`` keeps the runs already in the JSON and adds the
+missing ones; ``--write`` stores the table in benchmarks/README.md; ``--report`` re-prints it
+from the JSON).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def main() -> None:
     parser.add_argument("--study", type=Path, default=RESULTS / "batch_size_study.json")
     parser.add_argument("--json", type=Path, default=RESULTS / "extra_seeds.json")
     parser.add_argument("--report", action="store_true", help="run nothing: the table from JSON")
+    parser.add_argument(
+        "--resume", action="store_true", help="keep the JSON's runs; run only the missing ones"
+    )
     parser.add_argument("--write", action="store_true", help="store the table")
     args = parser.parse_args()
     entries = Study(args.study, Path(), {}, resume=True).entries
@@ -58,18 +63,26 @@ def main() -> None:
         stored = json.loads(args.json.read_text())
         header, runs = stored["header"], stored["runs"]
     else:
+        now = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d} at commit {git_commit()}"
         header = (
-            f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d} at commit {git_commit()} "
-            f"on {machine()}; global batch {args.batch}, 2 Ray Train workers, the study's "
-            f"chosen step sizes; seeds {', '.join(map(str, args.seeds))} interleaved."
+            f"Measured {now} on {machine()}; global batch {args.batch}, 2 Ray Train workers, "
+            f"the study's chosen step sizes; seeds {', '.join(map(str, args.seeds))} "
+            "interleaved."
         )
         runs = []
+        if args.resume and args.json.exists():
+            stored = json.loads(args.json.read_text())
+            runs = stored["runs"]
+            header = f"{stored['header']} Runs added {now} on {machine()}."
+        done = {(r["optimizer"], r["step_size"], r["seed"]) for r in runs}
         lr = partial(tuned_lr, entries, args.batch)
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         with tempfile.TemporaryDirectory(prefix="kaisa-seeds-") as storage:
             for seed in args.seeds:
                 for optimizer, es in finals.items():
                     step_size = es[0].step_size
+                    if (optimizer, step_size, seed) in done:
+                        continue
                     job = spec(args.batch, optimizer, step_size, seed, LIMITS[args.batch][0], lr=lr)
                     run = run_to_target(f"{optimizer} {step_size:g}", job, Path(storage))
                     runs.append(

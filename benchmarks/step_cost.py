@@ -4,11 +4,12 @@ steps × the cost of a step, on a machine whose load changes during a long study
 The batch-size study (``batch_size_study.py``) runs each job to 88% as a real Ray Train job;
 its steps to target do not depend on the machine's load, but its seconds do, and over a study of
 hours on a shared 2-core machine the load moves (its table gives the load average). Here each
-global batch's three tuned jobs (the study's chosen step sizes, read from its JSON) are built
+global batch's tuned jobs (the study's chosen step sizes, read from its JSON) are built
 exactly as a Ray Train worker builds them (``Training.build`` from the same JobSpec) on 2 gloo
 processes, one thread each, and stepped in interleaved rounds (``--steps`` steps of each job in
 turn, ``--rounds`` times): every job sees the same load. A step is what the worker's loop does
-(the batch, forward, loss, K-FAC and the optimizer step, the lr schedule), timed on rank 0 from
+(the batch, forward, loss, K-FAC and the optimizer step, or K-FAC's own quadratic-model step,
+the lr schedule), timed on rank 0 from
 a barrier to the end of the step; the mean over steps includes K-FAC's periodic factor and
 decomposition work (``--steps`` is a multiple of every interval used).
 
@@ -42,7 +43,6 @@ from report import git_commit, machine, table, write_block
 from targets import Entry, Study, median_or_none
 from torch import nn
 
-from kaisa_ray.amp import optimizer_step
 from kaisa_ray.train.spec import parse_job_spec
 from kaisa_ray.train.training import Training
 
@@ -84,7 +84,7 @@ def worker(
                 tick = time.perf_counter()
                 training.optimizer.zero_grad(set_to_none=True)
                 loss = criterion(training.net(x), y)
-                optimizer_step(loss, training.optimizer, training.preconditioner, training.scaler)
+                training.update(loss, x, y)  # the optimizer's step, or K-FAC's own
                 training.scheduler.step()
                 training.step = step
                 times[index].append((time.perf_counter() - tick) * 1000)

@@ -72,7 +72,13 @@ LARGE = 2 * 2**30
 
 
 def spec_data(workers: int, budget: int, args: argparse.Namespace) -> dict[str, Any]:
-    kfac: dict[str, Any] = {"strategy": "auto", "adapt": False, "damping": 0.1, "kl_clip": 0.001}
+    kfac: dict[str, Any] = {
+        "strategy": "auto",
+        "adapt": False,
+        "damping": 0.1,
+        "kl_clip": 0.001,
+        "compute_method": "eigen",  # the JobSpec's default when its table was measured
+    }
     if args.intervals is not None:
         kfac["intervals"] = args.intervals
     data: dict[str, Any] = {

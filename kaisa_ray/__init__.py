@@ -7,7 +7,8 @@ two lines::
     ...
     loss.backward(); preconditioner.step(); optimizer.step()
 
-``KFACPreconditioner`` is imported when first used, so that the closed sets (``enums``) and
+``KFACPreconditioner`` (and ``QuadraticModelStep``, K-FAC's own step size) is imported when
+first used, so that the closed sets (``enums``) and
 the exception tree (``errors``) load without torch (the service's client commands use them).
 """
 
@@ -26,6 +27,7 @@ from kaisa_ray.errors import ConfigurationError, KaisaRayError, StateDictError
 
 if TYPE_CHECKING:
     from kaisa_ray.preconditioner import KFACPreconditioner
+    from kaisa_ray.quadratic import QuadraticModelStep
 
 __all__ = [
     "AssignmentStrategy",
@@ -36,6 +38,7 @@ __all__ = [
     "KFACPreconditioner",
     "KaisaRayError",
     "Precision",
+    "QuadraticModelStep",
     "StateDictError",
 ]
 
@@ -47,4 +50,8 @@ def __getattr__(name: str) -> Any:
         from kaisa_ray.preconditioner import KFACPreconditioner
 
         return KFACPreconditioner
+    if name == "QuadraticModelStep":
+        from kaisa_ray.quadratic import QuadraticModelStep
+
+        return QuadraticModelStep
     raise AttributeError(f"module 'kaisa_ray' has no attribute {name!r}")

@@ -22,9 +22,8 @@ from harness import run_distributed
 from torch import nn
 from torch.func import functional_call
 
-from kaisa_ray import KFACPreconditioner
+from kaisa_ray import KFACPreconditioner, QuadraticModelStep
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.quadratic import QuadraticModelStep
 from kaisa_ray.train.spec import parse_job_spec
 
 
@@ -216,7 +215,15 @@ STEPS = 8
 def kfac_qm_worker(rank: int, world: int, full: bool = False) -> list[torch.Tensor]:
     """K-FAC with one damping and the quadratic-model step; gradients averaged over ranks by
     hand, each rank's half of a fixed global batch (or, ``full``, one process on all of it)."""
+    previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
+    try:
+        return _kfac_qm_steps(rank, world, full)
+    finally:  # it also runs in the test's own process
+        torch.set_default_dtype(previous)
+
+
+def _kfac_qm_steps(rank: int, world: int, full: bool) -> list[torch.Tensor]:
     model = mlp(8)
     qm = QuadraticModelStep(model, damping=0.1, adapt_every=2)
     preconditioner = KFACPreconditioner(

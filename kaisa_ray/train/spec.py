@@ -307,11 +307,15 @@ class KFACSpec(_Strict):
     damping: Annotated[float, Field(gt=0, le=1e6)] = 0.1
     factor_decay: Annotated[float, Field(ge=0, lt=1)] = 0.95
     kl_clip: Annotated[float, Field(gt=0, le=1e6)] | None = 0.001
-    compute_method: ComputeMethod = ComputeMethod.EIGEN
+    # Under pi_damping the damped inverses are exactly the eigen method's preconditioner
+    # (tests/test_curvature_options.py) at two matmuls a step instead of four: every winning
+    # row of the batch-size study and the transformer ran it.
+    compute_method: ComputeMethod = ComputeMethod.INVERSE
     kfac_approx: KFACApprox = KFACApprox.REDUCE
     # The curvature that does real work (benchmarks/batch_size_study.py): the Fisher's own
     # factors, averages that start from the first batch, damping split by pi. The reference's
-    # conventions are one field each away: identity, reference, false.
+    # conventions: running_average identity, factor_scale reference, pi_damping false and
+    # compute_method eigen (the library's KFACPreconditioner defaults, unchanged).
     running_average: RunningAverage = RunningAverage.DEBIASED
     factor_scale: FactorScale = FactorScale.FISHER
     pi_damping: bool = True
