@@ -69,8 +69,12 @@ def _dot(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], names: list[str
 
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
-    """Logits as (rows, classes): a sequence model's (batch, time, vocabulary) flattened."""
-    return tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() != 2 else tensor
+    """Logits as (rows, classes), in the order of the targets flattened: the classes on dim 1,
+    as ``nn.CrossEntropyLoss`` takes them ((batch, classes) or (batch, classes, d1, ...), e.g.
+    a sequence model's (batch, vocabulary, positions))."""
+    if tensor.dim() == 2:
+        return tensor
+    return tensor.movedim(1, -1).reshape(-1, tensor.shape[1])
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,8 @@ class QuadraticModelStep:
 
     Args:
         model: the network (not its DDP wrapper); its output is the logits of a softmax
-            cross-entropy, (rows, classes) or (..., classes).
+            cross-entropy as ``nn.CrossEntropyLoss`` takes them: (batch, classes) or
+            (batch, classes, d1, ...), with targets (batch) or (batch, d1, ...).
         damping: λ's starting value (> 0).
         adapt_every: steps between Levenberg-Marquardt adjustments of λ; 0 keeps λ fixed.
         decay: λ's per-step factor ω^(1/adapt_every) (0 < decay < 1).

@@ -171,6 +171,41 @@ def test_levenberg_marquardt_follows_the_observed_reduction() -> None:
     assert True in moved, "the damping never fell on this easy problem"
 
 
+class Sequence(nn.Module):
+    """Per-position logits as a sequence model returns them: (batch, classes, positions)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.inner = mlp(seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, positions, 5)
+        out: torch.Tensor = self.inner(x).transpose(1, 2)
+        return out
+
+
+@pytest.mark.usefixtures("float64")
+def test_sequence_logits_take_the_step_of_their_positions_as_rows() -> None:
+    """Logits (batch, classes, positions) with targets (batch, positions), as
+    nn.CrossEntropyLoss reads them, step exactly as the same positions given as rows."""
+    x, y = batch(11, 24)
+    flat_model, seq_model = mlp(12), Sequence(12)
+    steps = []
+    for model, inputs, targets in (
+        (flat_model, x, y),
+        (seq_model, x.reshape(4, 6, 5), y.reshape(4, 6)),
+    ):
+        qm = QuadraticModelStep(model, damping=0.2, adapt_every=1)
+        for _ in range(3):
+            model.zero_grad()
+            nn.functional.cross_entropy(model(inputs), targets).backward()
+            qm.capture()
+            steps.append(qm.step(inputs, targets))
+    for a, b in zip(steps[:3], steps[3:], strict=True):
+        assert (a.alpha, a.mu, a.rho) == pytest.approx((b.alpha, b.mu, b.rho), rel=1e-10)
+    for a, b in zip(flat_model.parameters(), seq_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
 def test_a_resumed_step_continues_bit_for_bit() -> None:
     def run(steps: int, model: nn.Module, qm: QuadraticModelStep, start: int = 0) -> None:
         for step in range(start, start + steps):
