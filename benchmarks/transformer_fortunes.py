@@ -14,7 +14,11 @@ query, key, value and output projections, the MLP, the head) with the project's 
 curvature (Fisher-scale factors, debiased averages, π-damping, damping 0.1, factors every 5
 steps, damped inverses every 50 (under π-damping the eigen method's preconditioner at half the
 matmuls a step), no KL clip) and hands the preconditioned gradients to the
-same AdamW, which also updates the embeddings and LayerNorms it leaves alone.
+same AdamW, which also updates the embeddings and LayerNorms it leaves alone. "K-FAC (quadratic
+model)" is ``kfac.update: quadratic-model`` with the same curvature: K-FAC's own step (its α
+and μ from the quadratic model, one damping from 0.1 adapted), no optimizer and no lr to tune
+(the embeddings' and LayerNorms' raw gradients join the preconditioned ones in its direction);
+it runs untuned, its finals only.
 
 Run ``python benchmarks/transformer_fortunes.py`` (``--quick`` for a smoke run); ``--write``
 stores the table.
@@ -47,7 +51,14 @@ WORKERS = 2
 PER_WORKER = 32
 MAX_STEPS = 1500
 SEEDS: tuple[int, ...] = (0, 1, 2)
-GRIDS = {"AdamW": [1e-3, 2e-3, 4e-3, 8e-3], "AdamW + K-FAC": [1e-3, 2e-3, 4e-3, 8e-3]}
+QM = "K-FAC (quadratic model)"
+GRIDS = {
+    "AdamW": [1e-3, 2e-3, 4e-3, 8e-3],
+    "AdamW + K-FAC": [1e-3, 2e-3, 4e-3, 8e-3],
+    # kfac.update: quadratic-model: no lr to tune; its one setting, the starting damping,
+    # adapts, so it runs untuned at the JobSpec's 0.1 (the step sizes here are that damping).
+    QM: [0.1],
+}
 KFAC: dict[str, Any] = {
     "strategy": "comm-opt",
     "compute_method": "inverse",  # under π-damping: the eigen method's preconditioner, cheaper
@@ -63,7 +74,8 @@ KFAC: dict[str, Any] = {
 
 def spec(optimizer: str, lr: float, seed: int, max_steps: int) -> dict[str, Any]:
     return {
-        "name": "lm-" + ("kfac" if "K-FAC" in optimizer else "adamw"),
+        "name": "lm-"
+        + ("kfac-qm" if optimizer == QM else "kfac" if "K-FAC" in optimizer else "adamw"),
         "model": {"name": "char-transformer"},
         "dataset": {"name": "fortunes", "batch_size": PER_WORKER},
         "optimizer": {
@@ -72,7 +84,13 @@ def spec(optimizer: str, lr: float, seed: int, max_steps: int) -> dict[str, Any]
             "weight_decay": 0.0,
             "schedule": {"kind": "constant", "warmup_steps": 50},
         },
-        "kfac": KFAC if "K-FAC" in optimizer else "off",
+        "kfac": (
+            {**KFAC, "update": "quadratic-model", "damping": lr}
+            if optimizer == QM
+            else KFAC
+            if "K-FAC" in optimizer
+            else "off"
+        ),
         "scaling": {"workers": WORKERS, "cpus_per_worker": 1},
         "stop": {"max_steps": max_steps, "target": {"metric": "test_loss", "value": TARGET}},
         "eval_every": 50,
@@ -95,7 +113,9 @@ def summarize(study: Study, header: str) -> str:
         rows.append(
             [
                 optimizer,
-                f"lr {finals[0].step_size:g}",
+                f"λ₀ {finals[0].step_size:g} (untuned)"
+                if optimizer == QM
+                else f"lr {finals[0].step_size:g}",
                 f"{sum(e.run.steps is not None for e in finals)}/{len(finals)}",
                 "-" if steps is None else f"{steps:.0f}",
                 "-" if t is None else f"{t:.1f}",
@@ -136,7 +156,7 @@ def main() -> None:
     args = parser.parse_args()
     grids, seeds, max_steps = GRIDS, SEEDS, MAX_STEPS
     if args.quick:
-        grids = {o: g[1:3] for o, g in GRIDS.items()}
+        grids = {o: g[1:3] or g for o, g in GRIDS.items()}
         seeds, max_steps = (0,), 40
         args.json = Path(tempfile.mkdtemp()) / "quick.json"
     phases = ("tune", "final") if args.phase == "both" else (args.phase,)
