@@ -8,9 +8,9 @@ global batch's tuned jobs (the study's chosen step sizes, read from its JSON) ar
 exactly as a Ray Train worker builds them (``Training.build`` from the same JobSpec) on 2 gloo
 processes, one thread each, and stepped in interleaved rounds (``--steps`` steps of each job in
 turn, ``--rounds`` times): every job sees the same load. A step is what the worker's loop does
-(the batch, forward, loss, K-FAC and the optimizer step, or K-FAC's own quadratic-model step,
-the lr schedule), timed on rank 0 from
-a barrier to the end of the step; the mean over steps includes K-FAC's periodic factor and
+(the batch, forward, loss, K-FAC, and the optimizer step with the lr schedule, or K-FAC's own
+quadratic-model step: ``Training.update``), timed on rank 0 from a barrier to the end of the
+step; the mean over steps includes K-FAC's periodic factor and
 decomposition work (``--steps`` is a multiple of every interval used).
 
 The table: ms per step (mean) and its ratio to SGD's in the same rounds, the study's median
@@ -85,7 +85,6 @@ def worker(
                 training.optimizer.zero_grad(set_to_none=True)
                 loss = criterion(training.net(x), y)
                 training.update(loss, x, y)  # the optimizer's step, or K-FAC's own
-                training.scheduler.step()
                 training.step = step
                 times[index].append((time.perf_counter() - tick) * 1000)
     dist.barrier()

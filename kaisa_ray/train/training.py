@@ -130,10 +130,12 @@ class Training:
         )
 
     def update(self, loss: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """Backward and the step: the optimizer's from the preconditioned gradients, or, with
-        ``kfac.update: quadratic-model``, K-FAC's own on the factors' examples of the batch."""
+        """Backward and the step: the optimizer's from the preconditioned gradients, then the
+        lr schedule's; or, with ``kfac.update: quadratic-model``, K-FAC's own on the factors'
+        examples of the batch (no lr, so no schedule)."""
         if self.quadratic is None or self.preconditioner is None:
             optimizer_step(loss, self.optimizer, self.preconditioner, self.scaler)
+            self.scheduler.step()
             return
         loss.backward()  # type: ignore[no-untyped-call]
         self.quadratic.capture()

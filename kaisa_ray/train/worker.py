@@ -316,7 +316,6 @@ def _loop(training: Training, session: Session, config: TrainConfig) -> None:
         training.update(loss, x, y)
         if training.preconditioner is not None:
             window.add_kfac(training.preconditioner.times.reset())
-        training.scheduler.step()
         training.step = step
         window.steps += 1
         window.loss += loss_value
