@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call, jvp
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kaisa_ray.errors import ConfigurationError
 
@@ -150,7 +151,10 @@ class QuadraticModelStep:
         self._raw = {n: p.grad.detach().clone() for n, p in self._trained().items()}  # type: ignore[union-attr]
 
     def _logits(self, params: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
-        out = functional_call(self.model, params, (inputs,))
+        # Attention's fused kernels have no forward-mode derivative; its math kernel, the same
+        # function from primitive ops, has.
+        with sdpa_kernel([SDPBackend.MATH]):
+            out = functional_call(self.model, params, (inputs,))
         if not isinstance(out, torch.Tensor):
             raise ConfigurationError(
                 "the quadratic-model step needs a model that returns one logits tensor; "
