@@ -19,6 +19,10 @@ The same tuning effort for every optimizer, at every batch size (seed 0):
   (4 points, about 3 apart; extended the same way) at the lr AdamW + K-FAC tuned to, on
   seed 0: its row is AdamW + K-FAC with both tuned, at more tuning runs than the first-order
   optimizers had (run it with ``--optimizers 'AdamW + K-FAC (damping)'`` after the lr stage);
+- "K-FAC (quadratic model)": ``kfac.update: quadratic-model``, K-FAC's own step (the quadratic
+  model's α and μ, one damping adapted by Levenberg-Marquardt), with no lr, momentum or warm-up:
+  its one setting, the starting damping, runs untuned at 0.1, so it has no tuning runs, only
+  finals (less tuning than any other row);
 - the best grid point is the one with the fewest steps to the target (ties: fewer training
   seconds); the grid is visited from its middle outwards (``targets.middle_out``: the same
   points, likeliest best first), a grid point stops as soon as it has taken as many steps as
