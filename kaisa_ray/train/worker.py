@@ -308,10 +308,15 @@ def _loop(training: Training, session: Session, config: TrainConfig) -> None:
             loss = criterion(logits, y)
         loss_value = float(loss.detach())
         if not math.isfinite(loss_value):
+            fix = (
+                "Raise kfac.damping (the quadratic model's starting damping), or set "
+                "kfac.update: optimizer: the quadratic-model step is for large batches"
+                if training.quadratic is not None
+                else "Lower optimizer.lr, raise kfac.damping or tighten kfac.kl_clip"
+            )
             raise TrainingDivergedError(
                 f"the training loss is {loss_value} at step {step} on rank {training.rank}: "
-                "the run diverged. Lower optimizer.lr, raise kfac.damping or tighten "
-                "kfac.kl_clip"
+                f"the run diverged. {fix}"
             )
         training.update(loss, x, y)
         if training.preconditioner is not None:
