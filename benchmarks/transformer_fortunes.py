@@ -173,7 +173,8 @@ def main() -> None:
             study.run("lm", grids, seeds, spec, max_steps, phases)
         ray.shutdown()
     header = (
-        f"Measured {started:%Y-%m-%d} at commit {meta['commit']} on {meta['machine']}; "
+        f"The last run measured {started:%Y-%m-%d} at commit {meta['commit']} on "
+        f"{meta['machine']} (rows run on other days: the text above says which); "
         f"{WORKERS} Ray Train workers x {PER_WORKER} sequences of 64 bytes, validation loss "
         f"{TARGET} on the whole validation split; tuned on seed 0 over "
         f"{len(next(iter(grids.values())))} learning rates each, then seeds "
