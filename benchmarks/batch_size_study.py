@@ -162,8 +162,8 @@ def spec(
             "factor_update_steps": fus,
             "inv_update_steps": ius,
         }
-        # The κ form ran the eigen method (the JobSpec's default until 2026-11-26); the others
-        # the inverse method (today's default).
+        # The κ form ran the eigen method (the JobSpec's default), the others the inverse
+        # method.
         kfac["compute_method"] = "eigen" if optimizer == "K-FAC" else "inverse"
         if optimizer == QM:
             kfac["update"] = "quadratic-model"

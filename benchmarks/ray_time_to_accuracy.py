@@ -61,7 +61,7 @@ KFAC = {
     "damping": 0.1,
     "kl_clip": 0.001,
     "kfac_approx": "reduce",
-    "compute_method": "eigen",  # the JobSpec's default when this table was measured
+    "compute_method": "eigen",  # what its table ran (the JobSpec's default)
 }
 
 CONFIGS: dict[str, dict[str, Any]] = {

@@ -236,7 +236,7 @@ def run_oracle(
 def spec_for(workers: int, budget: int | str, limit: int | None) -> Any:
     data = yaml.safe_load(EXAMPLE.read_text())
     # The example's sections when the committed table was measured (2026-11-22): SGD under the
-    # KL clip, the eigen method (the JobSpec's default then).
+    # KL clip, the eigen method.
     data["optimizer"] = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": True}
     data["kfac"] = {**data["kfac"], "kl_clip": 0.001, "compute_method": "eigen"}
     data["scaling"] = {"workers": workers, "cpus_per_worker": 1}

@@ -77,7 +77,7 @@ def spec_data(workers: int, budget: int, args: argparse.Namespace) -> dict[str, 
         "adapt": False,
         "damping": 0.1,
         "kl_clip": 0.001,
-        "compute_method": "eigen",  # the JobSpec's default when its table was measured
+        "compute_method": "eigen",  # what its table ran (the JobSpec's default)
     }
     if args.intervals is not None:
         kfac["intervals"] = args.intervals

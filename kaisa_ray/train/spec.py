@@ -308,9 +308,11 @@ class KFACSpec(_Strict):
     factor_decay: Annotated[float, Field(ge=0, lt=1)] = 0.95
     kl_clip: Annotated[float, Field(gt=0, le=1e6)] | None = 0.001
     # Under pi_damping the damped inverses are exactly the eigen method's preconditioner
-    # (tests/test_curvature_options.py) at two matmuls a step instead of four: every winning
-    # row of the batch-size study and the transformer ran it.
-    compute_method: ComputeMethod = ComputeMethod.INVERSE
+    # (tests/test_curvature_options.py) at two matmuls a step instead of four, and every
+    # winning example names it; the default stays eigen for memory: the inverses' transient
+    # peak is larger (LeNet on 2 workers: 11.96 MiB of K-FAC temporaries against 5.72, so a
+    # 20.7 MiB budget that eigen fits at f=1/2 fits nothing), and kfac: auto plans under it.
+    compute_method: ComputeMethod = ComputeMethod.EIGEN
     kfac_approx: KFACApprox = KFACApprox.REDUCE
     # The curvature that does real work (benchmarks/batch_size_study.py): the Fisher's own
     # factors, averages that start from the first batch, damping split by pi. The reference's
