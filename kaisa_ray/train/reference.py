@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -175,9 +176,9 @@ def main() -> None:
     text = render()
     if args.write:
         DOC.write_text(text)
-        print(f"wrote {DOC}")
+        sys.stdout.write(f"wrote {DOC}\n")
     else:
-        print(text, end="")
+        sys.stdout.write(text)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ class Training:
     decided: KFACChoice | None = None  # what kfac: auto chose (kept in checkpoints)
     tuning: TunerRecord | None = None  # the tuner's record, when it chose in this attempt
     quadratic: QuadraticModelStep | None = None  # kfac.update: quadratic-model
-    quadratic_samples: int | None = None  # its examples per worker (None: the whole batch)
     step: int = 0
     best: dict[str, float] = field(default_factory=dict)
 
@@ -126,7 +125,6 @@ class Training:
             decided=decided,
             tuning=tuning,
             quadratic=quadratic,
-            quadratic_samples=None if kfac is None else kfac.factor_samples,
         )
 
     def update(self, loss: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> None:
@@ -140,7 +138,9 @@ class Training:
         loss.backward()  # type: ignore[no-untyped-call]
         self.quadratic.capture()
         self.preconditioner.step()
-        n = self.quadratic_samples or inputs.shape[0]
+        # The factors' examples of this worker's batch (kfac.factor_samples), else all of it.
+        kfac = self.spec.kfac
+        n = (kfac.factor_samples if isinstance(kfac, KFACSpec) else None) or inputs.shape[0]
         self.quadratic.step(inputs[:n], targets[:n])
 
     @property
