@@ -15,7 +15,8 @@ forward pass, and ``broadcast`` takes the step's decomposition buckets.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,59 @@ def unpack_into(out: torch.Tensor, flat: torch.Tensor, symmetric: bool) -> None:
     out[..., cols, rows] = values
 
 
+# How long to wait for a process group's thread to let go of a finished collective's buffer
+# before going on without it (it takes microseconds; a stalled thread must not stall training).
+RELEASE_TIMEOUT_S = 1.0
+
+InFlight = list[tuple[Bucket, torch.Tensor, dist.Work | None]]
+
+
+def _holders(tensor: torch.Tensor) -> int:
+    """References to ``tensor``'s C++ object (this Python tensor is one, each view another, and
+    each unfinished or not yet dropped collective's work holds more)."""
+    return int(tensor._use_count())  # type: ignore[attr-defined]
+
+
+def released(buffer: torch.Tensor, timeout: float = RELEASE_TIMEOUT_S) -> bool:
+    """Wait until only the caller holds ``buffer`` (a CPU tensor with no views); ``False`` if
+    ``timeout`` passed first.
+
+    gloo's worker thread marks a collective complete (``wait()`` returns) and drops its own
+    reference to the work, and with it to the work's tensors, a moment later. A buffer the
+    caller lets go of in between is freed by that thread whenever it runs again, so whether
+    the buffer is still allocated when the step reaches its peak would depend on thread
+    timing (on a loaded machine, for milliseconds: the peak then holds one more buffer, and a
+    memory budget set from a measured peak can be crossed). Waiting for the reference to go
+    makes every buffer free where the code lets go of it, so a step's peak is the same on
+    every run. (CUDA tensors are not waited for: the caching allocator's peak is the device's
+    concern, and NCCL's watchdog thread holds works for much longer.)
+    """
+    if buffer.device.type != "cpu" or _holders(buffer) <= 1:
+        return True
+    deadline = time.monotonic() + timeout
+    pause = 0.0
+    while _holders(buffer) > 1:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)  # lets the process group's thread run
+        pause = min(max(pause * 2, 1e-5), 1e-3)
+    return True
+
+
+def completed(in_flight: InFlight) -> Iterator[tuple[Bucket, torch.Tensor]]:
+    """Each collective of ``in_flight`` in order, once finished and its buffer released by
+    the process group (``released``); empties the list as it goes, so that no reference to
+    a work is left behind."""
+    in_flight.reverse()
+    while in_flight:
+        bucket, buffer, work = in_flight.pop()
+        if work is not None:
+            work.wait()
+        del work  # the last handle here: the process group's thread may still hold one
+        released(buffer)
+        yield bucket, buffer
+
+
 class Communicator:
     """Runs one rank's part of a schedule."""
 
@@ -77,7 +131,7 @@ class Communicator:
         self.gradient_buckets = self.mine(sched.gradient_buckets)
         self.staleness_buckets = self.mine(sched.staleness_buckets)
         self._ready: set[str] = set()
-        self._launched: list[tuple[Bucket, torch.Tensor, dist.Work | None]] = []
+        self._launched: InFlight = []
         self._next = 0
 
     def group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
@@ -139,9 +193,7 @@ class Communicator:
         if self.world_size == 1:
             return
         self._launch(batch, force=True)
-        for bucket, flat, work in self._launched:
-            if work is not None:
-                work.wait()
+        for bucket, flat in completed(self._launched):
             flat.div_(self.world_size)
             offset = 0
             for piece in bucket.pieces:
@@ -168,7 +220,7 @@ class Communicator:
     ) -> None:
         """Broadcast each of this rank's ``buckets`` from its source within its group;
         receivers ``put`` the pieces."""
-        in_flight = []
+        in_flight: InFlight = []
         for bucket in buckets:
             if bucket.src == self.rank:
                 flat = torch.cat(
@@ -182,9 +234,8 @@ class Communicator:
                 flat, src=bucket.src, group=self.group(bucket.group), async_op=True
             )
             in_flight.append((bucket, flat, work))
-        for bucket, flat, work in in_flight:
-            if work is not None:
-                work.wait()
+            del work
+        for bucket, flat in completed(in_flight):
             if bucket.src == self.rank:
                 continue
             offset = 0
