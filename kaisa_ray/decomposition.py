@@ -53,7 +53,7 @@ def robust_eigh(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
         except RuntimeError:  # torch.linalg.LinAlgError
             logger.debug("eigh failed in %s; retrying in higher precision", dtype)
             continue
-        if bool(torch.isfinite(eigenvalues).all()) and bool(torch.isfinite(eigenvectors).all()):
+        if all_finite(eigenvalues) and all_finite(eigenvectors):
             return eigenvalues.clamp(min=0.0), eigenvectors
     return None
 
@@ -78,18 +78,32 @@ def robust_damped_inverse(
 ) -> torch.Tensor | None:
     """``(factor + damping·I)⁻¹`` through Cholesky (the matrix is SPD), or ``None``; a tensor
     damping is per group, ``(k, 1, 1)``."""
-    eye = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
+    # Written for its transient memory (at most two n×n temporaries beside the factor, as the
+    # eigen method): the damping goes onto a copy's diagonal in place, each temporary is let go
+    # of as soon as the next exists, the symmetrisation halves in place.
+    per_group = _per_group(damping, factor)
+    on_diagonal = per_group if isinstance(per_group, float) else per_group.reshape(-1, 1)
     for dtype in _attempt_dtypes(factor.dtype):
-        damped = (factor + _per_group(damping, factor) * eye).to(dtype)
+        damped = factor.clone()
+        damped.diagonal(dim1=-2, dim2=-1).add_(on_diagonal)
+        damped = damped.to(dtype)
         chol, info = torch.linalg.cholesky_ex(damped)
+        del damped
         if bool((info != 0).any()):
             logger.debug("Cholesky failed in %s; retrying in higher precision", dtype)
             continue
         inverse = torch.cholesky_inverse(chol)
-        inverse = (inverse + inverse.transpose(-1, -2)) / 2
-        if bool(torch.isfinite(inverse).all()):
+        del chol
+        inverse = (inverse + inverse.transpose(-1, -2)).div_(2)
+        if all_finite(inverse):
             return inverse
     return None
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether no element is NaN or infinite, without an n-element temporary: a NaN or an
+    infinity makes the sum one; only a finite sum's overflow needs the element-wise check."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 class Decomposition(ABC):

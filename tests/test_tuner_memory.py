@@ -93,3 +93,24 @@ def test_a_finished_collectives_buffer_is_held_by_nothing_but_the_caller() -> No
     results = run_distributed(_release_worker, 2, timeout=120, rounds=300)
     for result in results:
         assert result == {"rounds": 300, "held_elsewhere": 0}
+
+
+def test_the_inverse_method_holds_at_most_two_factor_sized_temporaries() -> None:
+    """The damped inverse of an n×n factor peaks at two n×n tensors (the result and one
+    temporary), as the eigen method's outputs do; it held six before 2026-11-26 (the identity,
+    the damped copy, its Cholesky factor, the inverse, its symmetrised sum, the halved
+    result), which made the inverse method's peak the larger one under a memory budget."""
+    from kaisa_ray.decomposition import robust_damped_inverse
+
+    torch.manual_seed(0)
+    x = torch.randn(1000, 300)
+    factor = (x.T @ x / 1000).unsqueeze(0)
+    square = factor.numel() * factor.element_size()
+    for damping in (0.003, torch.full((1, 1, 1), 0.003)):
+        with TensorMemory() as memory:
+            inverse = robust_damped_inverse(factor, damping)
+        assert inverse is not None
+        assert square <= memory.live_bytes < square + 1024  # the result (and a cached scalar)
+        assert memory.peak_bytes <= 2 * square + 4096, memory.peak_bytes / square
+        expected = torch.linalg.inv(factor.double() + 0.003 * torch.eye(300, dtype=torch.float64))
+        torch.testing.assert_close(inverse.double(), expected, rtol=1e-3, atol=1e-3)

@@ -7,7 +7,9 @@ The peak is of tensors created inside the ``with`` block plus the ``existing`` t
 caller passes (the model's parameters, say), each until it is freed. What it counts is tensor
 memory — parameters, gradients, optimizer state, activations, K-FAC state and every
 temporary — which is what a memory budget for training is about. The interpreter, libraries
-and the data set held in host memory are not counted.
+and the data set held in host memory are not counted, nor on CPU the scratch space an
+operator allocates and frees inside itself (LAPACK's workspace in ``eigh``: about 2n²
+numbers for an n×n factor while it runs); on CUDA the allocator's peak includes that too.
 """
 
 from __future__ import annotations
