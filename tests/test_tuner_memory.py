@@ -3,6 +3,8 @@ and against the plan's exact K-FAC state."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from harness import run_distributed
@@ -114,3 +116,16 @@ def test_the_inverse_method_holds_at_most_two_factor_sized_temporaries() -> None
         assert memory.peak_bytes <= 2 * square + 4096, memory.peak_bytes / square
         expected = torch.linalg.inv(factor.double() + 0.003 * torch.eye(300, dtype=torch.float64))
         torch.testing.assert_close(inverse.double(), expected, rtol=1e-3, atol=1e-3)
+
+
+def test_a_buffer_held_elsewhere_is_waited_for_only_until_the_timeout() -> None:
+    from kaisa_ray.comm import released
+
+    buffer = torch.zeros(100)
+    assert released(buffer)  # only this tensor holds it
+    view = buffer[:10]  # another holder, which never goes: give up, do not hang
+    began = time.monotonic()
+    assert not released(buffer, timeout=0.05)
+    assert time.monotonic() - began < 2.0
+    del view
+    assert released(buffer)
