@@ -218,7 +218,11 @@ class Communicator:
         offset = 0
         for bucket in self.staleness_buckets:
             part = values[offset : offset + bucket.numel]
-            dist.all_reduce(part, group=self.group(bucket.group))
+            in_flight: InFlight = [
+                (bucket, part, dist.all_reduce(part, group=self.group(bucket.group), async_op=True))
+            ]
+            for _ in completed(in_flight):  # freed where this rank lets go of it, as above
+                pass
             offset += bucket.numel
 
     # -- broadcasts ------------------------------------------------------------------------
