@@ -109,7 +109,8 @@ def test_kaisa_ray_tune_verifies_the_best_candidates_and_prints_the_table_withou
     # choice compares the unrounded times, so two rows may print the same time: the chosen
     # one is then one of them.
     chosen = [row for row in rows if row[7:] == ["CHOSEN"]]
-    assert len(chosen) == 1 and chosen[0] in measured, rows
+    assert len(chosen) == 1, rows
+    assert chosen[0] in measured, rows
     assert float(chosen[0][6]) == min(float(row[6]) for row in measured), rows
     assert "(measured:" in lines[-1]
     assert "s of verification trials" in lines[-1]
