@@ -92,3 +92,33 @@ def test_the_record_reads_as_a_table_with_the_choice_and_the_reasons() -> None:
     assert "budget 250.00 MiB per worker" in text
     assert "1.5 s of profiling" in lines[-1]
     assert "from the tuner's cache" in decision_line(record.model_copy(update={"cache": "hit"}))
+
+
+def test_a_slower_candidate_says_by_how_much_measured_where_both_were_measured() -> None:
+    """A verified choice compares unrounded trial times, so two rows may print the same
+    milliseconds: the verdict then reads +0.0%, not a bare "slower"."""
+    decision = choose(profile(world_size=2, layers=EVEN), 2**40)
+    rows = candidate_rows(decision.candidates)
+    chosen = decision.chosen
+    best = next(row for row in rows if row.key() == chosen.key)
+    tied = next(row for row in rows if row.key() != chosen.key and row.rejected is None)
+    unmeasured = [row for row in rows if row.key() not in {best.key(), tied.key()}]
+    best = best.model_copy(update={"measured_memory_bytes": MIB, "measured_ms_per_step": 44.01})
+    tied = tied.model_copy(update={"measured_memory_bytes": MIB, "measured_ms_per_step": 44.04})
+    record = TunerRecord(
+        how="measured",
+        cache="miss",
+        profile_s=1.0,
+        budget_bytes=None,
+        base_memory_bytes=MIB,
+        kfac_transient_bytes=0,
+        plain_ms_per_step=20.0,
+        chosen=best.choice(),
+        candidates=[best, tied, *unmeasured],
+    )
+    lines = tuning_table(record).splitlines()
+    assert lines[1].split()[5:] == ["1.00", "44.0", "CHOSEN"]
+    assert lines[2].split()[5:] == ["1.00", "44.0", "slower:", "+0.1%", "measured"]
+    for line, row in zip(lines[3:], unmeasured, strict=False):
+        expected = f"{row.ms_per_step / best.ms_per_step - 1:+.1%}"
+        assert line.split()[-3:] == ["slower:", expected, "predicted"], line

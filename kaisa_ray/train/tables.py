@@ -11,6 +11,7 @@ from typing import Any
 
 from kaisa_ray.train.records import (
     AdaptiveChoice,
+    CandidateRow,
     IntervalChangeRow,
     IntervalsRecord,
     TrialRecord,
@@ -56,10 +57,30 @@ def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
 
+def _verdict(row: CandidateRow, chosen: CandidateRow | None) -> str:
+    """``CHOSEN``, why the candidate was ruled out, or by how much it was slower than the
+    choice: measured where both were measured (a verified choice compares unrounded
+    trial times, so rows printed alike show +0.0%), predicted otherwise."""
+    if chosen is not None and row.key() == chosen.key():
+        return "CHOSEN"
+    if row.rejected:
+        return row.rejected
+    if chosen is None:
+        return "slower"
+    if row.measured and chosen.measured:
+        mine, theirs, how = row.measured_ms_per_step, chosen.measured_ms_per_step, "measured"
+    else:
+        mine, theirs, how = row.ms_per_step, chosen.ms_per_step, "predicted"
+    if not mine or not theirs:
+        return "slower"
+    return f"slower: {mine / theirs - 1:+.1%} {how}"
+
+
 def tuning_table(record: TunerRecord) -> str:
     """The candidate table: predicted (and, when verified, measured) memory per worker and
     time per step, and why each candidate lost."""
     chosen = record.chosen.key()
+    chosen_row = next((row for row in record.candidates if row.key() == chosen), None)
     measured = any(row.measured for row in record.candidates)
     header = ["f", "intervals", "MiB/worker", "K-FAC MiB", "ms/step"]
     if measured:
@@ -77,7 +98,7 @@ def tuning_table(record: TunerRecord) -> str:
         if measured:
             ms = row.measured_ms_per_step
             cells += [_mib(row.measured_memory_bytes), "-" if ms is None else f"{ms:.1f}"]
-        cells.append("CHOSEN" if row.key() == chosen else row.rejected or "slower")
+        cells.append(_verdict(row, chosen_row))
         lines.append(cells)
     widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
     text = [
