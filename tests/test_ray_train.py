@@ -75,6 +75,7 @@ def test_two_worker_kfac_job_end_to_end(ray_head: RayHead, tmp_path: Path) -> No
     steps = records(result.run_name, "step")
     assert [r["step"] for r in steps] == [10, 20, 30, 40]
     assert all(r["samples_per_s"] > 0 and r["kfac_ms_per_step"] > 0 for r in steps)
+    assert all(r.get("damping") is None for r in steps)  # only the quadratic model's step
     assert steps[-1]["loss"] < 0.8 * steps[0]["loss"], [r["loss"] for r in steps]
     evals = records(result.run_name, "eval")
     assert [r["step"] for r in evals] == [20, 40]
@@ -179,6 +180,10 @@ def test_quadratic_model_job_trains_and_resumes_bit_for_bit(
     assert state["steps"] == 20
     assert state["previous"] is not None
     assert state["damping"] != 0.1  # the Levenberg-Marquardt rule moved it (every 5 steps)
+    # The step records carry λ and μ as they were after the record's last step.
+    (record_20,) = [r for r in steps if r["step"] == 20]
+    assert record_20["damping"] == state["damping"]
+    assert all(isinstance(r["momentum"], float) for r in steps), steps
 
     again = run_job(spec, storage_path=tmp_path / "b", resume_from=at_20["path"], progress=False)
     assert again.succeeded, again.error

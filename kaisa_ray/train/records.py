@@ -289,6 +289,14 @@ class StepRecord(_Record):
     kfac_staleness_ms: float | None = Field(
         default=None, description="measuring the curvature's staleness (its all-reduce aside)"
     )
+    damping: float | None = Field(
+        default=None,
+        description="the quadratic model's damping after the window's last step "
+        "(kfac.update: quadratic-model; lr is then its step size, alpha)",
+    )
+    momentum: float | None = Field(
+        default=None, description="the quadratic model's momentum on the window's last step"
+    )
 
 
 class EvalRecord(_Record):

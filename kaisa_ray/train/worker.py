@@ -25,6 +25,7 @@ from torch import nn
 
 from kaisa_ray.errors import ConfigurationError, KaisaRayError
 from kaisa_ray.preconditioner import KFACPreconditioner
+from kaisa_ray.quadratic import StepInfo
 from kaisa_ray.timing import PHASES
 from kaisa_ray.train.records import (
     EndRecord,
@@ -186,7 +187,11 @@ class Window:
         for phase, value in seconds.items():
             self.kfac_s[phase] += value
 
-    def record(self, *, step: int, epoch: int, lr: float, world: int) -> StepRecord:
+    def record(
+        self, *, step: int, epoch: int, lr: float, world: int, quadratic: StepInfo | None = None
+    ) -> StepRecord:
+        """The window as a step record; ``quadratic``: the quadratic model's last step, whose
+        λ and μ go along (its α is ``lr``)."""
         n = max(self.steps, 1)
         ms = {phase: 1000 * value / n for phase, value in self.kfac_s.items()}
         return StepRecord(
@@ -203,6 +208,8 @@ class Window:
             kfac_precondition_ms=ms["precondition"],
             kfac_communication_ms=ms["communication"],
             kfac_staleness_ms=ms["staleness"],
+            damping=None if quadratic is None else quadratic.damping,
+            momentum=None if quadratic is None else quadratic.mu,
         )
 
 
@@ -334,8 +341,15 @@ def _loop(training: Training, session: Session, config: TrainConfig) -> None:
         if step % config.progress_every == 0 or done:
             if session.rank == 0:
                 epoch, _ = training.shard.position(step)
+                quadratic = None if training.quadratic is None else training.quadratic.last
                 session.push(
-                    window.record(step=step, epoch=epoch, lr=training.lr, world=training.world)
+                    window.record(
+                        step=step,
+                        epoch=epoch,
+                        lr=training.lr,
+                        world=training.world,
+                        quadratic=quadratic,
+                    )
                 )
             intervals = intervals_record(training.preconditioner, step)
             if session.rank == 0 and intervals is not None:
