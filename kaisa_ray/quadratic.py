@@ -47,13 +47,14 @@ from torch.func import functional_call, jvp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.hyperparams import DEFAULT_MIN_DAMPING
 
 __all__ = ["QuadraticModelStep", "StepInfo", "ggn_product"]
 
 # Martens & Grosse's constants: the LM rule's thresholds and per-step decay.
 RHO_RAISE = 0.25
 RHO_LOWER = 0.75
-MIN_DAMPING = 1e-8
+MIN_DAMPING = DEFAULT_MIN_DAMPING
 MAX_DAMPING = 1e6
 
 
@@ -99,6 +100,13 @@ class QuadraticModelStep:
             cross-entropy as ``nn.CrossEntropyLoss`` takes them: (batch, classes) or
             (batch, classes, d1, ...), with targets (batch) or (batch, d1, ...).
         damping: λ's starting value (> 0).
+        min_damping: the floor the rule never takes λ below (0 < min_damping <= damping;
+            kfac-jax's ``min_damping``; None: 1e-8, or ``damping`` if that is lower). The
+            rule measures the loss change on the sample the step was fitted to, so on small,
+            noisy batches it can keep lowering λ until the step fits its sample and not the
+            data (the char-transformer at 64 sequences a step fell from 0.1 to 1e-8 by step
+            540 and diverged at step 790; floored at 1e-3 it trained to the target); a floor
+            is then the remedy.
         adapt_every: steps between Levenberg-Marquardt adjustments of λ; 0 keeps λ fixed.
         decay: λ's per-step factor ω^(1/adapt_every) (0 < decay < 1).
         group: the process group whose ranks step together (None: the default group when
@@ -110,6 +118,7 @@ class QuadraticModelStep:
         model: nn.Module,
         *,
         damping: float = 0.1,
+        min_damping: float | None = None,
         adapt_every: int = 5,
         decay: float = 19 / 20,
         group: dist.ProcessGroup | None = None,
@@ -118,6 +127,14 @@ class QuadraticModelStep:
             raise ConfigurationError(
                 f"damping={damping!r}: the quadratic model's starting damping must be in "
                 f"(0, {MAX_DAMPING:g}]; 0.1 is a safe start (it adapts)"
+            )
+        if min_damping is None:
+            min_damping = min(MIN_DAMPING, damping)
+        if not (isinstance(min_damping, int | float) and 0 < min_damping <= damping):
+            raise ConfigurationError(
+                f"min_damping={min_damping!r}: the damping's floor must be in (0, damping="
+                f"{damping!r}]; {MIN_DAMPING:g} (the default) floors nothing in practice, "
+                "1e-3 keeps a small, noisy batch's λ from collapsing"
             )
         if not (isinstance(adapt_every, int) and adapt_every >= 0):
             raise ConfigurationError(
@@ -128,6 +145,7 @@ class QuadraticModelStep:
             raise ConfigurationError(f"decay={decay!r} must be in (0, 1), e.g. 19/20")
         self.model = model
         self.damping = float(damping)
+        self.min_damping = float(min_damping)
         self.adapt_every = adapt_every
         self.omega = decay**adapt_every if adapt_every else 1.0
         self.group = group
@@ -280,7 +298,7 @@ class QuadraticModelStep:
         change = float(both[0]) / float(both[1]) - before
         rho = change / predicted if predicted < 0 else 0.0
         if rho > RHO_LOWER:
-            self.damping = max(self.damping * self.omega, MIN_DAMPING)
+            self.damping = max(self.damping * self.omega, self.min_damping)
         elif rho < RHO_RAISE:
             self.damping = min(self.damping / self.omega, MAX_DAMPING)
         return rho

@@ -25,6 +25,7 @@ from torch.func import functional_call
 from kaisa_ray import KFACPreconditioner, QuadraticModelStep
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.spec import parse_job_spec
+from kaisa_ray.train.training import Training
 from kaisa_ray.train.transformer import CharTransformer
 
 
@@ -172,6 +173,24 @@ def test_levenberg_marquardt_follows_the_observed_reduction() -> None:
     assert True in moved, "the damping never fell on this easy problem"
 
 
+def test_the_damping_never_falls_below_its_floor() -> None:
+    """An easy problem lowers λ on every step (ρ > 3/4); the floor stops it, exactly."""
+    model = mlp(4)
+    qm = QuadraticModelStep(model, damping=1.0, min_damping=0.3, adapt_every=1, decay=0.5)
+    x, y = batch(5, 32)
+    seen = []
+    for _ in range(6):
+        mean_loss_grad(model, x, y)
+        qm.capture()
+        qm.step(x, y)
+        seen.append(qm.damping)
+    assert min(seen) == 0.3, seen
+    assert all(d >= 0.3 for d in seen), seen
+    # Left out, the floor is 1e-8, or the starting damping where that is lower.
+    assert QuadraticModelStep(mlp(), damping=0.1).min_damping == 1e-8
+    assert QuadraticModelStep(mlp(), damping=1e-9).min_damping == 1e-9
+
+
 class Sequence(nn.Module):
     """Per-position logits as a sequence model returns them: (batch, classes, positions)."""
 
@@ -258,6 +277,10 @@ def test_bad_arguments_are_refused_with_the_fix() -> None:
         QuadraticModelStep(mlp(), adapt_every=-1)
     with pytest.raises(ConfigurationError, match="decay"):
         QuadraticModelStep(mlp(), decay=1.5)
+    with pytest.raises(ConfigurationError, match=r"min_damping=0\.5: the damping's floor"):
+        QuadraticModelStep(mlp(), damping=0.1, min_damping=0.5)
+    with pytest.raises(ConfigurationError, match="min_damping=0"):
+        QuadraticModelStep(mlp(), min_damping=0)
     qm = QuadraticModelStep(mlp())
     with pytest.raises(RuntimeError, match="capture"):
         qm.step(*batch(0))
@@ -348,3 +371,13 @@ def test_the_job_spec_option_and_its_errors() -> None:
         )
     with pytest.raises(ValueError, match="quadratic-model"):
         parse_job_spec({**BASE, "kfac": {"update": "newton"}})
+    floored = parse_job_spec({**BASE, "kfac": {"update": "quadratic-model", "min_damping": 1e-3}})
+    assert floored.kfac != "off"
+    assert floored.kfac.min_damping == 1e-3
+    training = Training.build(floored, rank=0, world=1, device=torch.device("cpu"))
+    assert training.quadratic is not None
+    assert training.quadratic.min_damping == 1e-3  # what the worker's step floors λ at
+    with pytest.raises(ValueError, match="applies to update: quadratic-model only"):
+        parse_job_spec({**BASE, "kfac": {"min_damping": 1e-3}})
+    with pytest.raises(ValueError, match=r"is above the starting damping 0\.1"):
+        parse_job_spec({**BASE, "kfac": {"update": "quadratic-model", "min_damping": 0.5}})

@@ -94,7 +94,12 @@ class Training:
             intervals = decided.adaptive.intervals()
         quadratic = None
         if kfac is not None and kfac.quadratic_model:
-            quadratic = QuadraticModelStep(model, damping=kfac.damping)
+            quadratic = QuadraticModelStep(
+                model,
+                damping=kfac.damping,
+                # The default floor, 1e-8, never above a lower starting damping.
+                min_damping=min(kfac.min_damping, kfac.damping),
+            )
         preconditioner = (
             build_preconditioner(
                 kfac,
