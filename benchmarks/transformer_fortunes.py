@@ -18,7 +18,8 @@ same AdamW, which also updates the embeddings and LayerNorms it leaves alone. "K
 model)" is ``kfac.update: quadratic-model`` with the same curvature: K-FAC's own step (its α
 and μ from the quadratic model, one damping from 0.1 adapted), no optimizer and no lr to tune
 (the embeddings' and LayerNorms' raw gradients join the preconditioned ones in its direction);
-it runs untuned, its finals only.
+it runs untuned, its finals only. "K-FAC (quadratic model, λ ≥ 1e-3)" is the same with the
+adapted damping floored at 1e-3 (``kfac.min_damping``), also finals only.
 
 Run ``python benchmarks/transformer_fortunes.py`` (``--quick`` for a smoke run); ``--write``
 stores the table.
@@ -52,12 +53,17 @@ PER_WORKER = 32
 MAX_STEPS = 1500
 SEEDS: tuple[int, ...] = (0, 1, 2)
 QM = "K-FAC (quadratic model)"
+# The same, its adapted damping floored (kfac.min_damping; added 2026-11-26): without the floor
+# the Levenberg-Marquardt rule takes λ from 0.1 to 1e-8 here and the run diverges.
+QM_FLOOR = "K-FAC (quadratic model, λ ≥ 1e-3)"
+MIN_DAMPING = 1e-3
 GRIDS = {
     "AdamW": [1e-3, 2e-3, 4e-3, 8e-3],
     "AdamW + K-FAC": [1e-3, 2e-3, 4e-3, 8e-3],
     # kfac.update: quadratic-model: no lr to tune; its one setting, the starting damping,
     # adapts, so it runs untuned at the JobSpec's 0.1 (the step sizes here are that damping).
     QM: [0.1],
+    QM_FLOOR: [0.1],
 }
 KFAC: dict[str, Any] = {
     "strategy": "comm-opt",
@@ -75,7 +81,13 @@ KFAC: dict[str, Any] = {
 def spec(optimizer: str, lr: float, seed: int, max_steps: int) -> dict[str, Any]:
     return {
         "name": "lm-"
-        + ("kfac-qm" if optimizer == QM else "kfac" if "K-FAC" in optimizer else "adamw"),
+        + (
+            "kfac-qm"
+            if optimizer in (QM, QM_FLOOR)
+            else "kfac"
+            if "K-FAC" in optimizer
+            else "adamw"
+        ),
         "model": {"name": "char-transformer"},
         "dataset": {"name": "fortunes", "batch_size": PER_WORKER},
         "optimizer": {
@@ -85,7 +97,9 @@ def spec(optimizer: str, lr: float, seed: int, max_steps: int) -> dict[str, Any]
             "schedule": {"kind": "constant", "warmup_steps": 50},
         },
         "kfac": (
-            {**KFAC, "update": "quadratic-model", "damping": lr}
+            {**KFAC, "update": "quadratic-model", "damping": lr, "min_damping": MIN_DAMPING}
+            if optimizer == QM_FLOOR
+            else {**KFAC, "update": "quadratic-model", "damping": lr}
             if optimizer == QM
             else KFAC
             if "K-FAC" in optimizer
@@ -114,7 +128,7 @@ def summarize(study: Study, header: str) -> str:
             [
                 optimizer,
                 f"λ₀ {finals[0].step_size:g} (untuned)"
-                if optimizer == QM
+                if optimizer in (QM, QM_FLOOR)
                 else f"lr {finals[0].step_size:g}",
                 f"{sum(e.run.steps is not None for e in finals)}/{len(finals)}",
                 "-" if steps is None else f"{steps:.0f}",
