@@ -83,7 +83,11 @@ INTERVALS = {128: (5, 50), 512: (5, 50), 2048: (1, 10), 8192: (1, 10)}
 
 DAMPED = "AdamW + K-FAC (damping)"
 QM = "K-FAC (quadratic model)"
-OPTIMIZERS = ("SGD", "AdamW", "K-FAC", "K-FAC (lr)", "AdamW + K-FAC", DAMPED, QM)
+# The same with its adapted damping floored (kfac.min_damping, added 2026-11-26): at small
+# batches the Levenberg-Marquardt rule otherwise lowers λ until the step fits its sample.
+QM_FLOOR = "K-FAC (quadratic model, λ ≥ 1e-3)"
+MIN_DAMPING = 1e-3
+OPTIMIZERS = ("SGD", "AdamW", "K-FAC", "K-FAC (lr)", "AdamW + K-FAC", DAMPED, QM, QM_FLOOR)
 GRIDS: dict[str, list[float]] = {
     "SGD": [0.0125, 0.025, 0.05, 0.1, 0.2],
     "AdamW": [5e-4, 1e-3, 2e-3, 4e-3, 8e-3],
@@ -95,6 +99,7 @@ GRIDS: dict[str, list[float]] = {
     # kfac.update: quadratic-model: no lr, no momentum; its one setting, the starting damping
     # λ₀, adapts by the Levenberg-Marquardt rule, so it runs at the JobSpec's 0.1, untuned.
     QM: [0.1],
+    QM_FLOOR: [0.1],
 }
 # "K-FAC (lr)": the same curvature on SGD's own lr grid with the JobSpec's KL clip, as the
 # one-process ablation (optimizers_fashion_mnist.py --ablation) ran it, and the inverse method:
@@ -142,7 +147,7 @@ def spec(
         if lr is None:
             raise ValueError(f"{DAMPED!r} needs AdamW + K-FAC's tuned lr (lr=...)")
         damping, step_size = step_size, lr()
-    if optimizer == QM:
+    if optimizer in (QM, QM_FLOOR):
         damping = step_size
         opt = {"name": "sgd"}  # unused: K-FAC takes the step
     elif optimizer in ("AdamW", "AdamW + K-FAC", DAMPED):
@@ -165,12 +170,15 @@ def spec(
         # The κ form ran the eigen method (the JobSpec's default), the others the inverse
         # method.
         kfac["compute_method"] = "eigen" if optimizer == "K-FAC" else "inverse"
-        if optimizer == QM:
+        if optimizer in (QM, QM_FLOOR):
             kfac["update"] = "quadratic-model"
+        if optimizer == QM_FLOOR:
+            kfac["min_damping"] = MIN_DAMPING
         if per_worker > FACTOR_SAMPLES:
             kfac["factor_samples"] = FACTOR_SAMPLES
     return {
-        "name": f"bs{batch}-" + "".join(c for c in optimizer.lower() if c.isalnum() or c == "-"),
+        "name": f"bs{batch}-"
+        + "".join(c for c in optimizer.lower() if (c.isascii() and c.isalnum()) or c == "-"),
         "model": {"name": "lenet"},
         "dataset": {"name": "fashion-mnist", "batch_size": per_worker},
         "optimizer": opt,
@@ -211,7 +219,12 @@ def summarize(entries: list[Entry], header: str) -> str:
             )
             at_edge = len(tried) > 1 and point in (tried[0], tried[-1])
             edge = " (edge of the grid)" if at_edge else ""
-            name = {"K-FAC": "κ", DAMPED: "damping", QM: "λ₀ (untuned)"}.get(optimizer, "lr")
+            name = {
+                "K-FAC": "κ",
+                DAMPED: "damping",
+                QM: "λ₀ (untuned)",
+                QM_FLOOR: "λ₀ (untuned)",
+            }.get(optimizer, "lr")
             kfac = "K-FAC" in optimizer
             t, s = train[optimizer], steps[optimizer]
             ratio_t = ratio_s = ratio_sgd = "-"
@@ -268,6 +281,7 @@ def plot(entries: list[Entry], steps_path: Path, curve_path: Path) -> None:
         "AdamW + K-FAC": "tab:purple",
         DAMPED: "tab:red",
         QM: "tab:brown",
+        QM_FLOOR: "tab:pink",
     }
     finals = [e for e in entries if e.phase == "final"]
     fig, ax = plt.subplots(figsize=(7, 5))
