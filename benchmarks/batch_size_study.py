@@ -172,8 +172,10 @@ def spec(
         kfac["compute_method"] = "eigen" if optimizer == "K-FAC" else "inverse"
         if optimizer in (QM, QM_FLOOR):
             kfac["update"] = "quadratic-model"
-        if optimizer == QM_FLOOR:
-            kfac["min_damping"] = MIN_DAMPING
+        if optimizer in (QM, QM_FLOOR):
+            # QM: the library's floor, 1e-8, unfloored as the row first ran (the JobSpec's
+            # default has been 1e-3 since).
+            kfac["min_damping"] = MIN_DAMPING if optimizer == QM_FLOOR else 1e-8
         if per_worker > FACTOR_SAMPLES:
             kfac["factor_samples"] = FACTOR_SAMPLES
     return {

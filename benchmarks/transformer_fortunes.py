@@ -99,7 +99,9 @@ def spec(optimizer: str, lr: float, seed: int, max_steps: int) -> dict[str, Any]
         "kfac": (
             {**KFAC, "update": "quadratic-model", "damping": lr, "min_damping": MIN_DAMPING}
             if optimizer == QM_FLOOR
-            else {**KFAC, "update": "quadratic-model", "damping": lr}
+            # The library's floor, 1e-8: unfloored, as this row first ran (the JobSpec's
+            # default floor has been 1e-3 since).
+            else {**KFAC, "update": "quadratic-model", "damping": lr, "min_damping": 1e-8}
             if optimizer == QM
             else KFAC
             if "K-FAC" in optimizer

@@ -13,10 +13,6 @@ from dataclasses import dataclass
 
 from kaisa_ray.errors import ConfigurationError
 
-# The quadratic-model step's damping floor by default (kfac-jax's ``min_damping``): here, torch-
-# free, so that the job spec (``kfac.min_damping``) and ``kaisa_ray.quadratic`` share it.
-DEFAULT_MIN_DAMPING = 1e-8
-
 FloatParam = float | Callable[[int], float]
 IntParam = int | Callable[[int], int]
 

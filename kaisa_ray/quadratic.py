@@ -26,7 +26,7 @@ same system and takes the same step.
 
 Typical use (after ``loss.backward()``; ``model`` unwrapped from DDP)::
 
-    step = QuadraticModelStep(model, damping=0.1)
+    step = QuadraticModelStep(model, damping=0.1, min_damping=1e-3)
     precond = KFACPreconditioner(model, damping=step.current_damping, kl_clip=None, ...)
     ...
     loss.backward()
@@ -47,14 +47,13 @@ from torch.func import functional_call, jvp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.hyperparams import DEFAULT_MIN_DAMPING
 
 __all__ = ["QuadraticModelStep", "StepInfo", "ggn_product"]
 
 # Martens & Grosse's constants: the LM rule's thresholds and per-step decay.
 RHO_RAISE = 0.25
 RHO_LOWER = 0.75
-MIN_DAMPING = DEFAULT_MIN_DAMPING
+MIN_DAMPING = 1e-8  # kfac-jax's min_damping by default; the JobSpec floors at 1e-3
 MAX_DAMPING = 1e6
 
 
@@ -106,7 +105,7 @@ class QuadraticModelStep:
             noisy batches it can keep lowering λ until the step fits its sample and not the
             data (the char-transformer at 64 sequences a step fell from 0.1 to 1e-8 by step
             540 and diverged at step 790; floored at 1e-3 it trained to the target); a floor
-            is then the remedy.
+            is then the remedy, and the JobSpec's default (``kfac.min_damping``, 1e-3).
         adapt_every: steps between Levenberg-Marquardt adjustments of λ; 0 keeps λ fixed.
         decay: λ's per-step factor ω^(1/adapt_every) (0 < decay < 1).
         group: the process group whose ranks step together (None: the default group when

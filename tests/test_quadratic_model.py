@@ -371,13 +371,26 @@ def test_the_job_spec_option_and_its_errors() -> None:
         )
     with pytest.raises(ValueError, match="quadratic-model"):
         parse_job_spec({**BASE, "kfac": {"update": "newton"}})
-    floored = parse_job_spec({**BASE, "kfac": {"update": "quadratic-model", "min_damping": 1e-3}})
-    assert floored.kfac != "off"
-    assert floored.kfac.min_damping == 1e-3
-    training = Training.build(floored, rank=0, world=1, device=torch.device("cpu"))
+    # The JobSpec floors the adapted damping at 1e-3 by default (the library at 1e-8), and
+    # the worker's step gets the floor; a starting damping below it becomes the floor.
+    assert spec.kfac.min_damping == 1e-3
+    training = Training.build(spec, rank=0, world=1, device=torch.device("cpu"))
     assert training.quadratic is not None
-    assert training.quadratic.min_damping == 1e-3  # what the worker's step floors λ at
+    assert training.quadratic.min_damping == 1e-3
+    unfloored = {"update": "quadratic-model", "min_damping": 1e-8}
+    training = Training.build(
+        parse_job_spec({**BASE, "kfac": unfloored}), rank=0, world=1, device=torch.device("cpu")
+    )
+    assert training.quadratic is not None
+    assert training.quadratic.min_damping == 1e-8
+    low = parse_job_spec({**BASE, "kfac": {"update": "quadratic-model", "damping": 1e-4}})
+    training = Training.build(low, rank=0, world=1, device=torch.device("cpu"))
+    assert training.quadratic is not None
+    assert training.quadratic.min_damping == 1e-4
+    # A stored spec's dump (every field, the default floor too) parses back as it was.
+    ordinary = parse_job_spec(BASE)
+    assert parse_job_spec(ordinary.model_dump(mode="json")) == ordinary
     with pytest.raises(ValueError, match="applies to update: quadratic-model only"):
-        parse_job_spec({**BASE, "kfac": {"min_damping": 1e-3}})
+        parse_job_spec({**BASE, "kfac": {"min_damping": 1e-8}})
     with pytest.raises(ValueError, match=r"is above the starting damping 0\.1"):
         parse_job_spec({**BASE, "kfac": {"update": "quadratic-model", "min_damping": 0.5}})

@@ -97,7 +97,8 @@ class Training:
             quadratic = QuadraticModelStep(
                 model,
                 damping=kfac.damping,
-                # The default floor, 1e-8, never above a lower starting damping.
+                # The JobSpec's default floor never above a lower starting damping (a floor
+                # given above it is refused by the spec).
                 min_damping=min(kfac.min_damping, kfac.damping),
             )
         preconditioner = (
