@@ -316,7 +316,8 @@ def _loop(training: Training, session: Session, config: TrainConfig) -> None:
         loss_value = float(loss.detach())
         if not math.isfinite(loss_value):
             fix = (
-                "Raise kfac.damping (the quadratic model's starting damping), or set "
+                "Raise kfac.min_damping (the floor of the quadratic model's adapted damping, "
+                f"now {training.quadratic.min_damping:g}) or kfac.damping (its start), or set "
                 "kfac.update: optimizer: the quadratic-model step is for large batches"
                 if training.quadratic is not None
                 else "Lower optimizer.lr, raise kfac.damping or tighten kfac.kl_clip"
