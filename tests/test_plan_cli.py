@@ -254,3 +254,30 @@ def test_measure_node_writes_a_profile_that_plans(tmp_path: Path) -> None:
         "--model", "lenet", "--workers", "2", "--batch", "64", "--hardware", str(out)
     )
     assert planned["inputs"]["hardware"] == "trial"
+
+
+def test_a_latency_the_fit_cannot_resolve_is_bounded_by_the_smallest_all_reduce(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under load the a-b fit's intercept can come out at zero (clamped), which a profile
+    refuses (latency must be positive): the 4-byte all-reduce's measured time stands in, and
+    the source says so. (The collectives are replaced at their seam; the rest is measured.)"""
+    import tuner.node
+
+    def collectives(device_type: str, ranks: int) -> tuple[float, float, float, float, float]:
+        return 0.0, 2e9, 0.0, 1e9, 3e-5
+
+    monkeypatch.setattr(tuner.node, "_collectives", collectives)
+    out = tmp_path / "node.yaml"
+    result = kaisa_ray(
+        "measure-node", "--device", "cpu", "--quick", "--ranks", "2", "--name", "trial",
+        "--output", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    hardware = load_hardware(out)
+    latency = hardware.sources["links.intra_node.latency_s"]
+    assert latency.kind == "measured"
+    assert "4-byte all-reduce" in latency.source
+    assert "not positive" in latency.source
+    stored = yaml.safe_load(out.read_text())
+    assert stored["links"]["intra_node"]["latency_s"]["value"] == 3e-5

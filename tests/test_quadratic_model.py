@@ -24,9 +24,14 @@ from torch.func import functional_call
 
 from kaisa_ray import KFACPreconditioner, QuadraticModelStep
 from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.quadratic import StepInfo
+from kaisa_ray.train.records import Record
+from kaisa_ray.train.session import LocalSession
 from kaisa_ray.train.spec import parse_job_spec
 from kaisa_ray.train.training import Training
 from kaisa_ray.train.transformer import CharTransformer
+from kaisa_ray.train.worker import TrainingDivergedError, train
+from kaisa_ray.train.worker_config import TrainConfig
 
 
 @pytest.fixture
@@ -394,3 +399,30 @@ def test_the_job_spec_option_and_its_errors() -> None:
         parse_job_spec({**BASE, "kfac": {"min_damping": 1e-8}})
     with pytest.raises(ValueError, match=r"is above the starting damping 0\.1"):
         parse_job_spec({**BASE, "kfac": {"update": "quadratic-model", "min_damping": 0.5}})
+
+
+def test_a_diverged_quadratic_model_job_names_its_damping_floor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A quadratic-model job whose loss turns NaN fails saying which settings to raise, the
+    floor first with its value (the step is poisoned at a seam: no small job diverges on
+    demand)."""
+    spec = parse_job_spec({**BASE, "kfac": {"update": "quadratic-model", "min_damping": 0.01}})
+    take_step = QuadraticModelStep.step
+
+    def poisoned(self: QuadraticModelStep, x: torch.Tensor, y: torch.Tensor) -> StepInfo:
+        info = take_step(self, x, y)
+        with torch.no_grad():
+            for parameter in self.model.parameters():
+                parameter.fill_(float("nan"))
+        return info
+
+    monkeypatch.setattr(QuadraticModelStep, "step", poisoned)
+    records: list[Record] = []
+    with pytest.raises(
+        TrainingDivergedError,
+        match=r"the training loss is nan at step 2 on rank 0: the run diverged\. "
+        r"Raise kfac\.min_damping \(the floor of the quadratic model's adapted damping, now "
+        r"0\.01\) or kfac\.damping",
+    ):
+        train(TrainConfig(spec=spec, run="qm-nan"), LocalSession(records.append))

@@ -76,6 +76,18 @@ def time_collectives(
     return fits[0], fits[1]
 
 
+def time_tiny_allreduce(device: torch.device, repeats: int = 5) -> float:
+    """The slowest rank's median seconds of a 4-byte all-reduce over the default group (an
+    upper bound on the link's latency, where an α–β fit's intercept is lost in noise);
+    collective."""
+    tiny = torch.ones(1, dtype=torch.float32, device=device)
+    dist.barrier()
+    local = _median_seconds(lambda: dist.all_reduce(tiny), device, repeats)
+    worst = torch.tensor([local], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst.item())
+
+
 def _spd(n: int, device: torch.device, generator: torch.Generator) -> torch.Tensor:
     x = torch.randn(n, n, generator=generator).to(device)
     return x @ x.T / n + torch.eye(n, device=device)

@@ -65,7 +65,7 @@ def _measured(value: float, what: str, where: str) -> dict[str, Any]:
 
 
 def _collective_worker(rank: int, world: int, port: int, device_type: str, out: Any) -> None:
-    from tuner.measure import time_collectives
+    from tuner.measure import time_collectives, time_tiny_allreduce
 
     backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(
@@ -76,6 +76,7 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, out: 
         if device_type == "cuda":
             torch.cuda.set_device(device)
         allreduce, broadcast = time_collectives(device)
+        tiny_s = time_tiny_allreduce(device)
         if rank == 0:
             out.put(
                 (
@@ -83,15 +84,16 @@ def _collective_worker(rank: int, world: int, port: int, device_type: str, out: 
                     allreduce.bytes_per_s,
                     broadcast.latency_s,
                     broadcast.bytes_per_s,
+                    tiny_s,
                 )
             )
     finally:
         dist.destroy_process_group()
 
 
-def _collectives(device_type: str, ranks: int) -> tuple[float, float, float, float]:
-    """(all-reduce latency, algorithm bytes/s, broadcast latency, bytes/s) between ``ranks``
-    processes on this node."""
+def _collectives(device_type: str, ranks: int) -> tuple[float, float, float, float, float]:
+    """(all-reduce latency, algorithm bytes/s, broadcast latency, bytes/s, a 4-byte
+    all-reduce's seconds) between ``ranks`` processes on this node."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -100,7 +102,7 @@ def _collectives(device_type: str, ranks: int) -> tuple[float, float, float, flo
     mp.spawn(  # type: ignore[attr-defined,no-untyped-call]
         _collective_worker, args=(ranks, port, device_type, queue), nprocs=ranks, join=True
     )
-    result: tuple[float, float, float, float] = queue.get()
+    result: tuple[float, float, float, float, float] = queue.get()
     return result
 
 
@@ -215,12 +217,22 @@ def measure(
     count = ranks or (torch.cuda.device_count() if target.type == "cuda" else 1)
     profile["node"] = {"gpus": _measured(count, "devices measured on this node", where)}
     if count > 1:
-        ar_lat, ar_bw, _, bc_bw = _collectives(target.type, count)
+        ar_lat, ar_bw, _, bc_bw, tiny_s = _collectives(target.type, count)
         bus = 2 * (count - 1) / count  # nccl-tests' busbw of an all-reduce
+        latency = (
+            _measured(ar_lat, f"all-reduce latency (a-b fit) over {count} ranks", where)
+            if ar_lat > 0
+            # A noisy fit's intercept can come out zero (clamped): the latency is then below
+            # what the fit resolves, and the smallest all-reduce's time bounds it from above.
+            else _measured(
+                tiny_s,
+                f"median time of a 4-byte all-reduce over {count} ranks (the a-b fit's "
+                "intercept was not positive: an upper bound on the latency)",
+                where,
+            )
+        )
         profile["links"]["intra_node"] = {
-            "latency_s": _measured(
-                ar_lat, f"all-reduce latency (a-b fit) over {count} ranks", where
-            ),
+            "latency_s": latency,
             "allreduce_busbw": _measured(
                 ar_bw * bus, f"all-reduce a-b fit over {count} ranks, as busbw", where
             ),
