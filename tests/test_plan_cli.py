@@ -224,16 +224,23 @@ def test_measure_node_needs_a_gpu_or_says_so() -> None:
     assert "no CUDA device here: measure-node measures a GPU node" in result.output
 
 
-def test_measure_node_writes_a_profile_that_plans(tmp_path: Path) -> None:
-    """The command end to end on the CPU (``--quick``, two gloo processes for the
-    collectives): what it writes loads, its numbers are measured here with the date, and
-    only the links between nodes come from the base profile."""
+def measure_node_trial(tmp_path: Path) -> Path:
+    """``kaisa-ray measure-node --quick`` on the CPU with two gloo ranks, as profile "trial";
+    the file it wrote (the command must succeed)."""
     out = tmp_path / "node.yaml"
     result = kaisa_ray(
         "measure-node", "--device", "cpu", "--quick", "--ranks", "2", "--name", "trial",
         "--output", str(out),
     )  # fmt: skip
     assert result.exit_code == 0, result.output
+    return out
+
+
+def test_measure_node_writes_a_profile_that_plans(tmp_path: Path) -> None:
+    """The command end to end on the CPU (``--quick``, two gloo processes for the
+    collectives): what it writes loads, its numbers are measured here with the date, and
+    only the links between nodes come from the base profile."""
+    out = measure_node_trial(tmp_path)
     hardware = load_hardware(out)
     assert hardware.name == "trial"
     measured = {path for path, n in hardware.sources.items() if n.kind == "measured"}
@@ -268,12 +275,7 @@ def test_a_latency_the_fit_cannot_resolve_is_bounded_by_the_smallest_all_reduce(
         return 0.0, 2e9, 0.0, 1e9, 3e-5
 
     monkeypatch.setattr(tuner.node, "_collectives", collectives)
-    out = tmp_path / "node.yaml"
-    result = kaisa_ray(
-        "measure-node", "--device", "cpu", "--quick", "--ranks", "2", "--name", "trial",
-        "--output", str(out),
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output
+    out = measure_node_trial(tmp_path)
     hardware = load_hardware(out)
     latency = hardware.sources["links.intra_node.latency_s"]
     assert latency.kind == "measured"

@@ -41,6 +41,16 @@ def _median_seconds(run: Callable[[], object], device: torch.device, repeats: in
     return statistics.median(times)
 
 
+def _slowest_median(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """The slowest rank's median seconds of the collective ``run``, after a barrier: every
+    rank waits for the slowest, so that is what a collective costs; collective."""
+    dist.barrier()
+    local = _median_seconds(run, device, repeats)
+    worst = torch.tensor([local], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst.item())
+
+
 def time_collectives(
     device: torch.device,
     sizes: Sequence[int] = DEFAULT_MESSAGE_BYTES,
@@ -66,12 +76,7 @@ def time_collectives(
                 else:
                     dist.broadcast(buffer, src=0)
 
-            dist.barrier()
-            local = _median_seconds(call, device, repeats)
-            # Every rank waits for the slowest: fit the slowest rank's time.
-            worst = torch.tensor([local], dtype=torch.float64, device=device)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            seconds.append(float(worst.item()))
+            seconds.append(_slowest_median(call, device, repeats))
         fits.append(LinkFit.fit([float(s) for s in sizes], seconds))
     return fits[0], fits[1]
 
@@ -81,11 +86,7 @@ def time_tiny_allreduce(device: torch.device, repeats: int = 5) -> float:
     upper bound on the link's latency, where an α–β fit's intercept is lost in noise);
     collective."""
     tiny = torch.ones(1, dtype=torch.float32, device=device)
-    dist.barrier()
-    local = _median_seconds(lambda: dist.all_reduce(tiny), device, repeats)
-    worst = torch.tensor([local], dtype=torch.float64, device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return float(worst.item())
+    return _slowest_median(lambda: dist.all_reduce(tiny), device, repeats)
 
 
 def _spd(n: int, device: torch.device, generator: torch.Generator) -> torch.Tensor:

@@ -123,12 +123,13 @@ LIMITS: dict[str, str] = {
 
 
 AUTO = "auto"
+"""``kfac.strategy: auto``: the tuner chooses the strategy and the intervals."""
+
 # kfac.min_damping's default: the quadratic-model step's damping floor. kfac-jax's (and the
 # library's) 1e-8 lets the damping collapse at small batches (benchmarks/batch_size_study.py at
 # 128, benchmarks/transformer_fortunes.py); 1e-3 trains there and changes no step count at 2048
 # and 8192.
 JOBSPEC_MIN_DAMPING = 1e-3
-"""``kfac.strategy: auto``: the tuner chooses the strategy and the intervals."""
 
 Steps = Annotated[int, Field(gt=0, le=MAX_STEPS)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
