@@ -27,6 +27,8 @@ import logging
 import math
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -117,6 +119,24 @@ class Decomposition(ABC):
         self.name = name
         self.inv_dtype = inv_dtype
         self.failures = 0
+        # Where kept tensors live: a batched group's storage (``kaisa_ray.batching``), which
+        # returns the view a value was copied into, or None for tensors of their own.
+        self._slot: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+
+    def attach(self, slot: Callable[[str, torch.Tensor], torch.Tensor] | None) -> None:
+        """Keep every tensor from now on in ``slot``'s storage (None: in tensors of their own).
+        Tensors already kept move there."""
+        self._slot = slot
+        for part, value in self.tensors().items():
+            self._keep(part, value)
+
+    def _keep(self, part: str, value: torch.Tensor) -> None:
+        """Hold ``value`` as ``part``: in the slot's storage, or as a contiguous tensor."""
+        value = value.to(self.inv_dtype)
+        if self._slot is not None:
+            setattr(self, part, self._slot(part, value))
+        else:
+            setattr(self, part, value.contiguous())
 
     def _warn_kept(self, factor: str) -> None:
         self.failures += 1
@@ -136,6 +156,20 @@ class Decomposition(ABC):
     @abstractmethod
     def compute_g(self, g_factor: torch.Tensor, damping: float | torch.Tensor) -> None: ...
 
+    @staticmethod
+    @abstractmethod
+    def retry(factor: torch.Tensor, damping: float | torch.Tensor) -> Any:
+        """A decomposition that failed in the working dtype, once more in float64 (None if it
+        fails again, or if the working dtype was float64 already)."""
+
+    @abstractmethod
+    def accept(
+        self, which: str, result: Any, like: torch.Tensor, damping: float | torch.Tensor
+    ) -> None:
+        """Keep a decomposition of ``which`` ('A' or 'G') computed elsewhere (``solve_many``),
+        or, where it failed (None), warn and keep the previous one; ``like`` is the factor
+        and ``damping`` what the inverse method added to it."""
+
     def finish(self, damping: float) -> None:  # noqa: B027 (optional hook)
         """Combine A and G results (only the eigen method's outer product needs it)."""
 
@@ -146,14 +180,20 @@ class Decomposition(ABC):
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor held, by name: for checkpoints and exact memory accounting."""
 
-    @abstractmethod
-    def load(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None: ...
-
     def set_part(self, part: str, value: torch.Tensor) -> None:
         """Install one received tensor (``qa``, ``da``, ``a_inv``, ...) of this method."""
         if part not in self.saved_parts():
             raise KeyError(f"{type(self).__name__} has no part {part!r}")
-        setattr(self, part, value.to(self.inv_dtype))
+        self._keep(part, value)
+
+    def load(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+        """Install a checkpoint's tensors (parts missing there are cleared)."""
+        for part in self.saved_parts():
+            value = tensors.get(part)
+            if value is None:
+                setattr(self, part, None)
+            else:
+                self._keep(part, value.to(device))
 
     @abstractmethod
     def parts(self) -> tuple[str, ...]:
@@ -173,6 +213,71 @@ class Decomposition(ABC):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+def eigen_denominator(da: torch.Tensor, dg: torch.Tensor, damping: float, pi: bool) -> torch.Tensor:
+    """``λ_G λ_Aᵀ + γ``, or with π-damping ``(λ_G + √γ/π)(λ_A + π√γ)ᵀ``: ``(k, g, a)`` from
+    eigenvalues ``da`` ``(k, a)`` and ``dg`` ``(k, g)`` (any number of stacked groups ``k``)."""
+    if not pi:
+        return dg.unsqueeze(-1) * da.unsqueeze(-2) + damping
+    ratio = pi_ratio(da, dg)  # (k, 1, 1)
+    root = math.sqrt(damping)
+    denominator: torch.Tensor = (dg.unsqueeze(-1) + root / ratio) * (
+        da.unsqueeze(-2) + ratio * root
+    )
+    return denominator
+
+
+def eigen_precondition(
+    grad: torch.Tensor,
+    qa: torch.Tensor,
+    qg: torch.Tensor,
+    *,
+    dgda: torch.Tensor | None = None,
+    denominator: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``Q_G [(Q_Gᵀ ∇W Q_A) ⊙ dgda] Q_Aᵀ`` (or ``/ denominator``) for ``(k, g, a)`` gradients
+    already in the decompositions' dtype: one layer's groups, or several layers' stacked."""
+    rotated = qg.transpose(-1, -2) @ grad @ qa
+    if dgda is not None:
+        rotated = rotated * dgda
+    elif denominator is not None:
+        rotated = rotated / denominator
+    else:
+        raise ValueError("eigen_precondition needs dgda or denominator")
+    return qg @ rotated @ qa.transpose(-1, -2)
+
+
+def inverse_precondition(
+    grad: torch.Tensor, a_inv: torch.Tensor, g_inv: torch.Tensor
+) -> torch.Tensor:
+    """``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` for ``(k, g, a)`` gradients in the inverses' dtype."""
+    return g_inv @ grad @ a_inv
+
+
+def _stack_dampings(
+    dampings: list[float | torch.Tensor], groups: int, like: torch.Tensor
+) -> float | torch.Tensor:
+    """One damping for every stacked matrix: a float if all are the same float, else
+    ``(n·k, 1, 1)`` values."""
+    if all(isinstance(d, float) for d in dampings) and len(set(dampings)) == 1:
+        first = dampings[0]
+        return float(first) if isinstance(first, float) else float(first.item())
+    parts = [
+        torch.full((groups, 1, 1), d, dtype=like.dtype, device=like.device)
+        if isinstance(d, float)
+        else d.to(like.dtype).reshape(groups, 1, 1)
+        for d in dampings
+    ]
+    return torch.cat(parts)
+
+
+def _members_finite(stacked: torch.Tensor, members: int) -> list[bool]:
+    """Per member of ``(members·k, ...)`` matrices, whether all of its values are finite: one
+    sum per matrix (a NaN or an infinity makes it non-finite), exact check where it is not."""
+    sums = stacked.reshape(members, -1).sum(dim=-1)
+    finite = torch.isfinite(sums).tolist()
+    return [bool(ok) or all_finite(stacked.reshape(members, -1)[i]) for i, ok in enumerate(finite)]
 
 
 class EigenDecomposition(Decomposition):
@@ -197,62 +302,93 @@ class EigenDecomposition(Decomposition):
         self.dgda: torch.Tensor | None = None
 
     @staticmethod
+    def solve_many(
+        factors: torch.Tensor, dampings: list[float | torch.Tensor], *, owned: bool = False
+    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """``eigh`` of ``n`` members' ``(n, k, d, d)`` factors in one batched call in the
+        working dtype (the eigen method damps later, so ``dampings`` and ``owned`` are
+        unused); None for a member whose values are not finite, or for all if the batched
+        call failed (to be tried again on its own: ``compute_a``/``compute_g``)."""
+        n, k, d, _ = factors.shape
+        batched = None
+        try:
+            stacked = factors.reshape(n * k, d, d).to(working_dtype(factors.dtype))
+            values, vectors = torch.linalg.eigh(stacked)
+            batched = (values.reshape(n, k, d), vectors.reshape(n, k, d, d))
+        except RuntimeError:  # torch.linalg.LinAlgError: one member failed; retry each
+            logger.debug("batched eigh failed; decomposing the %d members one by one", n)
+        if batched is None:
+            return [None] * n
+        values, vectors = batched
+        finite = zip(_members_finite(values, n), _members_finite(vectors, n), strict=True)
+        return [
+            (values[i].clamp(min=0.0), vectors[i]) if a and b else None
+            for i, (a, b) in enumerate(finite)
+        ]
+
+    @staticmethod
+    def retry(
+        factor: torch.Tensor, damping: float | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if working_dtype(factor.dtype) == torch.float64:
+            return None
+        logger.debug("eigh failed in %s; retrying in float64", working_dtype(factor.dtype))
+        return robust_eigh(factor.to(torch.float64))
+
+    @staticmethod
     def _identity(factor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         k, n, _ = factor.shape
         eye = torch.eye(n, dtype=dtype, device=factor.device).expand(k, n, n).clone()
         return torch.ones(k, n, dtype=dtype, device=factor.device), eye
 
-    def _decompose(
-        self, factor: torch.Tensor, old: tuple[torch.Tensor | None, torch.Tensor | None], which: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        result = robust_eigh(factor)
+    def accept(
+        self,
+        which: str,
+        result: tuple[torch.Tensor, torch.Tensor] | None,
+        like: torch.Tensor,
+        damping: float | torch.Tensor,
+    ) -> None:
+        """Keep a decomposition of ``which`` ('A' or 'G'; ``like`` its factor), or, where it
+        failed (None), the previous one (the identity if there was none)."""
+        values_part, vectors_part = ("da", "qa") if which == "A" else ("dg", "qg")
         if result is None:
             self._warn_kept(which)
-            if old[0] is not None and old[1] is not None:
-                return old[0], old[1]
-            return self._identity(factor, self.inv_dtype)
-        eigenvalues, eigenvectors = result
-        # Contiguous, so the computing rank and ranks that receive a copy use the same BLAS
-        # path (eigh returns column-major eigenvectors) and agree bit for bit.
-        return (
-            eigenvalues.to(self.inv_dtype).contiguous(),
-            eigenvectors.to(self.inv_dtype).contiguous(),
-        )
+            if getattr(self, vectors_part) is not None and getattr(self, values_part) is not None:
+                return
+            result = self._identity(like, self.inv_dtype)
+        # Contiguous (or copied into a group's storage), so the computing rank and ranks that
+        # receive a copy use the same BLAS path and agree bit for bit.
+        self._keep(values_part, result[0])
+        self._keep(vectors_part, result[1])
 
     def compute_a(self, a_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
-        self.da, self.qa = self._decompose(a_factor, (self.da, self.qa), "A")
+        self.accept("A", robust_eigh(a_factor), a_factor, damping)
 
     def compute_g(self, g_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
-        self.dg, self.qg = self._decompose(g_factor, (self.dg, self.qg), "G")
+        self.accept("G", robust_eigh(g_factor), g_factor, damping)
 
     def _denominator(self, da: torch.Tensor, dg: torch.Tensor, damping: float) -> torch.Tensor:
-        """``λ_G λ_Aᵀ + γ``, or with π-damping ``(λ_G + √γ/π)(λ_A + π√γ)ᵀ``: ``(k, g, a)``."""
-        if not self.pi:
-            return dg.unsqueeze(-1) * da.unsqueeze(-2) + damping
-        pi = pi_ratio(da, dg)  # (k, 1, 1)
-        root = math.sqrt(damping)
-        denominator: torch.Tensor = (dg.unsqueeze(-1) + root / pi) * (da.unsqueeze(-2) + pi * root)
-        return denominator
+        return eigen_denominator(da, dg, damping, self.pi)
 
     def finish(self, damping: float) -> None:
         if not self.outer_product:
             return
         if self.da is None or self.dg is None:
             raise RuntimeError(f"layer {self.name!r}: finish() before both factors decomposed")
-        self.dgda = 1.0 / self._denominator(self.da, self.dg, damping)
+        self._keep("dgda", 1.0 / self._denominator(self.da, self.dg, damping))
 
     def precondition(self, grad_out_by_in: torch.Tensor, damping: float) -> torch.Tensor:
         if self.qa is None or self.qg is None:
             raise RuntimeError(f"layer {self.name!r} has no decomposition yet")
         grad = grad_out_by_in.to(self.inv_dtype)
-        rotated = self.qg.transpose(-1, -2) @ grad @ self.qa
         if self.outer_product and self.dgda is not None:
-            rotated = rotated * self.dgda
+            out = eigen_precondition(grad, self.qa, self.qg, dgda=self.dgda)
         else:
             if self.da is None or self.dg is None:
                 raise RuntimeError(f"layer {self.name!r} has no eigenvalues")
-            rotated = rotated / self._denominator(self.da, self.dg, damping)
-        return (self.qg @ rotated @ self.qa.transpose(-1, -2)).to(grad_out_by_in.dtype)
+            denominator = self._denominator(self.da, self.dg, damping)
+            out = eigen_precondition(grad, self.qa, self.qg, denominator=denominator)
+        return out.to(grad_out_by_in.dtype)
 
     def parts(self) -> tuple[str, ...]:
         return ("qa", "da", "qg", "dg")
@@ -264,15 +400,6 @@ class EigenDecomposition(Decomposition):
         named = {"qa": self.qa, "da": self.da, "qg": self.qg, "dg": self.dg, "dgda": self.dgda}
         return {key: value for key, value in named.items() if value is not None}
 
-    def load(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
-        for key in ("qa", "da", "qg", "dg", "dgda"):
-            value = tensors.get(key)
-            setattr(
-                self,
-                key,
-                None if value is None else value.to(device, self.inv_dtype).contiguous(),
-            )
-
 
 class InverseDecomposition(Decomposition):
     """Damped inverses ``(A + γI)⁻¹`` and ``(G + γI)⁻¹`` built on inverse-update steps."""
@@ -282,34 +409,70 @@ class InverseDecomposition(Decomposition):
         self.a_inv: torch.Tensor | None = None
         self.g_inv: torch.Tensor | None = None
 
-    def _invert(
+    @staticmethod
+    def solve_many(
+        factors: torch.Tensor, dampings: list[float | torch.Tensor], *, owned: bool = False
+    ) -> list[torch.Tensor | None]:
+        """The damped inverses of ``n`` members' ``(n, k, d, d)`` factors in one batched
+        Cholesky, in the working dtype; None for a member whose factorisation failed or whose
+        inverse is not finite (to be tried again on its own: ``compute_a``/``compute_g``).
+        ``owned``: ``factors`` is a copy the call may overwrite (else it copies them)."""
+        n, k, d, _ = factors.shape
+        stacked = factors.reshape(n * k, d, d)
+        damping = _stack_dampings(dampings, k, stacked)
+        # The transient memory of robust_damped_inverse for n members (the copy is the
+        # caller's stacked factors where it owns them).
+        damped = stacked if owned else stacked.clone()
+        on_diagonal = damping if isinstance(damping, float) else damping.reshape(-1, 1)
+        damped.diagonal(dim1=-2, dim2=-1).add_(on_diagonal)
+        damped = damped.to(working_dtype(stacked.dtype))
+        chol, info = torch.linalg.cholesky_ex(damped)
+        del damped
+        factored = (info.reshape(n, k) == 0).all(dim=-1).tolist()
+        inverse = torch.cholesky_inverse(chol)
+        del chol
+        inverse = (inverse + inverse.transpose(-1, -2)).div_(2).reshape(n, k, d, d)
+        finite = _members_finite(inverse, n)
+        return [inverse[i] if factored[i] and finite[i] else None for i in range(n)]
+
+    @staticmethod
+    def retry(factor: torch.Tensor, damping: float | torch.Tensor) -> torch.Tensor | None:
+        if working_dtype(factor.dtype) == torch.float64:
+            return None
+        logger.debug("Cholesky failed in %s; retrying in float64", working_dtype(factor.dtype))
+        return robust_damped_inverse(factor.to(torch.float64), damping)
+
+    def accept(
         self,
-        factor: torch.Tensor,
-        damping: float | torch.Tensor,
-        old: torch.Tensor | None,
         which: str,
-    ) -> torch.Tensor:
-        inverse = robust_damped_inverse(factor, damping)
-        if inverse is None:
+        result: torch.Tensor | None,
+        like: torch.Tensor,
+        damping: float | torch.Tensor,
+    ) -> None:
+        """Keep the inverse of ``which`` ('A' or 'G'; ``like`` its factor, ``damping`` what
+        was added to it), or, where it failed (None), the previous one (the damped identity's
+        inverse if there was none)."""
+        part = "a_inv" if which == "A" else "g_inv"
+        if result is None:
             self._warn_kept(which)
-            if old is not None:
-                return old
-            k, n, _ = factor.shape
-            eye = torch.eye(n, dtype=self.inv_dtype, device=factor.device)
-            return (eye / (1.0 + _per_group(damping, eye))).expand(k, n, n).clone()
-        return inverse.to(self.inv_dtype).contiguous()
+            if getattr(self, part) is not None:
+                return
+            k, n, _ = like.shape
+            eye = torch.eye(n, dtype=self.inv_dtype, device=like.device)
+            result = (eye / (1.0 + _per_group(damping, eye))).expand(k, n, n)
+        self._keep(part, result)
 
     def compute_a(self, a_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
-        self.a_inv = self._invert(a_factor, damping, self.a_inv, "A")
+        self.accept("A", robust_damped_inverse(a_factor, damping), a_factor, damping)
 
     def compute_g(self, g_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
-        self.g_inv = self._invert(g_factor, damping, self.g_inv, "G")
+        self.accept("G", robust_damped_inverse(g_factor, damping), g_factor, damping)
 
     def precondition(self, grad_out_by_in: torch.Tensor, damping: float) -> torch.Tensor:
         if self.a_inv is None or self.g_inv is None:
             raise RuntimeError(f"layer {self.name!r} has no inverses yet")
         grad = grad_out_by_in.to(self.inv_dtype)
-        return (self.g_inv @ grad @ self.a_inv).to(grad_out_by_in.dtype)
+        return inverse_precondition(grad, self.a_inv, self.g_inv).to(grad_out_by_in.dtype)
 
     def parts(self) -> tuple[str, ...]:
         return ("a_inv", "g_inv")
@@ -317,12 +480,3 @@ class InverseDecomposition(Decomposition):
     def tensors(self) -> dict[str, torch.Tensor]:
         named = {"a_inv": self.a_inv, "g_inv": self.g_inv}
         return {key: value for key, value in named.items() if value is not None}
-
-    def load(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
-        for key in ("a_inv", "g_inv"):
-            value = tensors.get(key)
-            setattr(
-                self,
-                key,
-                None if value is None else value.to(device, self.inv_dtype).contiguous(),
-            )

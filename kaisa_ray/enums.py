@@ -81,6 +81,18 @@ class FactorScale(enum.StrEnum):
     FISHER = "fisher"
 
 
+class MatmulPrecision(enum.StrEnum):
+    """The float32 matrix-product precision of K-FAC's factor and preconditioning products,
+    with the meaning of ``torch.set_float32_matmul_precision``: ``highest`` (IEEE float32),
+    ``high`` (TF32 on CUDA; float32 where the CPU has no faster mode) and ``medium`` (also
+    bfloat16 products with float32 accumulation on CPUs that have them, e.g. AMX). The
+    decompositions always run at ``highest``."""
+
+    HIGHEST = "highest"
+    HIGH = "high"
+    MEDIUM = "medium"
+
+
 class Precision(enum.StrEnum):
     """The dtype the forward pass computes in: float32, or autocast to bfloat16/float16."""
 

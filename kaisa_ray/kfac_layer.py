@@ -142,15 +142,10 @@ class KFACLayer:
         scale over ``accumulation_steps`` under the Fisher's, where the gradient is then
         multiplied by the number of examples the loss averages over (per-example gradients).
         """
-        g = grad_output.detach().to(self.factor_dtype)
-        if self.fisher:
-            multiplier = self.helper.examples(g) / divisor
-            g = self._sampled(g) * multiplier
-        else:
-            g = self._sampled(g)
-            if divisor != 1.0:
-                g = g / divisor
-        self.g_batch.add(self.helper.g_factor(g, self.fisher))
+        g = grad_output.detach()
+        scale = (self.helper.examples(g) if self.fisher else 1.0) / divisor
+        g = self._sampled(g).to(self.factor_dtype)
+        self.g_batch.add(self.helper.g_factor(g, self.fisher, scale))
 
     def save_input(self, inputs: torch.Tensor) -> None:
         """Keep an input until ``factor_saved`` (update_factors_in_hook off)."""
@@ -166,12 +161,9 @@ class KFACLayer:
         for inputs in self._saved_inputs:
             self.a_batch.add(self.helper.a_factor(inputs.to(self.factor_dtype), self.fisher))
         for grad_output, examples in self._saved_grad_outputs:
+            scale = (examples if self.fisher else 1.0) / divisor
             g = grad_output.to(self.factor_dtype)
-            if self.fisher:
-                g = g * (examples / divisor)
-            elif divisor != 1.0:
-                g = g / divisor
-            self.g_batch.add(self.helper.g_factor(g, self.fisher))
+            self.g_batch.add(self.helper.g_factor(g, self.fisher, scale))
         self._saved_inputs.clear()
         self._saved_grad_outputs.clear()
 

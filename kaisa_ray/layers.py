@@ -23,6 +23,7 @@ then exactly that example's gradient outer product.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -42,13 +43,23 @@ def _covariance_features_first(
 ) -> torch.Tensor:
     """Mean outer product of ``scale·[rows, 1]`` over ``count`` rows; ``rows`` is ``(k, d, n)``.
 
-    Features-first is the layout the patch view reshapes into without a transpose. The ones
-    column of the bias is folded in with a row sum instead of a copy of ``rows``.
+    Features-first is the layout the patch view reshapes into without a transpose. The
+    product is made exactly symmetric (``P + Pᵀ``, half the scale on each). With fewer rows
+    than features the scale goes onto the rows and the bias's ones become one more row (both
+    cheaper than passes over the ``d × d`` result); otherwise the ones column is folded in
+    with a row sum instead of a copy of ``rows``.
     """
-    k, d, _ = rows.shape
+    k, d, n = rows.shape
     factor = scale * scale / count
+    if n < d:
+        root = math.sqrt(factor / 2)
+        rows = rows * root
+        if bias:
+            rows = torch.cat([rows, rows.new_full((k, 1, n), root)], dim=1)
+        gram = torch.matmul(rows, rows.transpose(-1, -2))
+        return gram + gram.transpose(-1, -2)
     gram = torch.matmul(rows, rows.transpose(-1, -2))
-    gram = (gram + gram.transpose(-1, -2)) * (factor / 2)
+    gram = (gram + gram.transpose(-1, -2)).mul_(factor / 2)
     if not bias:
         return gram
     out = rows.new_empty((k, d + 1, d + 1))
@@ -89,9 +100,12 @@ class LayerHelper(ABC):
         """Batch A factor ``(k, a_dim, a_dim)`` from the module's input."""
 
     @abstractmethod
-    def g_factor(self, grad_output: torch.Tensor, fisher: bool = False) -> torch.Tensor:
+    def g_factor(
+        self, grad_output: torch.Tensor, fisher: bool = False, scale: float = 1.0
+    ) -> torch.Tensor:
         """Batch G factor ``(k, g_dim, g_dim)`` from the gradient w.r.t. the module's output
-        (with ``fisher``, per-example gradients: see the module docstring)."""
+        times ``scale`` (with ``fisher``, per-example gradients: see the module docstring);
+        the scale is applied to the factor, not to the gradient."""
 
     def examples(self, grad_output: torch.Tensor) -> int:
         """How many examples a mean loss averages ``grad_output`` over: every leading index
@@ -157,9 +171,11 @@ class LinearHelper(LayerHelper):
         rows = inputs.reshape(-1, inputs.shape[-1])
         return _covariance_features_first(rows.t().unsqueeze(0), 1.0, rows.shape[0], self.has_bias)
 
-    def g_factor(self, grad_output: torch.Tensor, fisher: bool = False) -> torch.Tensor:
+    def g_factor(
+        self, grad_output: torch.Tensor, fisher: bool = False, scale: float = 1.0
+    ) -> torch.Tensor:
         rows = grad_output.reshape(-1, grad_output.shape[-1])
-        return _covariance(rows.unsqueeze(0), 1.0, rows.shape[0])
+        return _covariance(rows.unsqueeze(0), scale, rows.shape[0])
 
 
 class Conv2dHelper(LayerHelper):
@@ -243,39 +259,58 @@ class Conv2dHelper(LayerHelper):
             (s_c, dh * s_h, dw * s_w, s_b, sh * s_h, sw * s_w),
         )
 
+    def position_sums(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Each sample's patch summed over the output positions, ``(batch, C, kh, kw)``:
+        ``Σ_{p,q} x[c, i·dh + p·sh, j·dw + q·sw]`` of the padded input, one axis at a time
+        (a sum over the patch view itself reads every patch element and is several times
+        slower)."""
+        x = self.padded(inputs)
+        oh, ow = self.output_size(inputs.shape[-2], inputs.shape[-1])
+        (kh, kw), (dh, dw), (sh, sw) = (
+            self.module.kernel_size,
+            self.module.dilation,
+            self.module.stride,
+        )
+        # rows: for each kernel row offset i, the sum over the oh rows i·dh + p·sh
+        rows = x.unfold(2, (oh - 1) * sh + 1, dh).narrow(2, 0, kh)[..., ::sh].sum(-1)
+        return rows.unfold(3, (ow - 1) * sw + 1, dw).narrow(3, 0, kw)[..., ::sw].sum(-1)
+
     def examples(self, grad_output: torch.Tensor) -> int:
         """A convolution's loss averages over samples, not over output positions."""
         return int(grad_output.shape[0])
 
     def a_factor(self, inputs: torch.Tensor, fisher: bool = False) -> torch.Tensor:
         k, batch = self.groups, inputs.shape[0]
-        view = self.patch_view(inputs)  # (C, kh, kw, batch, oh, ow)
-        positions = view.shape[-1] * view.shape[-2]
+        oh, ow = self.output_size(inputs.shape[-2], inputs.shape[-1])
+        positions = oh * ow
         scale = 1.0 if fisher else 1.0 / positions
         if self.approx is KFACApprox.REDUCE:
-            # each sample's patch averaged over positions, reduced on the view without a copy
-            rows = view.mean(dim=(-2, -1)).reshape(k, -1, batch)
-            count = batch
-        else:
-            rows = view.reshape(k, -1, batch * positions)
-            count = batch * positions
-        return _covariance_features_first(rows, scale, count, self.has_bias)
+            # each sample's patch averaged over positions (the sums, over P in the scale);
+            # the bias's ones column averages to one as well, so it is ones times P here
+            sums = self.position_sums(inputs).reshape(batch, k, -1).permute(1, 2, 0)
+            if self.has_bias:
+                ones = sums.new_full((k, 1, batch), float(positions))
+                sums = torch.cat([sums, ones], dim=1)
+            return _covariance_features_first(sums, scale / positions, batch, bias=False)
+        view = self.patch_view(inputs)  # (C, kh, kw, batch, oh, ow)
+        rows = view.reshape(k, -1, batch * positions)
+        return _covariance_features_first(rows, scale, batch * positions, self.has_bias)
 
-    def g_factor(self, grad_output: torch.Tensor, fisher: bool = False) -> torch.Tensor:
+    def g_factor(
+        self, grad_output: torch.Tensor, fisher: bool = False, scale: float = 1.0
+    ) -> torch.Tensor:
         batch, channels, oh, ow = grad_output.shape
         k, positions = self.groups, oh * ow
         if self.approx is KFACApprox.REDUCE:
-            if fisher:  # E_n[(Σ_p d)(Σ_p d)ᵀ]
-                rows = grad_output.sum(dim=(-2, -1)).reshape(batch, k, -1).transpose(0, 1)
-                return _covariance(rows, 1.0, batch)
-            rows = grad_output.mean(dim=(-2, -1)).reshape(batch, k, -1).transpose(0, 1)
-            return _covariance(rows, 1.0 / positions, batch)
+            # E_n[(Σ_p d)(Σ_p d)ᵀ] (fisher), or the position means' covariance over P²
+            sums = grad_output.sum(dim=(-2, -1)).reshape(batch, k, -1).transpose(0, 1)
+            return _covariance(sums, scale if fisher else scale / positions**2, batch)
         # (batch, k, g, positions) -> (k, g, batch * positions): features first, one copy
         rows = grad_output.reshape(batch, k, channels // k, positions).permute(1, 2, 0, 3)
         rows = rows.reshape(k, channels // k, batch * positions)
         if fisher:  # P · E_{n,p}[d dᵀ] = Σ_{n,p} d dᵀ / batch
-            return _covariance_features_first(rows, 1.0, batch, bias=False)
-        return _covariance_features_first(rows, 1.0 / positions, batch * positions, bias=False)
+            return _covariance_features_first(rows, scale, batch, bias=False)
+        return _covariance_features_first(rows, scale / positions, batch * positions, bias=False)
 
     def describe(self) -> str:
         m = self.module

@@ -118,6 +118,10 @@ class Options:
         return int(self.allreduce_bucket_cap_mb * 2**20)
 
 
+# The preconditioner's per-step device scalars: an int64 count and a float64 scale.
+STEP_SCALAR_BYTES = 16
+
+
 @functools.cache
 def _elem(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
@@ -383,8 +387,9 @@ def memory_for_rank(
     layers: Sequence[PlannedLayer], assignment: Assignment, options: Options, rank: int
 ) -> dict[str, int]:
     """Bytes of K-FAC state on ``rank``: the factors (every rank), the decompositions (the
-    layer's gradient workers) and the buffers: a batch-factor buffer per factor and, with
-    staleness measured, each factor's sketch (``n × staleness_probes``, every rank)."""
+    layer's gradient workers) and the buffers: a batch-factor buffer per factor, with
+    staleness measured each factor's sketch (``n × staleness_probes``, every rank), and the
+    step's two device scalars (the skipped-step count and the KL clip's scale)."""
     factors = decompositions = sketches = 0
     for layer in layers:
         elem = _elem(layer.factor_dtype)
@@ -394,7 +399,8 @@ def memory_for_rank(
             a_parts, g_parts, table = decomposition_parts(layer, options)
             numel = sum(p.numel for p in a_parts + g_parts) + table
             decompositions += _elem(layer.inv_dtype) * numel
-    memory = {"factors": factors, "decompositions": decompositions, "buffers": factors + sketches}
+    buffers = factors + sketches + STEP_SCALAR_BYTES
+    memory = {"factors": factors, "decompositions": decompositions, "buffers": buffers}
     memory["total"] = sum(memory.values())
     return memory
 

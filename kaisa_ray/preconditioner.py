@@ -20,17 +20,18 @@ never enter the running averages, and a failed ``eigh`` falls back instead of cr
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from kaisa_ray import checkpoint
+from kaisa_ray import batching, checkpoint
 from kaisa_ray.comm import Communicator, unpack_into
 from kaisa_ray.enums import (
     AssignmentStrategy,
@@ -38,6 +39,7 @@ from kaisa_ray.enums import (
     DistributedStrategy,
     FactorScale,
     KFACApprox,
+    MatmulPrecision,
     RunningAverage,
     parse_enum,
 )
@@ -89,6 +91,50 @@ class _Scaler(Protocol):
 
 
 GradScalerLike = _Scaler | Callable[[], float]
+
+
+@contextlib.contextmanager
+def _precision(precision: str) -> Iterator[None]:
+    """Run the products inside at ``torch.set_float32_matmul_precision(precision)``."""
+    before = torch.get_float32_matmul_precision()
+    if before == precision:
+        yield
+        return
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Layers' raw and preconditioned gradients ``(n, k, g, a)``, set together."""
+
+    layers: Sequence[KFACLayer]
+    raw: torch.Tensor
+    out: torch.Tensor
+
+
+def _sum_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``Σ a·b`` (float32 at least), without an elementwise temporary."""
+    if a.dtype in (torch.float16, torch.bfloat16):
+        a, b = a.float(), b.float()
+    return torch.vdot(a.reshape(-1), b.to(a.dtype).reshape(-1))
+
+
+def _finite_flags(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Whether each tensor's values are all finite, waiting for the device once: a sum per
+    tensor (a NaN or an infinity makes it non-finite), an exact check only where a sum is not
+    finite (a finite sum's overflow)."""
+    if not tensors:
+        return []
+    sums = torch.stack([t.sum(dtype=torch.float64) for t in tensors]).isfinite().tolist()
+    return [bool(ok) or bool(torch.isfinite(t).all()) for ok, t in zip(sums, tensors, strict=True)]
+
+
+def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    return all(_finite_flags(tensors))
 
 
 class KFACPreconditioner:
@@ -149,6 +195,10 @@ class KFACPreconditioner:
         measure_staleness: measure how stale each layer's curvature is on its factor and
             decomposition updates (``kaisa_ray.staleness``; read it with ``staleness()``).
             Default: on with ``intervals``, which decide from it, else off.
+        matmul_precision: the float32 precision of K-FAC's factor and preconditioning
+            products, as ``torch.set_float32_matmul_precision`` names them: 'highest',
+            'high' (TF32 on CUDA) or 'medium' (also bfloat16 products on CPUs with them);
+            decompositions always run at 'highest'. Applies to float32 products only.
     """
 
     def __init__(
@@ -182,6 +232,7 @@ class KFACPreconditioner:
         factor_samples: int | None = None,
         intervals: AdaptiveIntervals | None = None,
         measure_staleness: bool | None = None,
+        matmul_precision: MatmulPrecision | str = MatmulPrecision.HIGH,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigurationError(
@@ -259,6 +310,7 @@ class KFACPreconditioner:
         self.kfac_approx = parse_enum(KFACApprox, kfac_approx, "kfac_approx")
         self.running_average = parse_enum(RunningAverage, running_average, "running_average")
         self.factor_scale = parse_enum(FactorScale, factor_scale, "factor_scale")
+        self.matmul_precision = parse_enum(MatmulPrecision, matmul_precision, "matmul_precision")
         self.pi_damping = pi_damping
         self.factor_samples = factor_samples
         self.measures_staleness = intervals is not None or bool(measure_staleness)
@@ -284,7 +336,6 @@ class KFACPreconditioner:
         self.loglevel = loglevel
         self._grad_scaler = grad_scaler
         self._grad_scale_cache: tuple[int, float] | None = None
-        self.last_grad_scale = 1.0
         # Host seconds per phase (kaisa_ray.timing); read and zero with times.reset().
         self.times = PhaseTimes()
 
@@ -365,9 +416,17 @@ class KFACPreconditioner:
         self._measured: dict[str, Measurement] = {}
         self._interval_changes: list[IntervalChange] = []
 
+        # The layers this rank preconditions, grouped by shape for batched products.
+        mine = [lay for lay in self._layers if self.assignment.is_grad_worker(lay.name, self.rank)]
+        self._groups = batching.shape_groups(mine)
         self._steps = 0
         self.skipped_factor_updates = 0
-        self.skipped_steps = 0
+        # Kept on the device from the first step on, so that a step need not wait for them
+        # (skipped_steps and last_grad_scale read them).
+        self._skipped_count = 0
+        self._skipped: torch.Tensor | None = None
+        self._skipped_warned = 0
+        self._last_grad_scale: torch.Tensor | None = None
         self.last_updates: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self._plan_step(0)
         logger.log(
@@ -449,7 +508,7 @@ class KFACPreconditioner:
         if layer.name not in self._factor_now:
             return
         inputs = args[0]
-        with torch.no_grad(), self.times.phase("factors"):
+        with torch.no_grad(), self.times.phase("factors"), self._products():
             if self.update_factors_in_hook:
                 layer.add_input(inputs)
             else:
@@ -460,7 +519,7 @@ class KFACPreconditioner:
                 if not self.update_factors_in_hook:
                     layer.save_grad_output(grad)
                     return
-                with self.times.phase("factors"):
+                with self.times.phase("factors"), self._products():
                     layer.add_grad_output(grad, self._g_divisor())
                 if layer.batch_complete(self.accumulation_steps):
                     # Final for this step: start its share of the factor all-reduce now, so
@@ -501,60 +560,65 @@ class KFACPreconditioner:
         (a GradScaler overflow), the gradients are left as they are for the scaler to skip,
         and ``skipped_steps`` counts it. With several ranks every rank must call ``step()``;
         gradients must already be averaged over ranks (DDP does this).
+
+        A step that updates neither factors nor decompositions never waits for the device:
+        whether the gradients were finite, the KL clip's scale and the skipped-step count are
+        decided on the device (read ``skipped_steps`` or ``last_grad_scale`` to wait).
         """
         step = self._steps
         damping = self.damping
         active = [layer for layer in self._layers if layer.helper.has_grad()]
         times = self.times
         decompose = self.schedule.decomposition_layers(step)
+        grads_finite: bool | None = None  # known where the step waits for the device anyway
         if self._factor_step:
             if not self.update_factors_in_hook:
-                with times.phase("factors"):
+                with times.phase("factors"), self._products():
                     for layer in self._layers:
                         layer.factor_saved(self._g_divisor())
             with times.phase("communication"):
                 self._comm.reduce_factors(self._batch_of, self._store_reduced)
-        with times.phase("factors"):
-            grads, grads_finite = self._fold_factors(active)
+            with times.phase("factors"):
+                grads_finite = self._fold_factors(active)
+        else:
+            for layer in self._layers:
+                layer.reset_batch()
+            self._comm.reset()
 
         stale: dict[str, torch.Tensor] = {}
         if self.measures_staleness and (self._factor_now or decompose):
+            if grads_finite is None:
+                grads_finite = _all_finite([layer.helper.grad() for layer in active])
             with times.phase("staleness"):
-                stale = self._before_decompositions(decompose, grads, grads_finite, damping)
+                stale = self._before_decompositions(decompose, grads_finite, damping)
         if decompose:
             self._update_decompositions(damping, decompose)
 
         preconditioned: dict[str, torch.Tensor] = {}
-        if grads_finite and active:
-            preconditioned = self._precondition(active, grads, damping)
-        elif active:
-            self.skipped_steps += 1
+        if active:
+            preconditioned = self._precondition(active, damping)
 
         if self.measures_staleness and decompose:
             with times.phase("staleness"):
                 self._after_decompositions(step, decompose, stale, preconditioned)
+        if self._factor_step or decompose:  # the step waited for the device anyway
+            self._warn_skipped()
 
         # What this step updated: with ``plan.calls_at`` it names the step's collectives.
         self.last_updates = (self._factor_now, decompose)
         self._steps += 1
         self._plan_step(self._steps)
 
-    def _fold_factors(self, active: list[KFACLayer]) -> tuple[dict[str, torch.Tensor], bool]:
+    def _fold_factors(self, active: list[KFACLayer]) -> bool:
         """Fold this step's (reduced) batch factors into the running averages, unless a
-        factor or a gradient is not finite; returns the raw gradients and whether all are finite."""
+        factor or a gradient is not finite; returns whether every gradient is finite."""
         step = self._steps
-        grads = {layer.name: layer.helper.grad() for layer in active}
-        batches = [(layer, layer.batch_factors()) for layer in self._layers]
-        ready = [(layer, b) for layer, b in batches if b is not None]
-
-        checks = [torch.isfinite(g).all() for g in grads.values()]
-        n_grads = len(checks)
-        for _, (a, g) in ready:
-            checks += [torch.isfinite(a).all(), torch.isfinite(g).all()]
-        flags = torch.stack(checks).tolist() if checks else []
-        grads_finite = all(flags[:n_grads])
-        factors_finite = all(flags[n_grads:])
-
+        grads = [layer.helper.grad() for layer in active]
+        ready = [(layer, b) for layer in self._layers if (b := layer.batch_factors()) is not None]
+        factors = [t for _, pair in ready for t in pair]
+        flags = _finite_flags(grads + factors)
+        grads_finite = all(flags[: len(grads)])
+        factors_finite = all(flags[len(grads) :])
         if ready:
             if grads_finite and factors_finite:
                 decay = self.factor_decay
@@ -571,7 +635,7 @@ class KFACPreconditioner:
         for layer in self._layers:
             layer.reset_batch()
         self._comm.reset()
-        return grads, grads_finite
+        return grads_finite
 
     # -- staleness --------------------------------------------------------------------------
 
@@ -580,11 +644,7 @@ class KFACPreconditioner:
         return self.assignment.placements[name].a_rank == self.rank
 
     def _before_decompositions(
-        self,
-        decompose: frozenset[str],
-        grads: dict[str, torch.Tensor],
-        grads_finite: bool,
-        damping: float,
+        self, decompose: frozenset[str], grads_finite: bool, damping: float
     ) -> dict[str, torch.Tensor]:
         """Every rank: each updated layer's factor change since its last decomposition (the
         factors are the same on every rank) and, for the layers decomposing now, the sketches
@@ -600,12 +660,13 @@ class KFACPreconditioner:
             layer = self._by_name[name]
             if (
                 grads_finite
-                and name in grads
+                and layer.helper.has_grad()
                 and self._owns(name)
                 and layer.decomposition.ready
                 and layer.sketch_a is not None
             ):
-                stale[name] = layer.decomposition.precondition(grads[name], damping)
+                with self._products():
+                    stale[name] = layer.decomposition.precondition(layer.helper.grad(), damping)
             layer.take_sketches()
         return stale
 
@@ -700,24 +761,28 @@ class KFACPreconditioner:
         return changes
 
     def _update_decompositions(self, damping: float, decompose: frozenset[str]) -> None:
-        """Each layer's A and G on their assigned ranks, then broadcast in the worker groups
-        (the layers in ``decompose``: those whose decomposition interval divides the step)."""
+        """Each layer's A and G on their assigned ranks (batched by shape), then broadcast in
+        the worker groups (the layers in ``decompose``: those whose decomposition interval
+        divides the step)."""
         rank = self.rank
         times = self.times
         sched = self.plan.schedule.restricted(self._factor_now, decompose)
-        with times.phase("decompositions"):
+        with times.phase("decompositions"), _precision("highest"):
+            work: list[tuple[KFACLayer, str, torch.Tensor, float | torch.Tensor]] = []
             for layer in self._layers:
                 if layer.name not in decompose:
                     continue
                 place = self.assignment.placements[layer.name]
-                a, g = layer.factors()
                 if rank not in (place.a_rank, place.g_rank):
                     continue
+                a, g = layer.factors()
                 damp_a, damp_g = layer.factor_dampings(a, g, damping)
                 if rank == place.a_rank:
-                    layer.decomposition.compute_a(a, damp_a)
+                    work.append((layer, "A", a, damp_a))
                 if rank == place.g_rank:
-                    layer.decomposition.compute_g(g, damp_g)
+                    work.append((layer, "G", g, damp_g))
+            batching.decompose(work)
+            del work
 
         def get(name: str, part: str) -> torch.Tensor:
             return self._by_name[name].decomposition.tensors()[part]
@@ -733,16 +798,30 @@ class KFACPreconditioner:
                 if layer.name in decompose and self.assignment.is_grad_worker(layer.name, rank):
                     layer.decomposition.finish(damping)
 
-    def _precondition(
-        self, active: list[KFACLayer], raw: dict[str, torch.Tensor], damping: float
-    ) -> dict[str, torch.Tensor]:
-        """Precondition, broadcast to receivers, clip and set; returns the preconditioned
+    def _precondition(self, active: list[KFACLayer], damping: float) -> dict[str, torch.Tensor]:
+        """Precondition (by shape group where a whole group is active and decomposed, else
+        layer by layer), broadcast to receivers, clip and set; returns the preconditioned
         gradients before clipping."""
         preconditioned: dict[str, torch.Tensor] = {}
-        with self.times.phase("precondition"):
-            for layer in active:
-                if self.assignment.is_grad_worker(layer.name, self.rank):
-                    preconditioned[layer.name] = layer.precondition(raw[layer.name], damping)
+        blocks: list[_Block] = []
+        names = {layer.name for layer in active}
+        with self.times.phase("precondition"), self._products():
+            alone: list[KFACLayer] = []
+            for group in self._groups:
+                members = [layer for layer in group.layers if layer.name in names]
+                if len(members) == len(group.layers) and group.ready():
+                    raw = group.gather()
+                    out = group.precondition(raw, damping)
+                    blocks.append(_Block(group.layers, raw, out))
+                    for index, layer in enumerate(group.layers):
+                        preconditioned[layer.name] = out[index]
+                else:
+                    alone += members
+            for layer in alone:
+                raw = layer.helper.grad()
+                out = layer.precondition(raw, damping)
+                blocks.append(_Block((layer,), raw.unsqueeze(0), out.unsqueeze(0)))
+                preconditioned[layer.name] = out
 
         def get(name: str, part: str) -> torch.Tensor:
             if name in preconditioned:
@@ -754,44 +833,99 @@ class KFACPreconditioner:
                 device=layer.helper.weight().device,
             )
 
+        received: dict[str, torch.Tensor] = {}
+
         def put(name: str, part: str, flat: torch.Tensor) -> None:
-            preconditioned[name] = flat.view(self._by_name[name].part_shape("grad"))
+            received[name] = flat.view(self._by_name[name].part_shape("grad"))
 
         with self.times.phase("communication"):
             self._comm.broadcast(self._comm.gradient_buckets, get, put)
         with self.times.phase("precondition"):
-            self._clip_and_set(active, raw, preconditioned)
+            for layer in active:
+                if layer.name in received:
+                    out = received[layer.name]
+                    blocks.append(_Block((layer,), layer.helper.grad().unsqueeze(0), out[None]))
+                    preconditioned[layer.name] = out
+            self._clip_and_set(blocks)
         return preconditioned
 
-    def _clip_and_set(
-        self,
-        active: list[KFACLayer],
-        raw: dict[str, torch.Tensor],
-        preconditioned: dict[str, torch.Tensor],
-    ) -> None:
-        """KL clipping (scale by min(1, sqrt(kl_clip / |lr² Σ p·g|))), then set the grads."""
-        pairs = [(raw[layer.name], preconditioned[layer.name]) for layer in active]
+    def _clip_and_set(self, blocks: list[_Block]) -> None:
+        """KL clipping (scale by min(1, sqrt(kl_clip / |lr² Σ p·g|))), then set the grads;
+        where a gradient or a preconditioned gradient is not finite, the raw gradients stay.
+        Decided on the device: no value is read back here."""
+        if not blocks:
+            return
+        # Σ p·g per layer (one product each, the same on every rank however the layer was
+        # preconditioned there), summed in layer order in float64: not finite if any p or g
+        # is (a NaN or an infinity spreads through the products).
+        dot_of = {
+            layer.name: _sum_dot(block.out[index], block.raw[index])
+            for block in blocks
+            for index, layer in enumerate(block.layers)
+        }
+        dots = [dot_of[layer.name] for layer in self._layers if layer.name in dot_of]
+        total = torch.stack(dots).to(torch.float64).sum()
+        ok = torch.isfinite(total)
+        if self._skipped is None or self._last_grad_scale is None:
+            self._skipped = torch.full((), self._skipped_count, device=total.device)
+            self._last_grad_scale = torch.ones((), dtype=torch.float64, device=total.device)
         kl_clip = self.kl_clip
-        dots = torch.stack([(p * g).sum().to(torch.float64) for g, p in pairs])
-        finite = torch.stack([torch.isfinite(p).all() for _, p in pairs]).all()
-        vg_sum, ok = float(dots.sum()), bool(finite)
-        if not ok or not math.isfinite(vg_sum):
-            self.skipped_steps += 1
+        if kl_clip is not None:
+            scale = torch.sqrt(kl_clip / (total * self.lr**2).abs()).clamp(max=1.0)
+            scale = torch.where(ok, scale, self._last_grad_scale)
+            self._last_grad_scale = scale
+        else:
+            self._last_grad_scale = torch.where(ok, 1.0, self._last_grad_scale)
+        self._skipped += (~ok).to(self._skipped.dtype)
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for block in blocks:
+            out = block.out
+            if kl_clip is not None:
+                out = out * self._last_grad_scale.to(out.dtype)
+            out = torch.where(ok, out, block.raw.to(out.dtype))
+            for index, layer in enumerate(block.layers):
+                helper = layer.helper
+                weight_grad, bias = helper.weight().grad, helper.bias()
+                if weight_grad is None:
+                    continue
+                k, g = helper.groups, helper.g_dim
+                weight_view = weight_grad.view(k, g, -1)
+                dst.append(weight_view)
+                src.append(out[index, :, :, : weight_view.shape[-1]])
+                if bias is not None and bias.grad is not None:
+                    dst.append(bias.grad.view(k, g))
+                    src.append(out[index, :, :, -1])
+        torch._foreach_copy_(dst, src)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose gradients were left as they were because one was not finite (reading
+        it waits for the device)."""
+        return self._skipped_count if self._skipped is None else int(self._skipped)
+
+    @property
+    def last_grad_scale(self) -> float:
+        """The KL clip's scale on the last step that set the gradients (1.0 without a clip;
+        reading it waits for the device)."""
+        return 1.0 if self._last_grad_scale is None else float(self._last_grad_scale)
+
+    def _warn_skipped(self) -> None:
+        """Warn about steps skipped since the last warning (where the step waits anyway)."""
+        skipped = self.skipped_steps
+        if skipped > self._skipped_warned:
+            self._skipped_warned = skipped
             warnings.warn(
-                f"K-FAC step {self._steps}: a preconditioned gradient was not finite; the raw "
-                "gradients are kept for this step. Raise damping if this repeats.",
+                f"K-FAC step {self._steps}: a preconditioned gradient was not finite on "
+                f"{skipped} step(s) so far; the raw gradients were kept on those steps. Raise "
+                "damping if this repeats.",
                 RuntimeWarning,
                 stacklevel=user_stacklevel(),
             )
-            return
-        scale = 1.0
-        if kl_clip is not None:
-            vg_sum *= self.lr**2
-            if vg_sum != 0.0:
-                scale = min(1.0, math.sqrt(kl_clip / abs(vg_sum)))
-        self.last_grad_scale = scale
-        for layer, (_, p) in zip(active, pairs, strict=True):
-            layer.helper.set_grad(p * scale if scale != 1.0 else p)
+
+    def _products(self) -> contextlib.AbstractContextManager[None]:
+        """K-FAC's factor and preconditioning products at ``matmul_precision``."""
+        return _precision(self.matmul_precision)
 
     # -- accounting, checkpoints -----------------------------------------------------------
 
@@ -802,7 +936,12 @@ class KFACPreconditioner:
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state held now, by category, plus ``total``. Exact, not estimated."""
-        sizes = {"factors": 0, "decompositions": 0, "buffers": 0}
+        scalars = (self._skipped, self._last_grad_scale)
+        sizes = {
+            "factors": 0,
+            "decompositions": 0,
+            "buffers": sum(t.nbytes for t in scalars if t is not None),
+        }
         for layer in self._layers:
             for key, value in layer.memory_usage().items():
                 sizes[key] += value
@@ -874,7 +1013,9 @@ class KFACPreconditioner:
         )
         self._steps = int(state_dict["steps"])
         self.skipped_factor_updates = int(state_dict.get("skipped_factor_updates", 0))
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self._skipped_count = self._skipped_warned = int(state_dict.get("skipped_steps", 0))
+        if self._skipped is not None:
+            self._skipped.fill_(self._skipped_count)
         for problem in self.schedule.load_state_dict(state_dict.get("intervals") or {}):
             logger.log(
                 self.loglevel, "checkpoint's adaptive intervals: %s; starting rung kept", problem

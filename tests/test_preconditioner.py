@@ -15,6 +15,7 @@ from torch import nn
 
 from kaisa_ray import KFACPreconditioner
 from kaisa_ray.kfac_layer import KFACLayer
+from kaisa_ray.plan import STEP_SCALAR_BYTES
 
 
 def small_cnn(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -437,8 +438,9 @@ def test_memory_usage_is_exact() -> None:
     assert preconditioner.memory_usage() == {
         "factors": factors,
         "decompositions": decompositions,
-        "buffers": factors,  # one reusable batch-factor buffer per factor
-        "total": 2 * factors + decompositions,
+        # one reusable batch-factor buffer per factor; the step's two device scalars
+        "buffers": factors + STEP_SCALAR_BYTES,
+        "total": 2 * factors + decompositions + STEP_SCALAR_BYTES,
     }
     inverse = KFACPreconditioner(small_cnn(), compute_method="inverse")
     assert inverse.memory_usage()["total"] == 0  # nothing allocated before the first step

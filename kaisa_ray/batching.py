@@ -1,0 +1,195 @@
+"""Preconditioning by shape: the layers a rank preconditions, grouped so that layers of the
+same shapes share one batched product instead of a Python loop over layers.
+
+A ``ShapeGroup`` holds ``n`` layers with the same decomposition method, group count ``k``,
+``g_dim``, ``a_dim`` and dtypes. Their decompositions live in the group's stacked storage
+(each layer's tensors are views into it, ``Decomposition.attach``), so a step's products are
+one batched matmul per factor for the whole group, without copying the decompositions:
+
+- ``raw``: the members' gradients ``(n, k, g, a)`` in the decompositions' dtype (the weight's
+  gradient with the bias's as the last column, as ``LayerHelper.grad``);
+- storage: ``a_inv`` ``(n, k, a, a)``, ``g_inv`` ``(n, k, g, g)`` (inverse method), or ``qa``,
+  ``da`` ``(n, k, a)``, ``qg``, ``dg`` and ``dgda`` ``(n, k, g, a)`` (eigen method).
+
+The storage is the members' decompositions exactly (the same bytes as one tensor per layer),
+allocated when the first member keeps one. Decompositions are batched the same way
+(``decompose``): the factors of one shape that a rank decomposes go through one batched
+``eigh`` or Cholesky, in chunks whose temporaries are no larger than the largest layer's
+alone, so a decomposition step's peak memory does not grow with batching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from kaisa_ray.decomposition import (
+    EigenDecomposition,
+    InverseDecomposition,
+    eigen_denominator,
+    eigen_precondition,
+    inverse_precondition,
+)
+from kaisa_ray.kfac_layer import KFACLayer
+
+Solver = Callable[..., Sequence[Any]]
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    """What layers must share to be preconditioned in one batched product."""
+
+    method: str
+    groups: int
+    g_dim: int
+    a_dim: int
+    inv_dtype: torch.dtype
+    device: torch.device
+    outer_product: bool
+    pi: bool
+
+
+def shape_key(layer: KFACLayer) -> ShapeKey:
+    d = layer.decomposition
+    eigen = isinstance(d, EigenDecomposition)
+    outer_product = isinstance(d, EigenDecomposition) and d.outer_product
+    pi = isinstance(d, EigenDecomposition) and d.pi
+    return ShapeKey(
+        method="eigen" if eigen else "inverse",
+        groups=layer.helper.groups,
+        g_dim=layer.helper.g_dim,
+        a_dim=layer.helper.a_dim,
+        inv_dtype=d.inv_dtype,
+        device=layer.helper.weight().device,
+        outer_product=outer_product,
+        pi=pi,
+    )
+
+
+class ShapeGroup:
+    """Layers of one ``ShapeKey`` whose decompositions share stacked storage."""
+
+    def __init__(self, key: ShapeKey, layers: Sequence[KFACLayer]) -> None:
+        self.key = key
+        self.layers = tuple(layers)
+        self.names = frozenset(layer.name for layer in layers)
+        self.storage: dict[str, torch.Tensor] = {}
+        for index, layer in enumerate(self.layers):
+            layer.decomposition.attach(partial(self._store, index))
+
+    def _store(self, index: int, part: str, value: torch.Tensor) -> torch.Tensor:
+        """Copy ``value`` into member ``index``'s share of ``part``'s storage; its view."""
+        buffer = self.storage.get(part)
+        if buffer is None or buffer.shape[1:] != value.shape or buffer.dtype != value.dtype:
+            buffer = torch.empty(
+                (len(self.layers), *value.shape), dtype=value.dtype, device=value.device
+            )
+            self.storage[part] = buffer
+        view = buffer[index]
+        view.copy_(value)
+        return view
+
+    def _parts(self) -> tuple[str, ...]:
+        if self.key.method == "inverse":
+            return ("a_inv", "g_inv")
+        return ("qa", "qg", "dgda") if self.key.outer_product else ("qa", "qg", "da", "dg")
+
+    def ready(self) -> bool:
+        """Whether every member's decomposition is in the storage (else precondition them one
+        by one: a member never decomposed is decomposed first by ``KFACLayer.precondition``)."""
+        for part in self._parts():
+            buffer = self.storage.get(part)
+            if buffer is None:
+                return False
+            for index, layer in enumerate(self.layers):
+                held = getattr(layer.decomposition, part)
+                if held is None or held.data_ptr() != buffer[index].data_ptr():
+                    return False
+        return True
+
+    def gather(self) -> torch.Tensor:
+        """The members' gradients ``(n, k, g, a)`` in the decompositions' dtype."""
+        k, g, a = self.key.groups, self.key.g_dim, self.key.a_dim
+        raw = torch.empty(
+            (len(self.layers), k, g, a), dtype=self.key.inv_dtype, device=self.key.device
+        )
+        for index, layer in enumerate(self.layers):
+            helper = layer.helper
+            weight_grad = helper.weight().grad
+            if weight_grad is None:
+                raise RuntimeError(f"{helper.describe()} has no gradient; call backward() first.")
+            weight_view = weight_grad.reshape(k, g, -1)
+            columns = weight_view.shape[-1]
+            raw[index, :, :, :columns].copy_(weight_view)
+            bias = helper.bias()
+            if bias is not None:
+                if bias.grad is None:
+                    raise RuntimeError(f"{helper.describe()} has no bias gradient.")
+                raw[index, :, :, columns].copy_(bias.grad.reshape(k, g))
+        return raw
+
+    def precondition(self, raw: torch.Tensor, damping: float) -> torch.Tensor:
+        """The members' preconditioned gradients ``(n, k, g, a)`` from ``gather()``'s."""
+        n, k, g, a = raw.shape
+        grads = raw.reshape(n * k, g, a)
+        s = self.storage
+        if self.key.method == "inverse":
+            out = inverse_precondition(
+                grads, s["a_inv"].reshape(n * k, a, a), s["g_inv"].reshape(n * k, g, g)
+            )
+        else:
+            qa, qg = s["qa"].reshape(n * k, a, a), s["qg"].reshape(n * k, g, g)
+            if self.key.outer_product:
+                out = eigen_precondition(grads, qa, qg, dgda=s["dgda"].reshape(n * k, g, a))
+            else:
+                denominator = eigen_denominator(
+                    s["da"].reshape(n * k, a), s["dg"].reshape(n * k, g), damping, self.key.pi
+                )
+                out = eigen_precondition(grads, qa, qg, denominator=denominator)
+        return out.reshape(n, k, g, a)
+
+
+def shape_groups(layers: Sequence[KFACLayer]) -> list[ShapeGroup]:
+    """``layers`` grouped by ``ShapeKey`` (in the order of each key's first layer); every
+    layer's decomposition is attached to its group's storage."""
+    by_key: dict[ShapeKey, list[KFACLayer]] = {}
+    for layer in layers:
+        by_key.setdefault(shape_key(layer), []).append(layer)
+    return [ShapeGroup(key, members) for key, members in by_key.items()]
+
+
+def decompose(
+    work: Sequence[tuple[KFACLayer, str, torch.Tensor, float | torch.Tensor]],
+) -> None:
+    """Decompose ``(layer, 'A' or 'G', factor, damping)`` items, batched by method and factor
+    shape, each chunk's stacked factors no larger than the largest factor alone (so that the
+    temporaries of a batched ``eigh`` or Cholesky stay those of one layer)."""
+    by_shape: dict[tuple[str, tuple[int, ...], torch.dtype, torch.device], list[int]] = {}
+    for index, (layer, _, factor, _) in enumerate(work):
+        method = "eigen" if isinstance(layer.decomposition, EigenDecomposition) else "inverse"
+        key = (method, tuple(factor.shape), factor.dtype, factor.device)
+        by_shape.setdefault(key, []).append(index)
+    largest = max((item[2].numel() for item in work), default=0)
+    for (method, shape, _, _), indices in by_shape.items():
+        per_chunk = max(1, largest // max(1, torch.Size(shape).numel()))
+        solve: Solver = (
+            EigenDecomposition.solve_many if method == "eigen" else InverseDecomposition.solve_many
+        )
+        for start in range(0, len(indices), per_chunk):
+            chunk = [work[i] for i in indices[start : start + per_chunk]]
+            # One member: its factor as it is (no copy); several: a stacked copy, which the
+            # solver may then use as its workspace.
+            owned = len(chunk) > 1
+            factors = (
+                torch.stack([item[2] for item in chunk]) if owned else chunk[0][2].unsqueeze(0)
+            )
+            results = solve(factors, [item[3] for item in chunk], owned=owned)
+            del factors
+            for (layer, which, factor, damping), result in zip(chunk, results, strict=True):
+                if result is None:  # on its own in float64, as an unbatched layer would be
+                    result = layer.decomposition.retry(factor, damping)
+                layer.decomposition.accept(which, result, factor, damping)
