@@ -21,6 +21,7 @@ never enter the running averages, and a failed ``eigh`` falls back instead of cr
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -417,8 +418,9 @@ class KFACPreconditioner:
         self._interval_changes: list[IntervalChange] = []
 
         # The layers this rank preconditions, grouped by shape for batched products.
-        mine = [lay for lay in self._layers if self.assignment.is_grad_worker(lay.name, self.rank)]
-        self._groups = batching.shape_groups(mine)
+        self._groups = batching.shape_groups(
+            [lay for lay in self._layers if self._preconditions(lay)]
+        )
         self._steps = 0
         self.skipped_factor_updates = 0
         # Kept on the device from the first step on, so that a step need not wait for them
@@ -507,27 +509,32 @@ class KFACPreconditioner:
         layer = self._by_module[module]
         if layer.name not in self._factor_now:
             return
-        inputs = args[0]
+        self._take_input(layer, args[0])
+        output.register_hook(functools.partial(self._on_grad, layer))  # type: ignore[no-untyped-call]
+
+    # Factor work runs eagerly under torch.compile: a graph break at the hook, on factor steps
+    # only (on other steps the hook returns before it, inside the compiled graph).
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _take_input(self, layer: KFACLayer, inputs: torch.Tensor) -> None:
         with torch.no_grad(), self.times.phase("factors"), self._products():
             if self.update_factors_in_hook:
                 layer.add_input(inputs)
             else:
                 layer.save_input(inputs)
 
-        def on_grad(grad: torch.Tensor) -> None:
-            with torch.no_grad():
-                if not self.update_factors_in_hook:
-                    layer.save_grad_output(grad)
-                    return
-                with self.times.phase("factors"), self._products():
-                    layer.add_grad_output(grad, self._g_divisor())
-                if layer.batch_complete(self.accumulation_steps):
-                    # Final for this step: start its share of the factor all-reduce now, so
-                    # communication overlaps the rest of backpropagation.
-                    with self.times.phase("communication"):
-                        self._comm.factor_ready(layer.name, self._batch_of)
-
-        output.register_hook(on_grad)  # type: ignore[no-untyped-call]
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _on_grad(self, layer: KFACLayer, grad: torch.Tensor) -> None:
+        with torch.no_grad():
+            if not self.update_factors_in_hook:
+                layer.save_grad_output(grad)
+                return
+            with self.times.phase("factors"), self._products():
+                layer.add_grad_output(grad, self._g_divisor())
+            if layer.batch_complete(self.accumulation_steps):
+                # Final for this step: start its share of the factor all-reduce now, so
+                # communication overlaps the rest of backpropagation.
+                with self.times.phase("communication"):
+                    self._comm.factor_ready(layer.name, self._batch_of)
 
     def _g_divisor(self) -> float:
         """Divisor of output gradients. Reference scaling: the loss scale, and the world size,
@@ -806,18 +813,16 @@ class KFACPreconditioner:
         blocks: list[_Block] = []
         names = {layer.name for layer in active}
         with self.times.phase("precondition"), self._products():
-            alone: list[KFACLayer] = []
             for group in self._groups:
-                members = [layer for layer in group.layers if layer.name in names]
-                if len(members) == len(group.layers) and group.ready():
+                if group.names <= names and group.ready():
                     raw = group.gather()
                     out = group.precondition(raw, damping)
                     blocks.append(_Block(group.layers, raw, out))
                     for index, layer in enumerate(group.layers):
                         preconditioned[layer.name] = out[index]
-                else:
-                    alone += members
-            for layer in alone:
+            for layer in active:  # the rest of this rank's layers, one by one
+                if layer.name in preconditioned or not self._preconditions(layer):
+                    continue
                 raw = layer.helper.grad()
                 out = layer.precondition(raw, damping)
                 blocks.append(_Block((layer,), raw.unsqueeze(0), out.unsqueeze(0)))
@@ -848,6 +853,9 @@ class KFACPreconditioner:
                     preconditioned[layer.name] = out
             self._clip_and_set(blocks)
         return preconditioned
+
+    def _preconditions(self, layer: KFACLayer) -> bool:
+        return self.assignment.is_grad_worker(layer.name, self.rank)
 
     def _clip_and_set(self, blocks: list[_Block]) -> None:
         """KL clipping (scale by min(1, sqrt(kl_clip / |lr² Σ p·g|))), then set the grads;

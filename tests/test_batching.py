@@ -1,0 +1,302 @@
+"""Preconditioning by shape group (``kaisa_ray.batching``): the batched products equal the
+layer-by-layer ones, decompositions batch and fall back per layer, a step that updates
+nothing waits for no value, and the model can be ``torch.compile``d with K-FAC attached."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kaisa_ray import KFACPreconditioner, batching
+
+
+def repeated_shapes() -> nn.Sequential:
+    """Three Linear layers of one shape, two convolutions of one shape, and odd ones."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1, bias=False),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1, bias=False),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 12),
+        nn.Tanh(),
+        nn.Linear(12, 12),
+        nn.Tanh(),
+        nn.Linear(12, 12),
+        nn.Tanh(),
+        nn.Linear(12, 12),
+        nn.Tanh(),
+        nn.Linear(12, 5),
+    )
+
+
+def batches(count: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    for step in range(start, start + count):
+        g = torch.Generator().manual_seed(step)
+        yield torch.randn(16, 2, 6, 6, generator=g), torch.randint(0, 5, (16,), generator=g)
+
+
+def train(model: nn.Module, preconditioner: KFACPreconditioner, steps: int, start: int = 0) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for x, y in batches(steps, start):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        preconditioner.step()
+        optimizer.step()
+
+
+CONFIGS: list[dict[str, Any]] = [
+    {"compute_method": "inverse"},
+    {"compute_method": "inverse", "pi_damping": True, "factor_scale": "fisher"},
+    {"compute_method": "eigen"},
+    {"compute_method": "eigen", "compute_eigenvalue_outer_product": False, "pi_damping": True},
+    {"compute_method": "eigen", "kl_clip": None, "running_average": "debiased"},
+]
+
+
+def test_layers_of_one_shape_share_a_group() -> None:
+    preconditioner = KFACPreconditioner(repeated_shapes())
+    sizes = sorted(len(group.layers) for group in preconditioner._groups)
+    assert sizes == [1, 1, 1, 2, 3]
+
+
+@pytest.mark.parametrize("options", CONFIGS, ids=lambda o: "-".join(map(str, o.values())))
+def test_batched_steps_equal_the_layer_by_layer_path(options: dict[str, Any]) -> None:
+    """The same training with the groups (batched products, stacked storage) and without
+    (every layer alone, as before batching) ends on the same parameters in float32."""
+    kwargs = {"factor_update_steps": 1, "inv_update_steps": 3, "damping": 0.01, **options}
+    batched_model = repeated_shapes()
+    alone_model = copy.deepcopy(batched_model)
+    batched = KFACPreconditioner(batched_model, **kwargs)
+    alone = KFACPreconditioner(alone_model, **kwargs)
+    alone._groups = []  # every layer preconditioned on its own
+    train(batched_model, batched, 7)
+    train(alone_model, alone, 7)
+    for a, b in zip(batched_model.parameters(), alone_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert batched.memory_usage() == alone.memory_usage()
+
+
+def test_batched_decompositions_equal_each_layer_alone() -> None:
+    torch.manual_seed(0)
+    for method in ("eigen", "inverse"):
+        preconditioner = KFACPreconditioner(repeated_shapes(), compute_method=method)
+        layers = [layer for layer in preconditioner.layers if layer.helper.a_dim == 13]
+        assert len(layers) == 4  # three Linear(12, 12) and Linear(12, 5)
+        factors = []
+        for _ in layers:
+            x = torch.randn(40, 13, dtype=torch.float32)
+            factors.append((x.T @ x / 40).unsqueeze(0))
+        batching.decompose(
+            [(layer, "A", f, 0.01) for layer, f in zip(layers, factors, strict=True)]
+        )
+        batched = [
+            {k: v.clone() for k, v in layer.decomposition.tensors().items()} for layer in layers
+        ]
+        for layer, factor, got in zip(layers, factors, batched, strict=True):
+            layer.decomposition.compute_a(factor, 0.01)
+            for part, value in layer.decomposition.tensors().items():
+                if part.startswith("q"):  # eigenvectors: up to sign
+                    torch.testing.assert_close(got[part].abs(), value.abs(), rtol=1e-5, atol=1e-5)
+                else:
+                    torch.testing.assert_close(got[part], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_member_the_batched_call_fails_on_is_retried_alone_in_float64(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    preconditioner = KFACPreconditioner(repeated_shapes(), compute_method="eigen")
+    layers = [layer for layer in preconditioner.layers if layer.helper.a_dim == 13]
+    real_eigh = torch.linalg.eigh
+    calls: list[tuple[int, torch.dtype]] = []
+
+    def batched_float32_fails(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append((matrix.shape[0], matrix.dtype))
+        if matrix.dtype != torch.float64:
+            raise torch.linalg.LinAlgError("simulated: failed to converge")
+        return real_eigh(matrix)
+
+    monkeypatch.setattr(torch.linalg, "eigh", batched_float32_fails)
+    wide = next(layer for layer in preconditioner.layers if layer.helper.a_dim == 145)
+    eye = torch.eye(13).unsqueeze(0)
+    work = [(layer, "A", eye * (i + 1), 0.01) for i, layer in enumerate(layers)]
+    batching.decompose([*work, (wide, "A", torch.eye(145).unsqueeze(0), 0.01)])
+    # the four 13-wide factors in one batched float32 attempt (the 145-wide one bounds the
+    # chunk), then each member once in float64, not in float32 again; then the wide one
+    assert calls == [(4, torch.float32)] + [(1, torch.float64)] * 4 + [
+        (1, torch.float32),
+        (1, torch.float64),
+    ]
+    for i, layer in enumerate(layers):
+        da = layer.decomposition.tensors()["da"]
+        torch.testing.assert_close(da, torch.full_like(da, float(i + 1)))
+
+
+def test_decomposition_chunks_are_no_larger_than_the_largest_factor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    preconditioner = KFACPreconditioner(repeated_shapes(), compute_method="inverse")
+    sizes: list[int] = []
+    real = torch.linalg.cholesky_ex
+
+    def counting(matrix: torch.Tensor) -> Any:
+        sizes.append(matrix.numel())
+        return real(matrix)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", counting)
+    work = []
+    for layer in preconditioner.layers:
+        a = torch.eye(layer.helper.a_dim).expand(layer.helper.groups, -1, -1).clone()
+        work.append((layer, "A", a, 0.1))
+    batching.decompose(work)
+    largest = max(layer.helper.a_dim**2 for layer in preconditioner.layers)
+    assert max(sizes) <= largest
+    assert len(sizes) < len(work)  # something was batched
+
+
+class Waits(TorchDispatchMode):
+    """Records every operation that hands a tensor's value to Python (a device wait on CUDA:
+    ``.item()``, ``float()``, ``bool()``, ``if tensor``) and the shape-from-data ones."""
+
+    WAITING: ClassVar[set[Any]] = {
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.nonzero.default,
+        torch.ops.aten.masked_select.default,
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in self.WAITING:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _watch_tolist(monkeypatch: pytest.MonkeyPatch, seen: list[str]) -> None:
+    real = torch.Tensor.tolist
+
+    def tolist(self: torch.Tensor) -> Any:  # reads memory directly: not a dispatched op
+        seen.append("tolist")
+        return real(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+
+
+@pytest.mark.parametrize("options", CONFIGS, ids=lambda o: "-".join(map(str, o.values())))
+def test_a_step_that_updates_nothing_reads_no_value_back(
+    options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = repeated_shapes()
+    preconditioner = KFACPreconditioner(
+        model, factor_update_steps=3, inv_update_steps=6, damping=0.01, **options
+    )
+    train(model, preconditioner, 7)  # past the first decomposition; step 7 updates nothing
+    assert preconditioner.steps == 7
+    x, y = next(batches(1, 100))
+    F.cross_entropy(model(x), y).backward()
+    watch = Waits()
+    _watch_tolist(monkeypatch, watch.seen)
+    with watch:
+        preconditioner.step()
+    assert watch.seen == []
+    assert preconditioner.last_updates == (frozenset(), frozenset())
+    # the check itself can fail: a factor step reads its flags back
+    F.cross_entropy(model(x), y).backward()
+    preconditioner.step()
+    F.cross_entropy(model(x), y).backward()
+    with watch:
+        preconditioner.step()  # step 9: a factor update
+    assert watch.seen
+
+
+def test_a_non_finite_gradient_on_a_quiet_step_keeps_the_raw_gradients() -> None:
+    model = repeated_shapes()
+    preconditioner = KFACPreconditioner(model, factor_update_steps=3, inv_update_steps=6)
+    train(model, preconditioner, 7)
+    x, y = next(batches(1, 100))
+    F.cross_entropy(model(x), y).backward()
+    last = model[-1]
+    assert isinstance(last, nn.Linear)
+    assert last.weight.grad is not None
+    last.weight.grad[0, 0] = float("nan")
+    raw = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    preconditioner.step()
+    for name, p in model.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, raw[name], equal_nan=True)
+    assert preconditioner.skipped_steps == 1
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    preconditioner.step()  # step 8 does not wait: no warning yet
+    F.cross_entropy(model(x), y).backward()
+    with pytest.warns(RuntimeWarning, match=r"not finite on 1 step\(s\)"):
+        preconditioner.step()  # step 9 updates the factors: it waits, and warns
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_reduced_matmul_precision_stays_within_its_bound_of_float64(method: str) -> None:
+    """K-FAC's products at 'medium' (bfloat16 products where the CPU has them) and 'highest'
+    against the same preconditioner run in float64: the preconditioned gradient's error
+    relative to its norm."""
+
+    def preconditioned(precision: str, dtype: torch.dtype) -> torch.Tensor:
+        model = repeated_shapes().to(dtype)
+        pre = KFACPreconditioner(
+            model, compute_method=method, damping=0.01, kl_clip=None, matmul_precision=precision
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for x, y in batches(4):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x.to(dtype)), y).backward()
+            pre.step()
+            optimizer.step() if pre.steps < 4 else None
+        return torch.cat([p.grad.double().reshape(-1) for p in model.parameters()])  # type: ignore[union-attr]
+
+    exact = preconditioned("highest", torch.float64)
+    for precision, bound in (("highest", 1e-4), ("medium", 3e-2)):
+        got = preconditioned(precision, torch.float32)
+        error = float((got - exact).norm() / exact.norm())
+        assert error < bound, f"{precision}: {error:.2e}"
+
+
+def test_matmul_precision_is_restored_and_named_when_bad() -> None:
+    before = torch.get_float32_matmul_precision()
+    model = repeated_shapes()
+    preconditioner = KFACPreconditioner(model, matmul_precision="medium")
+    train(model, preconditioner, 2)
+    assert torch.get_float32_matmul_precision() == before
+    with pytest.raises(ValueError, match="matmul_precision='low' is not valid"):
+        KFACPreconditioner(repeated_shapes(), matmul_precision="low")
+
+
+@pytest.mark.slow
+def test_a_compiled_model_trains_with_kfac_as_the_eager_one() -> None:
+    """``torch.compile(model)`` with K-FAC attached to the model's layers: the same parameters
+    as eager after factor, decomposition and quiet steps (factor work runs eagerly, a graph
+    break on factor steps only)."""
+    eager_model = repeated_shapes()
+    compiled_model = copy.deepcopy(eager_model)
+    kwargs = {"factor_update_steps": 2, "inv_update_steps": 4, "damping": 0.01}
+    eager = KFACPreconditioner(eager_model, **kwargs)
+    compiled = KFACPreconditioner(compiled_model, **kwargs)
+    train(eager_model, eager, 6)
+    net = torch.compile(compiled_model)
+    optimizer = torch.optim.SGD(compiled_model.parameters(), lr=0.05)
+    for x, y in batches(6):
+        optimizer.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        compiled.step()
+        optimizer.step()
+    for a, b in zip(eager_model.parameters(), compiled_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
