@@ -34,6 +34,7 @@ from kaisa_ray.decomposition import (
     eigen_precondition,
     inverse_precondition,
 )
+from kaisa_ray.enums import ComputeMethod
 from kaisa_ray.kfac_layer import KFACLayer
 
 Solver = Callable[..., Sequence[Any]]
@@ -43,7 +44,7 @@ Solver = Callable[..., Sequence[Any]]
 class ShapeKey:
     """What layers must share to be preconditioned in one batched product."""
 
-    method: str
+    method: ComputeMethod
     groups: int
     g_dim: int
     a_dim: int
@@ -59,7 +60,7 @@ def shape_key(layer: KFACLayer) -> ShapeKey:
     outer_product = isinstance(d, EigenDecomposition) and d.outer_product
     pi = isinstance(d, EigenDecomposition) and d.pi
     return ShapeKey(
-        method="eigen" if eigen else "inverse",
+        method=ComputeMethod.EIGEN if eigen else ComputeMethod.INVERSE,
         groups=layer.helper.groups,
         g_dim=layer.helper.g_dim,
         a_dim=layer.helper.a_dim,
@@ -94,7 +95,7 @@ class ShapeGroup:
         return view
 
     def _parts(self) -> tuple[str, ...]:
-        if self.key.method == "inverse":
+        if self.key.method is ComputeMethod.INVERSE:
             return ("a_inv", "g_inv")
         return ("qa", "qg", "dgda") if self.key.outer_product else ("qa", "qg", "da", "dg")
 
@@ -137,7 +138,7 @@ class ShapeGroup:
         n, k, g, a = raw.shape
         grads = raw.reshape(n * k, g, a)
         s = self.storage
-        if self.key.method == "inverse":
+        if self.key.method is ComputeMethod.INVERSE:
             out = inverse_precondition(
                 grads, s["a_inv"].reshape(n * k, a, a), s["g_inv"].reshape(n * k, g, g)
             )
@@ -168,17 +169,15 @@ def decompose(
     """Decompose ``(layer, 'A' or 'G', factor, damping)`` items, batched by method and factor
     shape, each chunk's stacked factors no larger than the largest factor alone (so that the
     temporaries of a batched ``eigh`` or Cholesky stay those of one layer)."""
-    by_shape: dict[tuple[str, tuple[int, ...], torch.dtype, torch.device], list[int]] = {}
+    by_shape: dict[tuple[bool, tuple[int, ...], torch.dtype, torch.device], list[int]] = {}
     for index, (layer, _, factor, _) in enumerate(work):
-        method = "eigen" if isinstance(layer.decomposition, EigenDecomposition) else "inverse"
-        key = (method, tuple(factor.shape), factor.dtype, factor.device)
+        eigen = isinstance(layer.decomposition, EigenDecomposition)
+        key = (eigen, tuple(factor.shape), factor.dtype, factor.device)
         by_shape.setdefault(key, []).append(index)
     largest = max((item[2].numel() for item in work), default=0)
-    for (method, shape, _, _), indices in by_shape.items():
+    for (eigen, shape, _, _), indices in by_shape.items():
         per_chunk = max(1, largest // max(1, torch.Size(shape).numel()))
-        solve: Solver = (
-            EigenDecomposition.solve_many if method == "eigen" else InverseDecomposition.solve_many
-        )
+        solve: Solver = EigenDecomposition.solve_many if eigen else InverseDecomposition.solve_many
         for start in range(0, len(indices), per_chunk):
             chunk = [work[i] for i in indices[start : start + per_chunk]]
             # One member: its factor as it is (no copy); several: a stacked copy, which the

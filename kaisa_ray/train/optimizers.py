@@ -89,11 +89,6 @@ def build_preconditioner(
         kl_clip=spec.kl_clip,
         grad_scaler=scaler,
         lr=lambda _step: float(group["lr"]),
-        compute_method=spec.compute_method,
-        kfac_approx=spec.kfac_approx,
         grad_worker_fraction=spec.strategy,
-        running_average=spec.running_average,
-        factor_scale=spec.factor_scale,
-        pi_damping=spec.pi_damping,
-        factor_samples=spec.factor_samples,
+        **spec.curvature(),
     )

@@ -48,6 +48,7 @@ from kaisa_ray.enums import (
     DistributedStrategy,
     FactorScale,
     KFACApprox,
+    MatmulPrecision,
     Precision,
     RunningAverage,
 )
@@ -328,6 +329,18 @@ class KFACSpec(_Strict):
     factor_scale: FactorScale = FactorScale.FISHER
     pi_damping: bool = True
     factor_samples: Annotated[int, Field(gt=0, le=65536)] | None = None
+    matmul_precision: Annotated[
+        MatmulPrecision,
+        Field(
+            description=(
+                "The float32 precision of K-FAC's factor and preconditioning products, in "
+                "torch.set_float32_matmul_precision's terms: ``highest`` (IEEE float32), "
+                "``high`` (TF32 on CUDA GPUs; float32 on CPUs) or ``medium`` (also bfloat16 "
+                "products with float32 accumulation on CPUs that have them). Decompositions "
+                "always run at ``highest``."
+            )
+        ),
+    ] = MatmulPrecision.HIGH
     # K-FAC's own step: kaisa_ray.quadratic.QuadraticModelStep.
     update: Annotated[
         Literal["optimizer", "quadratic-model"],
@@ -407,6 +420,20 @@ class KFACSpec(_Strict):
     def auto(self) -> bool:
         """The tuner chooses (``strategy: auto``)."""
         return self.strategy == AUTO
+
+    def curvature(self) -> dict[str, Any]:
+        """The preconditioner's keyword arguments for the curvature this spec asks for (the
+        method, the factors' form and the products' precision): one mapping for the job, the
+        tuner's profiling and its verification trials."""
+        return {
+            "compute_method": self.compute_method,
+            "kfac_approx": self.kfac_approx,
+            "running_average": self.running_average,
+            "factor_scale": self.factor_scale,
+            "pi_damping": self.pi_damping,
+            "factor_samples": self.factor_samples,
+            "matmul_precision": self.matmul_precision,
+        }
 
     @property
     def adaptive(self) -> bool:

@@ -126,15 +126,12 @@ def choose_in_workers(
         NoFeasibleCandidateError: nothing fits the budget (on every rank).
     """
     curvature = {
-        "kfac_approx": kfac.kfac_approx,
-        "running_average": kfac.running_average,
-        "factor_scale": kfac.factor_scale,
-        "pi_damping": kfac.pi_damping,
-        "factor_samples": kfac.factor_samples,
+        **kfac.curvature(),
         # Measuring staleness (adaptive intervals) holds sketches and temporaries: profiled.
         "measure_staleness": kfac.adaptive or kfac.measure_staleness,
     }
-    options = {"compute_method": kfac.compute_method, **curvature, "precision": spec.precision}
+    compute_method = curvature.pop("compute_method")
+    options = {"compute_method": compute_method, **curvature, "precision": spec.precision}
     model = net.module if isinstance(net, DistributedDataParallel) else net
     key = profile_key(model, shard.batch(1)[0], device, options)
     rank = dist.get_rank() if distributed() else 0
@@ -149,7 +146,7 @@ def choose_in_workers(
             lambda i: shard.batch(i + 1),
             nn.functional.cross_entropy,
             device,
-            compute_method=kfac.compute_method,
+            compute_method=compute_method,
             kfac_options=curvature,
             precision=precision,
         )

@@ -140,15 +140,10 @@ def _measure(config: MeasureConfig) -> None:
             count_memory=round_ == 0,
             precision=training.precision,
             kfac_options={
-                "compute_method": kfac.compute_method,
-                "kfac_approx": kfac.kfac_approx,
+                **kfac.curvature(),
                 "damping": kfac.damping,
                 "factor_decay": kfac.factor_decay,
                 "kl_clip": kfac.kl_clip,
-                "running_average": kfac.running_average,
-                "factor_scale": kfac.factor_scale,
-                "pi_damping": kfac.pi_damping,
-                "factor_samples": kfac.factor_samples,
                 "measure_staleness": kfac.adaptive or kfac.measure_staleness,
             },
         )
