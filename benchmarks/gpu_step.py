@@ -1,201 +1,194 @@
-"""K-FAC on one GPU: milliseconds per training step and peak memory against SGD, measured
-in one run.
+"""K-FAC on one GPU: a step's milliseconds against the first-order step's, where the time
+goes (phases), and peak memory, before and after a change, in one run.
 
-Two models on random inputs of their datasets' shapes (batch 128): the LeNet-style CNN
-(1×28×28, Fashion-MNIST's shape) and ResNet-20 (3×32×32, CIFAR's). For each model and
-precision (fp32; bf16 autocast), SGD with Nesterov momentum is the baseline, and K-FAC runs
-on that SGD with the eigen method at factor/inverse intervals 1/10 and 10/100 (KAISA's
-CIFAR-10 and ResNet-50 settings) and the inverse method at 10/100. Configurations are
-interleaved in rounds; each round times ``--steps`` steps with CUDA events after warm-up, and
-the table gives the median over rounds of the mean step (the mean includes the periodic
-factor and decomposition work), the ratio to SGD's median from the same rounds, and the
-CUDA allocator's peak over the run.
+ResNet-50 (224×224, random inputs, SGD with momentum) at batch 32 and 64, fp32 and bf16
+autocast, with this project's K-FAC at KAISA's ResNet-50 intervals 10/100 and at 1/10, the
+inverse and the eigen method, the JobSpec's curvature (Fisher-scale factors, debiased
+averages, π-damping, K-FAC-reduce, damping 0.1, no KL clip), its products at
+``matmul_precision`` 'highest' (IEEE float32) and 'high' (TF32); the reference's settings
+(eigen, ``expand``, damping 1e-3, KL clip 1e-3) for comparison with the figures of
+``shared/gpu``; and the 10.7M-parameter byte-level transformer (context 256, width 384,
+depth 6, 64 sequences) with AdamW, against AdamW + K-FAC at the transformer benchmark's
+settings (5/50). ``--before PATH`` also times another checkout's code (e.g. a ``git
+worktree`` of the commit before the change) in interleaved rounds, for the configurations it
+can run.
 
-Run on a machine with CUDA: ``python benchmarks/gpu_step.py`` (``--json PATH`` keeps the
-results); ``--from-json PATH --write`` renders saved results into ``benchmarks/README.md``
-and ``benchmarks/results/gpu_step.json`` (the GPU machine's checkout is a copy).
+Every configuration runs in one process per code version, in rounds of one whole inverse
+period each (after a warm-up round), steps timed with CUDA events; ``phases.py`` says how the
+phases come from whole-step medians. Peak: the allocator's peak over a configuration's first
+period, over what was allocated before it.
+
+Run on a machine with CUDA: ``python benchmarks/gpu_step.py --json PATH`` (``--quick``: one
+round, ResNet-50 fp32 at batch 32 only); ``--from-json PATH --write`` renders saved results
+into ``benchmarks/README.md`` and ``results/gpu_step.json`` (the GPU machine's checkout is a
+copy).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
-import gc
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from phases import COLUMNS, JOBSPEC_CURVATURE, Config, run_rounds, tabulate
 from report import git_commit, machine, table, write_block
-from torch import nn
 
-from kaisa_ray import KFACPreconditioner
-from kaisa_ray.train.models import LeNetCNN, ResNet20
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results" / "gpu_step.json"
 
-RESULTS = Path(__file__).resolve().parent / "results" / "gpu_step.json"
-MODELS: dict[str, tuple[type[nn.Module], tuple[int, ...]]] = {
-    "LeNet CNN": (LeNetCNN, (1, 28, 28)),
-    "ResNet-20": (ResNet20, (3, 32, 32)),
+REFERENCE: dict[str, Any] = {  # kfac-pytorch's settings for ResNet-50
+    "compute_method": "eigen",
+    "kfac_approx": "expand",
+    "damping": 0.001,
+    "kl_clip": 0.001,
+    "lr": 0.05,
 }
-# (label, K-FAC options or None for plain SGD)
-CONFIGS: list[tuple[str, dict[str, Any] | None]] = [
-    ("SGD", None),
-    ("K-FAC eigen 1/10", {"factor_update_steps": 1, "inv_update_steps": 10}),
-    ("K-FAC eigen 10/100", {"factor_update_steps": 10, "inv_update_steps": 100}),
-    (
-        "K-FAC inverse 10/100",
-        {"factor_update_steps": 10, "inv_update_steps": 100, "compute_method": "inverse"},
-    ),
-]
-BATCH = 128
 
 
-class Trainee:
-    """One model, optimizer and (maybe) preconditioner, stepping on fixed random batches."""
-
-    def __init__(
-        self, model_name: str, precision: str, kfac: dict[str, Any] | None, device: torch.device
-    ) -> None:
-        torch.manual_seed(0)
-        cls, shape = MODELS[model_name]
-        self.model = cls().to(device)
-        self.optimizer = torch.optim.SGD(
-            self.model.parameters(), lr=0.05, momentum=0.9, nesterov=True
-        )
-        self.preconditioner = (
-            None
-            if kfac is None
-            else KFACPreconditioner(self.model, damping=0.01, kl_clip=0.001, lr=0.05, **kfac)
-        )
-        self.dtype = torch.bfloat16 if precision == "bf16" else None
-        generator = torch.Generator(device=device).manual_seed(1)
-        self.x = torch.randn(BATCH, *shape, device=device, generator=generator)
-        self.y = torch.randint(0, 10, (BATCH,), device=device, generator=generator)
-
-    def step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=self.dtype or torch.float32, enabled=bool(self.dtype)):
-            loss = F.cross_entropy(self.model(self.x), self.y)
-        loss.backward()
-        if self.preconditioner is not None:
-            self.preconditioner.step()
-        self.optimizer.step()
+def _kfac(fus: int, ius: int, **more: Any) -> dict[str, Any]:
+    return {**JOBSPEC_CURVATURE, "factor_update_steps": fus, "inv_update_steps": ius, **more}
 
 
-def time_steps(trainee: Trainee, steps: int) -> float:
-    """Mean milliseconds per step over ``steps`` steps, by CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(steps):
-        trainee.step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
-
-
-def measure(rounds: int, steps: int, warmup: int) -> list[dict[str, Any]]:
-    device = torch.device("cuda")
-    rows: list[dict[str, Any]] = []
-    for model_name in MODELS:
-        for precision in ("fp32", "bf16"):
-            # One unmeasured run first: cuBLAS's workspace and the allocator's first blocks are
-            # not charged to whichever configuration happens to come first.
-            for _, kfac in CONFIGS:
-                scratch = Trainee(model_name, precision, kfac, device)
-                scratch.step()
-                del scratch
-            gc.collect()  # a preconditioner and its model's hooks form a cycle
-            trainees: dict[str, Trainee] = {}
-            peaks: dict[str, int] = {}
-            for label, kfac in CONFIGS:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                trainee = Trainee(model_name, precision, kfac, device)
-                for _ in range(warmup):  # past the first decomposition at every interval
-                    trainee.step()
-                torch.cuda.synchronize()
-                peaks[label] = torch.cuda.max_memory_allocated() - base
-                trainees[label] = trainee
-            times: dict[str, list[float]] = {label: [] for label, _ in CONFIGS}
-            for _ in range(rounds):
-                for label, _ in CONFIGS:
-                    times[label].append(time_steps(trainees[label], steps))
-            sgd = statistics.median(times["SGD"])
-            for label, _ in CONFIGS:
-                ms = statistics.median(times[label])
-                rows.append(
-                    {
-                        "model": model_name,
-                        "precision": precision,
-                        "optimizer": label,
-                        "ms_per_step": ms,
-                        "vs_sgd": ms / sgd,
-                        "peak_mib": peaks[label] / 2**20,
-                        "rounds": times[label],
-                    }
-                )
-                print(
-                    f"{model_name:10s} {precision:5s} {label:22s} {ms:8.2f} ms "
-                    f"{ms / sgd:5.2f}x  peak {peaks[label] / 2**20:7.1f} MiB",
-                    flush=True,
-                )
-            del trainees
-            gc.collect()
-            torch.cuda.empty_cache()
-    return rows
+def configs(quick: bool) -> list[Config]:
+    both, after = ("before", "after"), ("after",)
+    out = [
+        Config("ResNet-50 b32 fp32: SGD", "resnet50", 32, None, both, 100),
+        Config(
+            "ResNet-50 b32 fp32: K-FAC inverse 10/100, highest",
+            "resnet50",
+            32,
+            _kfac(10, 100, matmul_precision="highest"),
+            after,
+            100,
+        ),
+        Config(
+            "ResNet-50 b32 fp32: K-FAC inverse 10/100",  # 'highest' before, 'high' after
+            "resnet50",
+            32,
+            _kfac(10, 100),
+            both,
+            100,
+        ),
+    ]
+    if quick:
+        return out
+    out += [
+        Config(
+            "ResNet-50 b32 fp32: K-FAC eigen 10/100",
+            "resnet50",
+            32,
+            _kfac(10, 100, compute_method="eigen"),
+            both,
+            100,
+        ),
+        Config("ResNet-50 b32 fp32: K-FAC inverse 1/10", "resnet50", 32, _kfac(1, 10), after, 100),
+        Config(
+            "ResNet-50 b32 fp32: K-FAC eigen 1/10",
+            "resnet50",
+            32,
+            _kfac(1, 10, compute_method="eigen"),
+            after,
+            100,
+        ),
+        Config(
+            "ResNet-50 b32 fp32: K-FAC reference eigen expand 10/100",
+            "resnet50",
+            32,
+            {**REFERENCE, "factor_update_steps": 10, "inv_update_steps": 100},
+            both,
+            100,
+        ),
+        Config("ResNet-50 b64 fp32: SGD", "resnet50", 64, None, after, 100),
+        Config(
+            "ResNet-50 b64 fp32: K-FAC inverse 10/100", "resnet50", 64, _kfac(10, 100), after, 100
+        ),
+    ]
+    for batch in (32, 64):
+        out += [
+            Config(f"ResNet-50 b{batch} bf16: SGD", "resnet50", batch, None, after, 100, "bf16"),
+            Config(
+                f"ResNet-50 b{batch} bf16: K-FAC inverse 10/100",
+                "resnet50",
+                batch,
+                _kfac(10, 100),
+                after,
+                100,
+                "bf16",
+            ),
+        ]
+    transformer = {"factor_update_steps": 5, "inv_update_steps": 50, **JOBSPEC_CURVATURE}
+    transformer["kfac_approx"] = "expand"  # Linear layers only: the same factors
+    out += [
+        Config("transformer 10.7M b64 fp32: AdamW", "char-transformer-10m", 64, None, both, 50),
+        Config(
+            "transformer 10.7M b64 fp32: AdamW + K-FAC 5/50",
+            "char-transformer-10m",
+            64,
+            transformer,
+            both,
+            50,
+        ),
+    ]
+    return out
 
 
 def render(result: dict[str, Any]) -> str:
     header = (
-        f"K-FAC on one GPU, batch {BATCH}, random inputs "
-        f"({result['date']}, {result['gpu']}; {result['machine']}; commit {result['commit']}; "
-        f"median of {result['rounds']} rounds of {result['steps']} steps):"
+        f"K-FAC on one GPU ({result['date']}, {result['gpu']}; {result['machine']}; commit "
+        f"{result['commit']}; {result['versions']}; {result['rounds']} interleaved rounds of "
+        "one inverse period per configuration after a warm-up round; medians of whole steps "
+        "by kind, benchmarks/phases.py; ms; peak: the allocator's over the first period):"
     )
-    rows = [
-        [
-            r["model"],
-            r["precision"],
-            r["optimizer"],
-            f"{r['ms_per_step']:.2f}",
-            f"{r['vs_sgd']:.2f}",
-            f"{r['peak_mib']:.1f}",
-        ]
-        for r in result["rows"]
-    ]
-    columns = ["model", "precision", "optimizer", "ms per step", "vs SGD", "peak MiB"]
-    return table(header, columns, rows)
+    return table(header, [*COLUMNS, "peak MiB"], result["table"])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--warmup", type=int, default=110)
+    parser.add_argument("--before", type=Path, help="another checkout to time interleaved")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one round, ResNet-50 b32 fp32")
     parser.add_argument("--json", type=Path, help="also save the results here")
     parser.add_argument("--from-json", type=Path, help="render saved results; measure nothing")
     parser.add_argument("--write", action="store_true", help="update benchmarks/README.md")
     parser.add_argument("--commit", help="the commit measured, where the checkout has no .git")
+    parser.add_argument("--device", default="cuda", help="cpu: try the script out")
+    parser.add_argument("--steps", type=int, help="steps per round, every configuration")
+    parser.add_argument("--only", help="the configurations whose label contains this")
     args = parser.parse_args()
     if args.from_json is not None:
         result = json.loads(args.from_json.read_text())
     else:
-        if not torch.cuda.is_available():
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
             print("gpu_step: needs CUDA; none on this machine", file=sys.stderr)
             return 2
-        rows = measure(args.rounds, args.steps, args.warmup)
+        trees = {"after": ROOT}
+        if args.before is not None:
+            trees["before"] = args.before.resolve()
+        chosen = [
+            dataclasses.replace(c, steps=args.steps or c.steps)
+            for c in configs(args.quick)
+            if args.only is None or args.only in c.label
+        ]
+        rounds = 1 if args.quick else args.rounds
+        measured = run_rounds(chosen, trees, rounds, device)
+        rows, results = tabulate(chosen, measured, list(trees), memory=True)
         result = {
             "date": datetime.date.today().isoformat(),
-            "gpu": torch.cuda.get_device_name(),
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "machine": machine(),
             "commit": args.commit or git_commit() or "unknown",
-            "rounds": args.rounds,
-            "steps": args.steps,
-            "rows": rows,
+            "versions": "this checkout (after)"
+            + (f" and {args.before} (before)" if args.before else ""),
+            "rounds": rounds,
+            "table": rows,
+            "rows": results,
         }
         if args.json is not None:
             args.json.write_text(json.dumps(result, indent=1))

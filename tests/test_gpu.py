@@ -158,3 +158,114 @@ def test_cuda_profile_of_the_example_model_prices_exactly_the_plans_state() -> N
         for candidate in decision.candidates:
             state = plan(model, 1, grad_worker_fraction=candidate.grad_worker_fraction)
             assert candidate.kfac_state_bytes == state.ranks[0].memory["total"]
+
+
+def repeated_cnn() -> nn.Module:
+    """Layers of repeated shapes: three 12x12 Linear layers, two 4-channel convolutions."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1, bias=False),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1, bias=False),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 12),
+        nn.Tanh(),
+        nn.Linear(12, 12),
+        nn.Tanh(),
+        nn.Linear(12, 12),
+        nn.Tanh(),
+        nn.Linear(12, 5),
+    ).cuda()
+
+
+def _train_cuda(model: nn.Module, preconditioner: KFACPreconditioner, steps: int) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(16, 2, 6, 6, generator=g).cuda()
+        y = torch.randint(0, 5, (16,), generator=g).cuda()
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        preconditioner.step()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_a_quiet_step_on_cuda_never_synchronises(method: str) -> None:
+    """A step that updates neither factors nor decompositions runs under CUDA's sync debug
+    mode set to error: any host-device synchronisation in it raises."""
+    model = repeated_cnn()
+    preconditioner = KFACPreconditioner(
+        model, factor_update_steps=3, inv_update_steps=6, compute_method=method
+    )
+    _train_cuda(model, preconditioner, 7)
+    x = torch.randn(16, 2, 6, 6, device="cuda")
+    y = torch.randint(0, 5, (16,), device="cuda")
+    F.cross_entropy(model(x), y).backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        preconditioner.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert preconditioner.last_updates == (frozenset(), frozenset())
+    # the mode does catch a synchronisation: a factor step reads its flags back
+    F.cross_entropy(model(x), y).backward()
+    preconditioner.step()  # step 8
+    F.cross_entropy(model(x), y).backward()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            preconditioner.step()  # step 9 updates the factors
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_batched_steps_on_cuda_equal_the_layer_by_layer_path(method: str) -> None:
+    kwargs = {"factor_update_steps": 1, "inv_update_steps": 3, "damping": 0.01}
+    batched_model = repeated_cnn()
+    alone_model = repeated_cnn()
+    batched = KFACPreconditioner(
+        batched_model, compute_method=method, matmul_precision="highest", **kwargs
+    )
+    alone = KFACPreconditioner(
+        alone_model, compute_method=method, matmul_precision="highest", **kwargs
+    )
+    alone._groups = []
+    _train_cuda(batched_model, batched, 7)
+    _train_cuda(alone_model, alone, 7)
+    for a, b in zip(batched_model.parameters(), alone_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_tf32_products_stay_within_their_bound_of_float64(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'high' (TF32 products) against the same run in float64: the preconditioned gradient's
+    error relative to its norm (the model's own convolutions in IEEE float32, so that only
+    K-FAC's products differ)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+    def preconditioned(precision: str, dtype: torch.dtype) -> torch.Tensor:
+        model = repeated_cnn().to(dtype)
+        pre = KFACPreconditioner(
+            model, damping=0.01, kl_clip=None, compute_method="inverse", matmul_precision=precision
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(16, 2, 6, 6, generator=g).cuda().to(dtype)
+            y = torch.randint(0, 5, (16,), generator=g).cuda()
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            pre.step()
+            if step < 3:
+                optimizer.step()
+        return torch.cat([p.grad.double().reshape(-1) for p in model.parameters()])  # type: ignore[union-attr]
+
+    exact = preconditioned("highest", torch.float64)
+    for precision, bound in (("highest", 1e-4), ("high", 3e-2)):
+        error = float((preconditioned(precision, torch.float32) - exact).norm() / exact.norm())
+        print(f"matmul_precision {precision}: relative error {error:.2e}")
+        assert error < bound, f"{precision}: {error:.2e}"

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU checks of a round, for a machine lent for minutes: the gpu-marked tests, then the
+# GPU benchmarks, each stage under its own time limit, every result written to $OUT as it
+# comes. Stages: "a" (tests, ResNet-50 at batch 32 fp32 before/after, kernel profiles), "b"
+# (the other gpu_step configurations, the node's hardware profile). Expects the pydantic
+# wheels in .whl (the image has torch but not pydantic) and the commit before the change's
+# kaisa_ray in .old (`git archive <commit> kaisa_ray | tar -x -C .old`).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+fi
+run() {  # run LIMIT NAME COMMAND...: a stage, its output in $OUT/NAME.log
+    local limit=$1 name=$2
+    shift 2
+    echo "== $name ($(date +%T))"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "== $name: exit $? ($(date +%T))"
+    tail -n 25 "$OUT/$name.log"
+}
+for stage in "$@"; do
+    case $stage in
+    a)
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        run 150 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -s
+        (cd benchmarks && run 240 gpu_step_b32 python3 gpu_step.py --before ../.old \
+            --rounds 2 --only "b32 fp32" --json "$OUT/gpu_step_b32.json")
+        (cd benchmarks && run 120 gpu_kernels python3 gpu_kernels.py --batch 32 64 \
+            --out "$OUT/gpu_kernels.json")
+        ;;
+    b)
+        (cd benchmarks && run 200 gpu_step_rest python3 gpu_step.py --before ../.old \
+            --rounds 2 --only "b64 fp32" --json "$OUT/gpu_step_b64.json")
+        (cd benchmarks && run 200 gpu_step_bf16 python3 gpu_step.py --before ../.old \
+            --rounds 2 --only "bf16" --json "$OUT/gpu_step_bf16.json")
+        (cd benchmarks && run 200 gpu_step_lm python3 gpu_step.py --before ../.old \
+            --rounds 2 --only "transformer" --json "$OUT/gpu_step_lm.json")
+        run 150 measure_node python3 -c "
+import yaml
+from kaisa_ray.train.models_large import ResNet50
+from kaisa_ray.train.planning import hardware_file
+from tuner.node import measure
+base = yaml.safe_load(hardware_file('a100-80gb-hdr').read_text())
+profile = measure(base, name='h100-measured', device='cuda', resnet50=ResNet50)
+open('$OUT/h100-measured.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width=100))
+"
+        ;;
+    esac
+done
