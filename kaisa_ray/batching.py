@@ -112,12 +112,14 @@ class ShapeGroup:
                     return False
         return True
 
-    def gather(self) -> torch.Tensor:
-        """The members' gradients ``(n, k, g, a)`` in the decompositions' dtype."""
+    def gather_pairs(self) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """An empty ``(n, k, g, a)`` buffer for the members' gradients in the decompositions'
+        dtype, and the (destination, source) copies that fill it."""
         k, g, a = self.key.groups, self.key.g_dim, self.key.a_dim
         raw = torch.empty(
             (len(self.layers), k, g, a), dtype=self.key.inv_dtype, device=self.key.device
         )
+        pairs = []
         for index, layer in enumerate(self.layers):
             helper = layer.helper
             weight_grad = helper.weight().grad
@@ -125,13 +127,17 @@ class ShapeGroup:
                 raise RuntimeError(f"{helper.describe()} has no gradient; call backward() first.")
             weight_view = weight_grad.reshape(k, g, -1)
             columns = weight_view.shape[-1]
-            raw[index, :, :, :columns].copy_(weight_view)
+            pairs.append((raw[index, :, :, :columns], weight_view))
             bias = helper.bias()
             if bias is not None:
                 if bias.grad is None:
                     raise RuntimeError(f"{helper.describe()} has no bias gradient.")
-                raw[index, :, :, columns].copy_(bias.grad.reshape(k, g))
-        return raw
+                pairs.append((raw[index, :, :, columns], bias.grad.reshape(k, g)))
+        return raw, pairs
+
+    def gather(self) -> torch.Tensor:
+        """The members' gradients ``(n, k, g, a)`` in the decompositions' dtype."""
+        return gather([self])[0]
 
     def precondition(self, raw: torch.Tensor, damping: float) -> torch.Tensor:
         """The members' preconditioned gradients ``(n, k, g, a)`` from ``gather()``'s."""
@@ -152,6 +158,38 @@ class ShapeGroup:
                 )
                 out = eigen_precondition(grads, qa, qg, denominator=denominator)
         return out.reshape(n, k, g, a)
+
+
+def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every pair, in as few operations as possible: the pairs whose
+    tensors are alike (dtype, strides, dense) in one multi-tensor copy, the rest in another
+    (``_foreach_copy_`` takes its fast path only when every pair qualifies)."""
+    fast: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    slow: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for dst, src in pairs:
+        alike = (
+            dst.dtype == src.dtype
+            and dst.stride() == src.stride()
+            and dst.is_contiguous()
+            and src.is_contiguous()
+        )
+        chosen = fast if alike else slow
+        chosen[0].append(dst)
+        chosen[1].append(src)
+    for dsts, srcs in (fast, slow):
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+
+def gather(groups: Sequence[ShapeGroup]) -> list[torch.Tensor]:
+    """Each group's gradients ``(n, k, g, a)`` (``ShapeGroup.gather``), copied in together."""
+    raws, pairs = [], []
+    for group in groups:
+        raw, more = group.gather_pairs()
+        raws.append(raw)
+        pairs += more
+    copy_all(pairs)
+    return raws
 
 
 def shape_groups(layers: Sequence[KFACLayer]) -> list[ShapeGroup]:

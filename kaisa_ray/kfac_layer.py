@@ -75,6 +75,22 @@ class BatchFactor:
         return _nbytes(self.total)
 
 
+def fold_all(
+    batches: list[tuple[KFACLayer, tuple[torch.Tensor, torch.Tensor]]], decay: float
+) -> None:
+    """``F ← decay·F + (1 − decay)·F_batch`` for every layer's A and G: two multi-tensor
+    operations for all of them (``_foreach``), the same arithmetic as one layer at a time."""
+    olds: list[torch.Tensor] = []
+    news: list[torch.Tensor] = []
+    for layer, (a_new, g_new) in batches:
+        olds += layer.running(a_new, g_new)
+        news += (a_new, g_new)
+        layer.average_weight = decay * layer.average_weight + (1.0 - decay)
+    if olds:
+        torch._foreach_mul_(olds, decay)
+        torch._foreach_add_(olds, news, alpha=1.0 - decay)
+
+
 class KFACLayer:
     """Everything K-FAC keeps for one module."""
 
@@ -195,8 +211,11 @@ class KFACLayer:
         eye = torch.eye(dim, dtype=self.factor_dtype, device=device)
         return eye.expand(self.helper.groups, dim, dim).clone()
 
-    def fold(self, a_new: torch.Tensor, g_new: torch.Tensor, decay: float) -> None:
-        """Update the running averages with this step's batch factors."""
+    def running(
+        self, a_new: torch.Tensor, g_new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The running averages about to take this step's batch factors (created at their
+        start: zero when debiased, else the identity)."""
         debiased = self.running_average is RunningAverage.DEBIASED
         if self.a_factor is None:
             self.a_factor = (
@@ -210,9 +229,11 @@ class KFACLayer:
                 if debiased
                 else self._identity(g_new.shape[-1], g_new.device)
             )
-        self.a_factor.mul_(decay).add_(a_new, alpha=1.0 - decay)
-        self.g_factor.mul_(decay).add_(g_new, alpha=1.0 - decay)
-        self.average_weight = decay * self.average_weight + (1.0 - decay)
+        return self.a_factor, self.g_factor
+
+    def fold(self, a_new: torch.Tensor, g_new: torch.Tensor, decay: float) -> None:
+        """Update the running averages with this step's batch factors."""
+        fold_all([(self, (a_new, g_new))], decay)
 
     def reset_batch(self) -> None:
         self.a_batch.reset()

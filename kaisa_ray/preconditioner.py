@@ -60,7 +60,7 @@ from kaisa_ray.intervals import (
     IntervalSchedule,
     Measurement,
 )
-from kaisa_ray.kfac_layer import KFACLayer
+from kaisa_ray.kfac_layer import KFACLayer, fold_all
 from kaisa_ray.layers import describe_shapes
 from kaisa_ray.plan import Options, Plan, build_plan
 from kaisa_ray.registration import discover
@@ -125,17 +125,23 @@ def _sum_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _finite_flags(tensors: Sequence[torch.Tensor]) -> list[bool]:
-    """Whether each tensor's values are all finite, waiting for the device once: a sum per
-    tensor (a NaN or an infinity makes it non-finite), an exact check only where a sum is not
-    finite (a finite sum's overflow)."""
+    """Whether each tensor's values are all finite, waiting for the device once: a norm per
+    tensor, all in one multi-tensor operation (a NaN or an infinity makes it non-finite), an
+    exact check only where a norm is not finite (an overflow of finite values)."""
     if not tensors:
         return []
-    sums = torch.stack([t.sum(dtype=torch.float64) for t in tensors]).isfinite().tolist()
-    return [bool(ok) or bool(torch.isfinite(t).all()) for ok, t in zip(sums, tensors, strict=True)]
+    norms = torch.stack(torch._foreach_norm(list(tensors))).isfinite().tolist()
+    return [bool(ok) or bool(torch.isfinite(t).all()) for ok, t in zip(norms, tensors, strict=True)]
 
 
-def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    return all(_finite_flags(tensors))
+def _param_grads(layers: Sequence[KFACLayer]) -> list[torch.Tensor]:
+    """The layers' weight and bias gradients, as the parameters hold them."""
+    grads = []
+    for layer in layers:
+        for param in (layer.helper.weight(), layer.helper.bias()):
+            if param is not None and param.grad is not None:
+                grads.append(param.grad)
+    return grads
 
 
 class KFACPreconditioner:
@@ -595,7 +601,7 @@ class KFACPreconditioner:
         stale: dict[str, torch.Tensor] = {}
         if self.measures_staleness and (self._factor_now or decompose):
             if grads_finite is None:
-                grads_finite = _all_finite([layer.helper.grad() for layer in active])
+                grads_finite = all(_finite_flags(_param_grads(active)))
             with times.phase("staleness"):
                 stale = self._before_decompositions(decompose, grads_finite, damping)
         if decompose:
@@ -620,7 +626,7 @@ class KFACPreconditioner:
         """Fold this step's (reduced) batch factors into the running averages, unless a
         factor or a gradient is not finite; returns whether every gradient is finite."""
         step = self._steps
-        grads = [layer.helper.grad() for layer in active]
+        grads = _param_grads(active)
         ready = [(layer, b) for layer in self._layers if (b := layer.batch_factors()) is not None]
         factors = [t for _, pair in ready for t in pair]
         flags = _finite_flags(grads + factors)
@@ -628,9 +634,7 @@ class KFACPreconditioner:
         factors_finite = all(flags[len(grads) :])
         if ready:
             if grads_finite and factors_finite:
-                decay = self.factor_decay
-                for layer, (a, g) in ready:
-                    layer.fold(a, g, decay)
+                fold_all(ready, self.factor_decay)
             else:
                 self.skipped_factor_updates += 1
                 logger.log(
@@ -813,13 +817,12 @@ class KFACPreconditioner:
         blocks: list[_Block] = []
         names = {layer.name for layer in active}
         with self.times.phase("precondition"), self._products():
-            for group in self._groups:
-                if group.names <= names and group.ready():
-                    raw = group.gather()
-                    out = group.precondition(raw, damping)
-                    blocks.append(_Block(group.layers, raw, out))
-                    for index, layer in enumerate(group.layers):
-                        preconditioned[layer.name] = out[index]
+            groups = [g for g in self._groups if g.names <= names and g.ready()]
+            for group, raw in zip(groups, batching.gather(groups), strict=True):
+                out = group.precondition(raw, damping)
+                blocks.append(_Block(group.layers, raw, out))
+                for index, layer in enumerate(group.layers):
+                    preconditioned[layer.name] = out[index]
             for layer in active:  # the rest of this rank's layers, one by one
                 if layer.name in preconditioned or not self._preconditions(layer):
                     continue
@@ -863,21 +866,25 @@ class KFACPreconditioner:
         Decided on the device: no value is read back here."""
         if not blocks:
             return
-        # Σ p·g per layer (one product each, the same on every rank however the layer was
-        # preconditioned there), summed in layer order in float64: not finite if any p or g
-        # is (a NaN or an infinity spreads through the products).
-        dot_of = {
-            layer.name: _sum_dot(block.out[index], block.raw[index])
-            for block in blocks
-            for index, layer in enumerate(block.layers)
-        }
-        dots = [dot_of[layer.name] for layer in self._layers if layer.name in dot_of]
-        total = torch.stack(dots).to(torch.float64).sum()
+        kl_clip = self.kl_clip
+        if kl_clip is not None:
+            # Σ p·g per layer (one product each, the same on every rank however the layer was
+            # preconditioned there), summed in layer order in float64: not finite if any p or
+            # g is (a NaN or an infinity spreads through the products).
+            dot_of = {
+                layer.name: _sum_dot(block.out[index], block.raw[index])
+                for block in blocks
+                for index, layer in enumerate(block.layers)
+            }
+            dots = [dot_of[layer.name] for layer in self._layers if layer.name in dot_of]
+            total = torch.stack(dots).to(torch.float64).sum()
+        else:  # only whether everything is finite: one sum per block (the products spread
+            # a raw gradient's NaN or infinity into its preconditioned one)
+            total = torch.stack([block.out.sum(dtype=torch.float64) for block in blocks]).sum()
         ok = torch.isfinite(total)
         if self._skipped is None or self._last_grad_scale is None:
             self._skipped = torch.full((), self._skipped_count, device=total.device)
             self._last_grad_scale = torch.ones((), dtype=torch.float64, device=total.device)
-        kl_clip = self.kl_clip
         if kl_clip is not None:
             scale = torch.sqrt(kl_clip / (total * self.lr**2).abs()).clamp(max=1.0)
             scale = torch.where(ok, scale, self._last_grad_scale)
@@ -885,8 +892,7 @@ class KFACPreconditioner:
         else:
             self._last_grad_scale = torch.where(ok, 1.0, self._last_grad_scale)
         self._skipped += (~ok).to(self._skipped.dtype)
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for block in blocks:
             out = block.out
             if kl_clip is not None:
@@ -899,12 +905,10 @@ class KFACPreconditioner:
                     continue
                 k, g = helper.groups, helper.g_dim
                 weight_view = weight_grad.view(k, g, -1)
-                dst.append(weight_view)
-                src.append(out[index, :, :, : weight_view.shape[-1]])
+                pairs.append((weight_view, out[index, :, :, : weight_view.shape[-1]]))
                 if bias is not None and bias.grad is not None:
-                    dst.append(bias.grad.view(k, g))
-                    src.append(out[index, :, :, -1])
-        torch._foreach_copy_(dst, src)
+                    pairs.append((bias.grad.view(k, g), out[index, :, :, -1]))
+        batching.copy_all(pairs)
 
     @property
     def skipped_steps(self) -> int:
