@@ -41,6 +41,7 @@ TRAINING_COMMANDS = {
     "sweep": "kaisa_ray.train.cli:sweep",
     "plan": "kaisa_ray.train.plan_cli:plan",
     "measure-node": "kaisa_ray.train.plan_cli:measure_node",
+    "head": "kaisa_ray.train.head_cli:head",
 }
 """The training commands, by where they are defined: they import torch (and Ray), so they
 are imported only when they run."""
