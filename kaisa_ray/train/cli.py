@@ -515,6 +515,9 @@ def sweep(
             )
         )
     click.echo(table.render())
+    for trial in result.trials:
+        if trial.error:
+            click.echo(f"trial {trial.trial_id} {trial.state}: {trial.error}")
     if result.interrupted:
         click.echo(
             f"sweep {result.run_name} was interrupted before its {result.planned} trials ended: "

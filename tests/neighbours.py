@@ -1,0 +1,119 @@
+"""Other people's Ray on this machine, for the tests of kaisa-ray beside them: a ``ray start
+--head`` on Ray's default ports and temp directory, as a user types it (it writes
+``/tmp/ray/ray_current_cluster``), and a second ``kaisa-ray serve`` with its embedded head.
+
+Each is stopped by its own process group in teardown (never ``ray stop``: it would stop every
+Ray on the machine), and ``/tmp/ray/ray_current_cluster`` is put back as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ray_head import RAY
+from service_process import ServiceProcess, start_service
+
+ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")
+DEFAULT_PORTS = {"gcs": 6379, "dashboard": 8265, "dashboard agent": 52365, "client server": 10001}
+
+
+def _taken(port: int) -> bool:
+    """Something listens on ``port`` (a bind would also fail on a port in TIME_WAIT, which Ray
+    itself reuses)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class DefaultPortsRay:
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def ray_on_default_ports(log_dir: Path) -> Iterator[DefaultPortsRay]:
+    """``ray start --head --block`` with Ray's defaults (ports 6379, 8265, 52365, 10001; temp
+    dir /tmp/ray) and no token (a client that wrongly connects to it is not even refused)."""
+    taken = [f"{name} {port}" for name, port in DEFAULT_PORTS.items() if _taken(port)]
+    if taken:
+        raise RuntimeError(
+            f"Ray's default ports are taken ({', '.join(taken)}): another Ray on the defaults "
+            "runs here; these tests start their own there"
+        )
+    before = ADDRESS_FILE.read_text() if ADDRESS_FILE.is_file() else None
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "KAISA_RAY_"))}
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / "ray-on-default-ports.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [RAY, "start", "--head", "--block", "--num-cpus=1"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+        )
+    other = DefaultPortsRay(process, log)
+    try:
+        deadline = time.monotonic() + 120
+        while not (
+            ADDRESS_FILE.is_file()
+            and ADDRESS_FILE.read_text().strip().endswith(":6379")
+            and _answers("http://127.0.0.1:8265/api/version")
+        ):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start on the default ports failed:\n{log.read_text()}")
+            time.sleep(0.5)
+        yield other
+    finally:
+        other.stop()
+        with contextlib.suppress(OSError):
+            if before is None:
+                ADDRESS_FILE.unlink()
+            else:
+                ADDRESS_FILE.write_text(before)
+
+
+@contextlib.contextmanager
+def neighbours(log_dir: Path) -> Iterator[tuple[DefaultPortsRay, ServiceProcess]]:
+    """Another user's ``ray start --head`` on the default ports and another ``kaisa-ray serve``
+    (its embedded head on ports of its own), both running."""
+    with ray_on_default_ports(log_dir) as other:
+        service = start_service(log_dir / "service", token=secrets.token_hex(16))
+        try:
+            yield other, service
+        finally:
+            assert service.stop() == 0, service.log.read_text()[-4000:]
