@@ -13,8 +13,9 @@ reaches Ray: the cluster in ``RAY_ADDRESS``, or a head of its own.
 
 A head of its own forgets everything when it stops; what later commands need is kept in the
 local store (``local_store.LocalStore``, ``~/.cache/kaisa-ray``): the tuner's profiles are
-loaded into the new head's tuner when it starts and saved when it stops, and every run's
-records (what ``kaisa-ray tune --history`` reads) are saved when it stops.
+loaded into the new head's tuner before a ``kfac: auto`` job asks it (``seed_tuner``) and saved
+when the head stops, and every run's records (what ``kaisa-ray tune --history`` reads) are
+saved when it stops.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.head import Head, HeadStartError, head_environment, reachable, start_head
 from kaisa_ray.train.local_store import LocalStore
 
-__all__ = ["cluster_address", "ensure_ray", "own_head", "release_ray"]
+__all__ = ["cluster_address", "ensure_ray", "own_head", "release_ray", "seed_tuner"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,6 @@ def ensure_ray() -> None:
         os.environ["RAY_ADDRESS"] = head.gcs_address
         logger.info("started a local Ray head of its own at %s", head.gcs_address)
         ray.init(address=head.gcs_address, log_to_driver=True)
-        _load_store()
 
 
 def _connect(address: str) -> None:
@@ -134,9 +134,9 @@ def _connect(address: str) -> None:
 def release_ray() -> None:
     """Stop the head this process started for itself (if any), after saving what later
     commands read to the local store; a no-op otherwise. Safe to call twice."""
-    global _own
+    global _own, _seeded
     with _lock:
-        head, _own = _own, None
+        head, _own, _seeded = _own, None, False
         if head is None:
             return
         import ray
@@ -163,16 +163,26 @@ def _named(name: str, namespace: str) -> Any:
         return None
 
 
-def _load_store() -> None:
-    """The tuner's profiles from the local store, into this head's tuner."""
+_seeded = False
+
+
+def seed_tuner() -> None:
+    """On a head of this process's own: the tuner's profiles from the local store, into this
+    head's tuner (once; a job with ``kfac: auto`` calls it before its workers ask the tuner).
+    Elsewhere nothing: a cluster's tuner keeps its own."""
     import ray
 
     from tuner.actor import tuner_actor
 
-    profiles = LocalStore().profiles()
-    if profiles:
-        ray.get(tuner_actor().remember.remote(profiles))
-        logger.info("the tuner starts with %d profile(s) from the local store", len(profiles))
+    global _seeded
+    with _lock:
+        if _own is None or _seeded:
+            return
+        _seeded = True
+        profiles = LocalStore().profiles()
+        if profiles:
+            ray.get(tuner_actor().remember.remote(profiles))
+            logger.info("the tuner starts with %d profile(s) from the local store", len(profiles))
 
 
 def _save_store() -> None:

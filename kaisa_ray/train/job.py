@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.train.connection import seed_tuner
 from kaisa_ray.train.follow import Follower
 from kaisa_ray.train.progress import SinkReader
 from kaisa_ray.train.records import EvalRecord
@@ -147,6 +148,8 @@ def run_job(
         progress_every=progress_every,
     )
     kfac = spec.kfac
+    if isinstance(kfac, KFACSpec) and kfac.auto:
+        seed_tuner()
     if isinstance(kfac, KFACSpec) and kfac.auto and kfac.verify > 0 and resume_from is None:
         outcome = tune_job(spec, storage_path=storage, run_name=name)
         config = TrainConfig(

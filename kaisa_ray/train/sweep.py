@@ -39,6 +39,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from kaisa_ray.errors import ConfigurationError, KaisaRayError
+from kaisa_ray.train.connection import seed_tuner
 from kaisa_ray.train.progress import progress_sink
 from kaisa_ray.train.records import (
     TRIAL_METRICS,
@@ -308,6 +309,7 @@ def run_sweep(
     name = run_name or unique_run_name(spec.name)
     storage = resolve_storage(storage_path)
     ensure_ray()
+    seed_tuner()  # every trial runs kfac: auto
     began = time.perf_counter()
     sink = progress_sink()
     start = SweepStartRecord(
