@@ -112,6 +112,7 @@ def test_what_the_tuner_decides_and_fixed_strategies_are_refused() -> None:
     assert "the tuner chooses the intervals" in found["sweep.space.kfac.inv_update_steps"]
     found = problems({"space": SPACE}, kfac={"strategy": "comm-opt"})
     assert "kfac.strategy: auto" in found["kfac.strategy"]
+    assert found["kfac.strategy"].endswith("set it instead of 'comm-opt'")  # the value, no repr
     found = problems({"space": {"kfac.damping": {"uniform": [0.01, 0.3]}}}, kfac="off")
     assert "kfac is off" in found["sweep.space.kfac.damping"]
     found = problems({"space": SPACE, "metric": "time_to_target"})

@@ -470,7 +470,7 @@ class KFACSpec(_Strict):
                 raise ValueError(
                     f"{', '.join(given)} only for strategy: auto (the tuner); remove "
                     f"{'it' if len(given) == 1 else 'them'} or set strategy: auto instead of "
-                    f"{self.strategy!r}"
+                    f"{str(self.strategy)!r}"
                 )
         if self.adapt and self.verify:
             raise ValueError(
@@ -757,7 +757,8 @@ def sweep_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
             (
                 ("kfac", "strategy"),
                 "a sweep runs every trial with kfac.strategy: auto, so that each trial's K-FAC "
-                f"strategy is chosen under memory_budget; set it instead of {spec.kfac.strategy!r}",
+                "strategy is chosen under memory_budget; set it instead of "
+                f"{str(spec.kfac.strategy)!r}",
             )
         )
     if isinstance(spec.kfac, KFACSpec) and spec.kfac.verify:
