@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -21,8 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ray_head import RAY
-from service_process import ServiceProcess, start_service
+from ray_head import RAY, TEST_ENV
+from service_process import KAISA_RAY, reusable_port
+
+from service.head import venv_path
 
 ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")
 DEFAULT_PORTS = {"gcs": 6379, "dashboard": 8265, "dashboard agent": 52365, "client server": 10001}
@@ -107,13 +108,58 @@ def ray_on_default_ports(log_dir: Path) -> Iterator[DefaultPortsRay]:
                 ADDRESS_FILE.write_text(before)
 
 
+@dataclass
+class MakeRun:
+    """``kaisa-ray serve --submit JOB``, what ``make run`` runs, with its terminal's output."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> int:
+        """Ctrl-C (SIGINT), as in its terminal; its exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+        return self.process.returncode
+
+
 @contextlib.contextmanager
-def neighbours(log_dir: Path) -> Iterator[tuple[DefaultPortsRay, ServiceProcess]]:
-    """Another user's ``ray start --head`` on the default ports and another ``kaisa-ray serve``
-    (its embedded head on ports of its own), both running."""
-    with ray_on_default_ports(log_dir) as other:
-        service = start_service(log_dir / "service", token=secrets.token_hex(16))
-        try:
-            yield other, service
-        finally:
-            assert service.stop() == 0, service.log.read_text()[-4000:]
+def make_run(data_dir: Path, job: Path, *, timeout_s: float = 120) -> Iterator[MakeRun]:
+    """``kaisa-ray serve --submit JOB`` (no token, on loopback: as ``make run``) on a data
+    directory and a port of its own, up once ``/readyz`` answers."""
+    port = reusable_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log = data_dir / "make-run.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAISA_RAY_", "RAY_"))}
+    env.update(TEST_ENV, PATH=venv_path())
+    command = [KAISA_RAY, "serve", "--port", str(port), "--data-dir", str(data_dir)]
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [*command, "--submit", str(job)], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    served = MakeRun(process, f"http://127.0.0.1:{port}", log)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _answers(f"{served.url}/readyz"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kaisa-ray serve did not come up:\n{served.output()}")
+            time.sleep(0.5)
+        yield served
+    finally:
+        served.stop()
+
+
+@contextlib.contextmanager
+def neighbours(log_dir: Path, job: Path) -> Iterator[tuple[DefaultPortsRay, MakeRun]]:
+    """Another user's ``ray start --head`` on the default ports, and another ``kaisa-ray
+    serve`` (its embedded head on ports of its own) running ``job`` as ``make run`` does."""
+    with ray_on_default_ports(log_dir) as other, make_run(log_dir / "service", job) as served:
+        yield other, served

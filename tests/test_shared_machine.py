@@ -19,9 +19,8 @@ from typing import Any
 
 import pytest
 import yaml
-from neighbours import DefaultPortsRay, neighbours
+from neighbours import DefaultPortsRay, MakeRun, neighbours
 from ray_head import TEST_ENV, RayHead
-from service_process import ServiceProcess
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
 from kaisa_ray.train.head import HEAD_PREFIX, start_head
@@ -37,8 +36,10 @@ ANY_OTHER = "Found multiple active Ray instances"
 
 
 @pytest.fixture(scope="module")
-def others(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DefaultPortsRay, Any]]:
-    with neighbours(tmp_path_factory.mktemp("neighbours")) as found:
+def others(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DefaultPortsRay, MakeRun]]:
+    """The neighbours, for the whole module: the service runs the quickstart job meanwhile."""
+    job = ROOT / "examples" / "quickstart.yaml"
+    with neighbours(tmp_path_factory.mktemp("neighbours"), job) as found:
         yield found
 
 
@@ -82,7 +83,7 @@ def own_heads_left(output: str) -> list[str]:
 
 
 def test_a_head_of_its_own_shares_nothing_with_the_others(
-    others: tuple[DefaultPortsRay, ServiceProcess], tmp_path: Path
+    others: tuple[DefaultPortsRay, MakeRun], tmp_path: Path
 ) -> None:
     """Free ports (Ray's defaults are taken), its own temp dir with its own address file (the
     machine's one still names the other head), RAY_ADDRESS pinned to it in every process of
@@ -194,7 +195,7 @@ def reduced_sweep(clone: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_readme_commands_finish_beside_other_ray_instances(
-    others: tuple[DefaultPortsRay, ServiceProcess], tmp_path: Path
+    others: tuple[DefaultPortsRay, MakeRun], tmp_path: Path
 ) -> None:
     """The README's sweep (reduced) ends every trial, its ``ray job submit`` block succeeds
     pasted as one block, and the next ``kaisa-ray train`` runs on a Ray of its own: none
@@ -360,3 +361,32 @@ def test_train_after_tune_reuses_its_profile_and_history_finds_the_run(tmp_path:
     message = " ".join(missing.stderr.split())
     assert f"the local store ({store / 'runs'})" in message
     assert "A `kaisa-ray train` without RAY_ADDRESS runs on a Ray of its own" in message
+
+
+# -- make run, beside the others -----------------------------------------------------------
+
+
+@NEEDS_DATA
+def test_make_run_says_when_its_job_ended_without_a_line_per_request(
+    others: tuple[DefaultPortsRay, MakeRun],
+) -> None:
+    """The other service is what ``make run`` runs (``serve --submit``): its terminal says
+    each state of the job, then that it ended and how, and has no access-log line (the
+    dashboard and every client poll it)."""
+    _, served = others
+    deadline = time.monotonic() + 300
+    while "; the service keeps running (Ctrl-C stops it)" not in served.output():
+        assert served.process.poll() is None, served.output()[-4000:]
+        assert time.monotonic() < deadline, served.output()[-4000:]
+        time.sleep(1)
+    output = served.output()
+    job = re.search(r"submitted \S+ as job (\w+)", output)
+    assert job is not None, output[-4000:]
+    assert f"job {job[1]}: RUNNING" in output
+    assert re.search(
+        rf"job {job[1]}: SUCCEEDED at step 40, test accuracy 0\.\d+; the service keeps running",
+        output,
+    ), output[-4000:]
+    assert ' HTTP/1.1" ' not in output  # uvicorn's access log: '... "GET /readyz HTTP/1.1" 200'
+    assert served.stop() == 0
+    assert "shutdown complete" in served.output()
