@@ -10,14 +10,13 @@ a line per evaluation).
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.connection import seed_tuner
+from kaisa_ray.train.connection import cluster_address, seed_tuner
 from kaisa_ray.train.follow import Follower
 from kaisa_ray.train.progress import SinkReader
 from kaisa_ray.train.records import EvalRecord
@@ -77,7 +76,7 @@ def describe_run(
     return {
         "job": spec.name,
         "run_name": run_name or f"{spec.name}-<UTC time>-<8 hex>",
-        "ray_address": os.environ.get("RAY_ADDRESS") or "local (a Ray started for this job)",
+        "ray_address": cluster_address() or "local (a Ray head of its own for this command)",
         "workers": scaling.workers,
         "resources_per_worker": resources,
         "placement_strategy": scaling.placement_strategy,

@@ -495,7 +495,7 @@ class ScalingSpec(_Strict):
     one node) or ``strict-spread`` (one per node, or wait for enough nodes).
     ``resource_timeout_s``: how long the worker group may wait for its resources, at the start
     and after losing a node, before the job fails saying so; unset, it waits as long as it
-    takes (an autoscaling cluster adds nodes)."""
+    takes (an autoscaling cluster adds nodes), except in a sweep's trials (120 s)."""
 
     workers: Annotated[int, Field(gt=0, le=MAX_WORKERS)] = 1
     gpus_per_worker: Annotated[float, Field(ge=0, le=MAX_GPUS_PER_WORKER)] = 0
