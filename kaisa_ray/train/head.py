@@ -189,7 +189,6 @@ def start_head(
     env: Mapping[str, str] | None = None,
     num_cpus: float | None = None,
     object_store_bytes: int | None = None,
-    include_dashboard: bool = True,
     tied_to_this_process: bool = False,
     timeout_s: float = 120,
     temp_root: str = "/tmp",
@@ -202,8 +201,6 @@ def start_head(
             (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``) come from it.
         num_cpus: Logical CPUs [default: Ray's, the machine's cores].
         object_store_bytes: The object store's size [default: Ray's].
-        include_dashboard: The dashboard (the job server and the State API that Ray Train's
-            placement-group cleaner asks) [default: on].
         tied_to_this_process: The head stops when this process dies, even by SIGKILL.
         timeout_s: How long to wait for it.
         temp_root: Where its temp directory goes (short: Ray's socket paths are limited).
@@ -224,7 +221,9 @@ def start_head(
         "--block",
         f"--temp-dir={temp_dir}",
         f"--port={gcs}",
-        f"--include-dashboard={'true' if include_dashboard else 'false'}",
+        # The dashboard: the job server, and the State API that Ray Train's placement-group
+        # cleaner asks whether a run's controller still lives.
+        "--include-dashboard=true",
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dashboard}",
         f"--dashboard-agent-listen-port={free_port()}",
