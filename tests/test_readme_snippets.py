@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def python_block(containing: str) -> str:
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    blocks: list[str] = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     (found,) = [b for b in blocks if containing in b]
     return found
 
@@ -52,7 +52,7 @@ def test_the_quadratic_model_loop_takes_each_steps_own_gradient() -> None:
     )  # fmt: skip
     for x, y in batches(4):
         net.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(net(x), y).backward()
+        nn.functional.cross_entropy(net(x), y).backward()  # type: ignore[no-untyped-call]
         step.capture()
         preconditioner.step()
         step.step(x[:256], y[:256])

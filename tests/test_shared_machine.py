@@ -10,29 +10,24 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
+from cli_process import ANY_OTHER, KAISA_RAY, ROOT, connected_to, own_heads_left, run, user_env
 from neighbours import DefaultPortsRay, MakeRun, neighbours
-from ray_head import TEST_ENV, RayHead
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
-from kaisa_ray.train.head import HEAD_PREFIX, start_head
+from kaisa_ray.train.head import start_head
 
 pytestmark = [pytest.mark.ray]
-ROOT = Path(__file__).resolve().parents[1]
-KAISA_RAY = str(ROOT / ".venv" / "bin" / "kaisa-ray")
 NEEDS_DATA = pytest.mark.skipif(
     not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
 )
 README_BLOCKS = re.compile(r"```bash\n(.*?)```", re.S)
-ANY_OTHER = "Found multiple active Ray instances"
 
 
 @pytest.fixture(scope="module")
@@ -41,42 +36,6 @@ def others(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DefaultPo
     job = ROOT / "examples" / "quickstart.yaml"
     with neighbours(tmp_path_factory.mktemp("neighbours"), job) as found:
         yield found
-
-
-def user_env(home: Path, **extra: str) -> dict[str, str]:
-    """A new user's environment: a fresh home, the venv first on PATH, no Ray settings but the
-    suite's fast Ray Train health checks."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("KAISA_RAY_", "RAY_", "VIRTUAL_ENV", "XDG_"))
-    }
-    env.update(TEST_ENV)
-    home.mkdir(parents=True, exist_ok=True)
-    env.update(HOME=str(home), PATH=f"{ROOT / '.venv' / 'bin'}:/usr/bin:/bin", **extra)
-    return env
-
-
-def run(
-    args: list[str], env: dict[str, str], cwd: Path, timeout: float = 300
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-
-
-def connected_to(output: str) -> list[int]:
-    """The GCS ports the Ray drivers in ``output`` connected to."""
-    return [
-        int(p)
-        for p in re.findall(r"Connecting to existing Ray cluster at address: \S+:(\d+)", output)
-    ]
-
-
-def own_heads_left(output: str) -> list[str]:
-    """The temp directories of heads of their own named in ``output`` that still exist."""
-    named = set(re.findall(rf"/tmp/{HEAD_PREFIX}\w+", output))
-    return sorted(d for d in named if Path(d).exists())
 
 
 # -- a head of its own ----------------------------------------------------------------------
@@ -191,176 +150,85 @@ def reduced_sweep(clone: Path) -> Path:
     return path
 
 
+AUTO_JOB = {
+    "name": "stored",
+    "model": {"name": "mlp"},
+    "dataset": {"name": "synthetic", "batch_size": 32},
+    "kfac": {"strategy": "auto", "measure_staleness": True},
+    "scaling": {"workers": 1},
+    "stop": {"max_steps": 30},  # an intervals record every 10 steps
+    "eval_every": 30,
+}
+
+
 @NEEDS_DATA
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_readme_commands_finish_beside_other_ray_instances(
     others: tuple[DefaultPortsRay, MakeRun], tmp_path: Path
 ) -> None:
-    """The README's sweep (reduced) ends every trial, its ``ray job submit`` block succeeds
-    pasted as one block, and the next ``kaisa-ray train`` runs on a Ray of its own: none
-    connects to the other heads, none prints Ray's "multiple instances" traceback, none
-    leaves a head behind."""
+    """Two terminals of one user at once, beside the others. In one, the README's sweep
+    (reduced) ends every trial. In the other, the README's ``ray job submit`` block succeeds
+    pasted as one block, and the next commands neither hang nor profile again: ``tune``, then
+    ``train`` of the same ``kfac: auto`` job (its profile from the local store), then
+    ``tune --history`` of that run (no Ray at all). None connects to another head, none prints
+    Ray's "multiple instances" traceback, none leaves a head behind."""
     clone = checkout(tmp_path)
     env = user_env(tmp_path / "home")
-
-    # The sweep: kaisa-ray sweep --config ... --output best.yaml, as in the README.
-    sweep = reduced_sweep(clone)
-    command = ["--config", str(sweep), "--output", "best.yaml"]
     assert (
         "kaisa-ray sweep --config examples/fashion_mnist_sweep.yaml --output best.yaml"
         in (ROOT / "README.md").read_text()
     )
-    done = run([KAISA_RAY, "sweep", *command], env, clone, 600)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-6000:]
-    assert ANY_OTHER not in output
-    assert re.search(r"sweep \S+: 3 trials in \d+ s\n", output), output[-3000:]
-    rows = [line.split() for line in done.stdout.splitlines() if re.match(r"^\S+_0000\d ", line)]
+    sweep = reduced_sweep(clone)
+    out, err = (tmp_path / "sweep.out").open("w"), (tmp_path / "sweep.err").open("w")
+    sweeping = subprocess.Popen(
+        [KAISA_RAY, "sweep", "--config", str(sweep), "--output", "best.yaml"],
+        cwd=clone, env=env, stdout=out, stderr=err,
+    )  # fmt: skip
+    try:
+        (clone / "job.yaml").write_text(yaml.safe_dump(AUTO_JOB))
+        block = readme_block("ray-job-submit")
+        assert "kaisa-ray head start" in block
+        script = block + "\nkaisa-ray tune --config job.yaml\nkaisa-ray train --config job.yaml\n"
+        done = run(["bash", "-c", "set -euo pipefail\n" + script], env, clone, 600)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, output[-6000:]
+        assert re.search(r"Job 'raysubmit_\w+' succeeded", output), output[-4000:]
+        assert re.search(r"run quickstart-\S+ finished at step 40", output), output[-4000:]
+        assert "stopped the Ray head at http://127.0.0.1:" in output
+        assert "s of profiling" in done.stdout  # tune profiled...
+        assert "profile from the tuner's cache" in output  # ...and train did not, after it
+        trained = re.search(r"run (stored-\S+) finished at step 30", output)
+        assert trained is not None, output[-3000:]
+        assert ANY_OTHER not in output
+        assert 6379 not in connected_to(output)
+        assert own_heads_left(output) == []
+        assert list((tmp_path / "home" / ".cache" / "kaisa-ray" / "heads").glob("*.json")) == []
+
+        history = run([KAISA_RAY, "tune", "--history", trained[1]], env, clone, 120)
+        assert history.returncode == 0, history.stdout + history.stderr
+        assert connected_to(history.stdout + history.stderr) == []  # no Ray needed
+        assert "net.1" in history.stdout  # the MLP's first Linear layer, by name
+
+        assert sweeping.wait(timeout=600) == 0, (tmp_path / "sweep.err").read_text()[-6000:]
+    finally:
+        if sweeping.poll() is None:
+            sweeping.kill()  # its head of its own goes with it (tied to it)
+            sweeping.wait(timeout=60)
+        out.close()
+        err.close()
+    stdout, stderr = (tmp_path / "sweep.out").read_text(), (tmp_path / "sweep.err").read_text()
+    assert re.search(r"sweep \S+: 3 trials in \d+ s\n", stdout), stdout[-3000:]
+    rows = [line.split() for line in stdout.splitlines() if re.match(r"^\S+_0000\d ", line)]
     states = [row[1] for row in rows]
-    assert len(states) == 3, done.stdout[-3000:]
-    assert set(states) <= {"SUCCEEDED", "STOPPED"}, done.stdout[-3000:]
-    assert "STOPPED" in states[:-1], done.stdout[-3000:]  # ASHA stopped one, and one came after
+    assert len(states) == 3, stdout[-3000:]
+    assert set(states) <= {"SUCCEEDED", "STOPPED"}, stdout[-3000:]
+    assert "STOPPED" in states[:-1], stdout[-3000:]  # ASHA stopped one, and one came after
     assert (clone / "best.yaml").is_file()
     assert run([KAISA_RAY, "validate", "--config", "best.yaml"], env, clone).returncode == 0
-    assert 6379 not in connected_to(output)
-    assert own_heads_left(output) == []
-
-    # The `ray job submit` block, pasted as one block, then the next `kaisa-ray train`.
-    block = readme_block("ray-job-submit")
-    assert "kaisa-ray head start" in block
-    script = block + "\nkaisa-ray train --config examples/quickstart.yaml --no-progress\n"
-    done = run(["bash", "-c", "set -euo pipefail\n" + script], env, clone, 600)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-6000:]
-    assert re.search(r"Job 'raysubmit_\w+' succeeded", output), output[-4000:]
-    finished = re.findall(r"run quickstart-\S+ finished at step 40", output)
-    assert len(finished) == 2, output[-4000:]  # the submitted job's, and the next train's
-    assert ANY_OTHER not in output
-    assert 6379 not in connected_to(output)
-    assert "stopped the Ray head at http://127.0.0.1:" in output
-    assert own_heads_left(output) == []
-    assert list((tmp_path / "home" / ".cache" / "kaisa-ray" / "heads").glob("*.json")) == []
-
-
-# -- a sweep ends every trial, or says why not --------------------------------------------------
-
-
-def tiny_sweep(tmp_path: Path, trials: int, **overrides: Any) -> Path:
-    spec: dict[str, Any] = {
-        "name": "tiny-sweep",
-        "model": {"name": "mlp"},
-        "dataset": {"name": "synthetic", "batch_size": 32},
-        "kfac": {"strategy": "auto"},
-        "scaling": {"workers": 1},
-        "stop": {"max_steps": 2000},
-        "eval_every": 50,
-        "sweep": {
-            "space": {"optimizer.lr": {"loguniform": [0.001, 0.1]}},
-            "trials": trials,
-            "scheduler": "none",
-        },
-    }
-    spec.update(overrides)
-    path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
-def test_a_trial_whose_workers_cannot_be_placed_fails_saying_so(
-    ray_head: RayHead, tmp_path: Path
-) -> None:
-    """Five workers on a 4-CPU cluster: the trial fails after scaling.resource_timeout_s with
-    the reason (the workers' and the cluster's resources) instead of waiting forever."""
-    config = tiny_sweep(
-        tmp_path, 1, scaling={"workers": 5, "cpus_per_worker": 1, "resource_timeout_s": 3}
-    )
-    env = {**user_env(tmp_path / "home"), "RAY_ADDRESS": ray_head.gcs_address}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=ray_head.token)
-    done = run([KAISA_RAY, "sweep", "--config", str(config)], env, tmp_path, 300)
-    output = " ".join((done.stdout + done.stderr).split())
-    assert done.returncode == 1, output[-4000:]
-    assert "FAILED" in output
-    assert (
-        "WorkersNotPlacedError: the job's 5 workers (1 CPU each, placement pack) did not get "
-        "their resources within scaling.resource_timeout_s=3 s (the cluster has 4 CPU in all"
-    ) in output
-    assert "no trial reported time_to_target" in output or "no trial reported" in output
-
-
-def test_ctrl_c_ends_a_sweep_without_a_result(tmp_path: Path) -> None:
-    """Ctrl-C while a trial runs: the sweep says it was interrupted, exits 130 (not 0), writes
-    no best spec, and its Ray of its own is gone."""
-    config = tiny_sweep(tmp_path, 4)
-    env = user_env(tmp_path / "home")
-    process = subprocess.Popen(
-        [KAISA_RAY, "sweep", "--config", str(config), "--output", "best.yaml"],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    assert process.stdout is not None
-    deadline = time.monotonic() + 240
-    for line in process.stdout:
-        lines.append(line)
-        if re.match(r"trial \S+ RUNNING", line) or time.monotonic() > deadline:
-            break
-    assert any(re.match(r"trial \S+ RUNNING", line) for line in lines), "".join(lines)[-4000:]
-    process.send_signal(signal.SIGINT)
-    rest, _ = process.communicate(timeout=180)
-    output = "".join(lines) + rest
-    assert process.returncode == 130, output[-4000:]
-    assert "was interrupted before its 4 trials ended: no best spec is written" in output
-    assert "did not end: the sweep was interrupted" in output
-    assert not (tmp_path / "best.yaml").exists()
-    assert own_heads_left(output) == []
-
-
-# -- what one command leaves for the next -----------------------------------------------------
-
-
-def test_train_after_tune_reuses_its_profile_and_history_finds_the_run(tmp_path: Path) -> None:
-    """Separate commands, each on a Ray of its own: ``train`` after ``tune`` takes the profile
-    from the local store (no profiling again), and ``tune --history`` finds the run ``train``
-    made, with no Ray at all."""
-    spec = {
-        "name": "stored",
-        "model": {"name": "mlp"},
-        "dataset": {"name": "synthetic", "batch_size": 32},
-        "kfac": {"strategy": "auto", "measure_staleness": True},
-        "scaling": {"workers": 1},
-        "stop": {"max_steps": 30},  # an intervals record every 10 steps
-        "eval_every": 30,
-    }
-    config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump(spec))
-    env = user_env(tmp_path / "home")
-    tuned = run([KAISA_RAY, "tune", "--config", str(config)], env, tmp_path)
-    assert tuned.returncode == 0, (tuned.stdout + tuned.stderr)[-4000:]
-    assert "s of profiling" in tuned.stdout
-    store = tmp_path / "home" / ".cache" / "kaisa-ray"
-    assert (store / "tuner-profiles.pickle").is_file()
-
-    trained = run([KAISA_RAY, "train", "--config", str(config)], env, tmp_path)
-    output = trained.stdout + trained.stderr
-    assert trained.returncode == 0, output[-4000:]
-    assert "profile from the tuner's cache" in output
-    run_name = re.search(r"run (stored-\S+) finished at step 30", output)
-    assert run_name is not None, output[-3000:]
-
-    history = run([KAISA_RAY, "tune", "--history", run_name[1]], env, tmp_path, 60)
-    assert history.returncode == 0, history.stdout + history.stderr
-    assert "Connecting to" not in history.stdout + history.stderr  # no Ray needed
-    assert "layer" in history.stdout.lower()
-
-    missing = run([KAISA_RAY, "tune", "--history", "no-such-run"], env, tmp_path, 60)
-    assert missing.returncode == 1
-    message = " ".join(missing.stderr.split())
-    assert f"the local store ({store / 'runs'})" in message
-    assert "A `kaisa-ray train` without RAY_ADDRESS runs on a Ray of its own" in message
+    assert ANY_OTHER not in stdout + stderr
+    assert 6379 not in connected_to(stdout + stderr)
+    assert own_heads_left(stdout + stderr) == []
 
 
 # -- make run, beside the others -----------------------------------------------------------

@@ -12,12 +12,15 @@ the torch version, all in the key; an unreadable file is ignored and rewritten).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import pickle
 import re
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +74,10 @@ class LocalStore:
     def save_run(self, run: str, records: list[dict[str, Any]]) -> None:
         """A run's records (as the progress sink holds them), replacing what was kept."""
         text = "".join(json.dumps(r, default=str) + "\n" for r in records)
-        _write(self._run_file(run), text.encode())
-        self._prune()
+        path = self._run_file(run)
+        with self._locked():
+            _write(path, text.encode())
+            self._prune()
 
     def run_records(self, run: str) -> list[dict[str, Any]] | None:
         """The records kept for ``run``, or None when none were."""
@@ -93,9 +98,22 @@ class LocalStore:
             (self.runs_dir / f"{old}.jsonl").unlink(missing_ok=True)
 
     def save_profiles(self, profiles: dict[str, Any]) -> None:
-        """The tuner's profiles by key (merged over what was kept)."""
-        kept = {**self.profiles(), **profiles}
-        _write(self.profiles_file, pickle.dumps({"format": PROFILES_FORMAT, "profiles": kept}))
+        """The tuner's profiles by key, merged over what was kept (under a lock: two commands
+        that end at once both keep theirs)."""
+        with self._locked():
+            kept = {**self.profiles(), **profiles}
+            data = pickle.dumps({"format": PROFILES_FORMAT, "profiles": kept})
+            _write(self.profiles_file, data)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with open(self.root / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def profiles(self) -> dict[str, Any]:
         """The tuner's profiles kept here; none when the file is missing or unreadable."""
