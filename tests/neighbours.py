@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -106,6 +107,9 @@ def ray_on_default_ports(log_dir: Path) -> Iterator[DefaultPortsRay]:
                 ADDRESS_FILE.unlink()
             else:
                 ADDRESS_FILE.write_text(before)
+        # Its session's logs (Ray names the folder after the `ray start` process).
+        for session in ADDRESS_FILE.parent.glob(f"session_*_{process.pid}"):
+            shutil.rmtree(session, ignore_errors=True)
 
 
 @dataclass
