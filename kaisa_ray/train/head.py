@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -184,6 +185,11 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+TRANSIENT = ("timed out during startup", "address already in use", "Address already in use")
+"""What a second try may not meet: Ray's raylet not registered within Ray's fixed 30 s (an
+overloaded machine), or a port chosen free taken by someone else before Ray bound it."""
+
+
 def start_head(
     *,
     env: Mapping[str, str] | None = None,
@@ -207,8 +213,36 @@ def start_head(
 
     Raises:
         HeadStartError: ``ray start`` exited or the head did not come up in ``timeout_s``
-            (the message has the end of its log).
+            (the message has the end of its log), twice when the first failure was transient.
     """
+    attempt = functools.partial(
+        _start_once,
+        env=env,
+        num_cpus=num_cpus,
+        object_store_bytes=object_store_bytes,
+        tied_to_this_process=tied_to_this_process,
+        timeout_s=timeout_s,
+        temp_root=temp_root,
+    )
+    try:
+        return attempt()
+    except HeadStartError as err:
+        if not any(sign in str(err) for sign in TRANSIENT):
+            raise
+        logger.warning("starting a Ray head failed (%s); trying once more", str(err)[-200:])
+        return attempt()
+
+
+def _start_once(
+    *,
+    env: Mapping[str, str] | None = None,
+    num_cpus: float | None = None,
+    object_store_bytes: int | None = None,
+    tied_to_this_process: bool = False,
+    timeout_s: float = 120,
+    temp_root: str = "/tmp",
+) -> Head:
+    """One try of ``start_head``."""
     head_env = dict(head_environment() if env is None else env)
     gcs, dashboard = free_port(), free_port()
     head_env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"  # every process of this head: this head
