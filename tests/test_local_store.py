@@ -118,3 +118,20 @@ def test_no_address_or_local_means_a_head_of_its_own(
 ) -> None:
     monkeypatch.setenv("RAY_ADDRESS", value)
     assert cluster_address() == expected
+
+
+def test_a_stale_address_file_is_named_for_ray_address_auto(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RAY_ADDRESS=auto reads the address the last ``ray start`` left; a dead one is an error
+    at once that names the file and the fix (Ray itself would retry for minutes)."""
+    from kaisa_ray.errors import ConfigurationError
+    from kaisa_ray.train import connection
+
+    left = tmp_path / "ray_current_cluster"
+    dead = f"127.0.0.1:{free_port()}"
+    left.write_text(dead)
+    monkeypatch.setattr(connection, "RAY_CURRENT_CLUSTER", left)
+    with pytest.raises(ConfigurationError, match=rf"names {dead}, but nothing answers there") as e:
+        connection._connect("auto")
+    assert f"Remove the file (rm {left})" in str(e.value)

@@ -24,7 +24,9 @@ import atexit
 import logging
 import os
 import secrets
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 from kaisa_ray.errors import ConfigurationError
@@ -110,9 +112,24 @@ def ensure_ray() -> None:
         ray.init(address=head.gcs_address, log_to_driver=True)
 
 
+RAY_CURRENT_CLUSTER = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+"""Where ``ray start`` (on Ray's default temp dir) leaves its address for ``auto``; a head
+stopped by a signal leaves it behind."""
+
+
 def _connect(address: str) -> None:
     import ray
 
+    if address == "auto" and RAY_CURRENT_CLUSTER.is_file():
+        named = RAY_CURRENT_CLUSTER.read_text().strip()
+        if named and not reachable(named):
+            raise ConfigurationError(
+                f"RAY_ADDRESS=auto, and {RAY_CURRENT_CLUSTER} names {named}, but nothing "
+                "answers there: the last `ray start` on this machine has stopped and left its "
+                f"address behind. Remove the file (rm {RAY_CURRENT_CLUSTER}), set RAY_ADDRESS "
+                "to a running cluster, or unset RAY_ADDRESS to let this command start a local "
+                "Ray of its own"
+            )
     plain = "://" not in address and address != "auto"
     if plain and not reachable(address):
         raise ConfigurationError(
