@@ -24,12 +24,13 @@ the gradient and identity terms are the same everywhere; the curvature terms and
 sums over each rank's sample, all-reduced with their example counts, so every rank solves the
 same system and takes the same step.
 
-Typical use (after ``loss.backward()``; ``model`` unwrapped from DDP)::
+Typical use (``model`` unwrapped from DDP), each step::
 
     step = QuadraticModelStep(model, damping=0.1, min_damping=1e-3)
     precond = KFACPreconditioner(model, damping=step.current_damping, kl_clip=None, ...)
     ...
-    loss.backward()
+    model.zero_grad(set_to_none=True)  # each step's gradient alone
+    loss_fn(model(x), y).backward()
     step.capture()
     precond.step()
     step.step(x[:samples], y[:samples])

@@ -41,6 +41,7 @@ TRAINING_COMMANDS = {
     "sweep": "kaisa_ray.train.cli:sweep",
     "plan": "kaisa_ray.train.plan_cli:plan",
     "measure-node": "kaisa_ray.train.plan_cli:measure_node",
+    "head": "kaisa_ray.train.head_cli:head",
 }
 """The training commands, by where they are defined: they import torch (and Ray), so they
 are imported only when they run."""
@@ -207,6 +208,9 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
         host=settings.host,
         port=settings.port,
         log_level="info",
+        # A line per request (the dashboard's, every client's) only with `kaisa-ray -v serve`:
+        # /metrics counts them by route and status.
+        access_log=logging.getLogger().isEnabledFor(logging.INFO),
         timeout_graceful_shutdown=5,  # event streams never end on their own
     )
 
@@ -216,6 +220,8 @@ def _drained(signum: int, frame: Any) -> None:
 
 
 def _submit_when_up(base: str, token: str | None, file: Path) -> None:
+    """Submit ``file`` once the service answers, say where to watch it, then say each change
+    of its state until it ends (a terminal that ran ``make run`` learns that it did)."""
     client = ServiceClient(base, token)
     try:
         deadline = time.monotonic() + 300
@@ -237,8 +243,33 @@ def _submit_when_up(base: str, token: str | None, file: Path) -> None:
         )
     except (ServiceClientError, click.ClickException) as err:
         click.echo(f"could not submit {file}: {err}", err=True)
+        client.close()
+        return
+    try:
+        _say_states(client, job["id"])
+    except ServiceClientError as err:  # the service is stopping (Ctrl-C): nothing to say
+        logger.debug("stopped following job %s: %s", job["id"], err)
     finally:
         client.close()
+
+
+def _say_states(client: ServiceClient, job_id: str) -> None:
+    """A line for each state the job enters, from its event stream, until it ends."""
+    shown = ""
+    for event, data in client.events(job_id):
+        if event != "state" or data["state"] == shown:
+            continue
+        shown = data["state"]
+        state = JobState(shown)
+        line = f"job {job_id}: {_progress_text(data)}"
+        if state.finished:
+            accuracy = (data.get("metrics") or {}).get("test_accuracy")
+            if isinstance(accuracy, float):
+                line += f", test accuracy {accuracy:.4f}"
+            if data.get("failure_reason"):
+                line += f": {data['failure_reason']}"
+            line += "; the service keeps running (Ctrl-C stops it)"
+        click.echo(line)
 
 
 def _read(file: Path) -> dict[str, Any]:

@@ -28,6 +28,7 @@ MANY_PROCESSES = {
 # The longest modules (minutes of Ray and services), run first: with a module to a worker,
 # the last module to start decides when the run ends.
 LONGEST_FIRST = [
+    "test_shared_machine.py",
     "test_service_ops.py",
     "test_service_e2e.py",
     "test_kfac_auto.py",

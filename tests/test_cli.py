@@ -107,3 +107,17 @@ def test_validate_accepts_the_example_job_and_names_bad_fields(tmp_path: Path) -
     assert result.exit_code == 1
     assert "scaling.workers" in result.output
     assert "memory_budget" in result.output
+
+
+def test_errors_show_an_enum_by_its_value(tmp_path: Path) -> None:
+    """A closed set's member appears in a message as the value a user writes ('comm-opt'),
+    never as Python's repr (<DistributedStrategy.COMM_OPT: 'comm-opt'>)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "name: x\nmodel: {name: lenet}\ndataset: {name: synthetic}\n"
+        "kfac: {strategy: comm-opt, verify: 2}\n"
+    )
+    result = CliRunner().invoke(main, ["validate", "--config", str(bad)])
+    assert result.exit_code == 1
+    assert "set strategy: auto instead of 'comm-opt'" in " ".join(result.output.split())
+    assert "<" not in result.output

@@ -748,7 +748,8 @@ def test_the_entrypoint_runs_kaisa_ray_subcommands_and_any_other_program(tmp_pat
     script = (DEPLOY / "docker-entrypoint.sh").read_text()
     (case,) = re.findall(r'^\s*"" \| -\* \| (.*)\)$', script, flags=re.MULTILINE)
     every = service.cli.main.list_commands(click.Context(service.cli.main))  # the lazy ones too
-    assert sorted(case.split(" | ")) == sorted(every)
+    # All but `head`: in an image that is coreutils' head (the script says why).
+    assert sorted(case.split(" | ")) == sorted(set(every) - {"head"})
     stubs = tmp_path / "bin"
     assert run_entrypoint(["serve", "--port", "1"], stubs) == ["kaisa-ray", "serve", "--port", "1"]
     assert run_entrypoint(["--help"], stubs) == ["kaisa-ray", "--help"]

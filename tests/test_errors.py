@@ -18,7 +18,9 @@ from kaisa_ray import ComputeMethod, KFACPreconditioner
 from kaisa_ray.enums import parse_enum
 from kaisa_ray.errors import ConfigurationError, KaisaRayError, StateDictError
 from kaisa_ray.train.datasets import DatasetNotFoundError, IDXFormatError
+from kaisa_ray.train.head import HeadStartError
 from kaisa_ray.train.spec import JobSpecError
+from kaisa_ray.train.sweep import WorkersNotPlacedError
 from kaisa_ray.train.worker import TrainingDivergedError
 from service.client import ServiceClientError
 from service.errors import (
@@ -43,6 +45,8 @@ EXAMPLES: list[BaseException] = [
     DatasetNotFoundError("no train images in /nowhere; apt-get install dataset-fashion-mnist"),
     IDXFormatError("a corrupt gzip stream"),
     TrainingDivergedError("the training loss is nan at step 3"),
+    HeadStartError("`ray start --head` exited with 1:\n...address already in use"),
+    WorkersNotPlacedError("the job's 5 workers did not get their resources within 120 s"),
     JobSpecError(["kfac.damping: must be positive", "name: too long"], "job.yaml"),
     NoFeasibleCandidateError("no strategy fits the memory budget 1.00 MiB"),
     HardwareProfileError(["matmul: needs an fp32 table"], "h100.yaml"),

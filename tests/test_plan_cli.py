@@ -14,7 +14,7 @@ import yaml
 from click.testing import CliRunner, Result
 
 from kaisa_ray.plan import plan
-from kaisa_ray.train.planning import load_hardware
+from kaisa_ray.train.planning import HARDWARE_DIR, hardware_names, load_hardware
 from kaisa_ray.train.shapes import workload
 from service.cli import main
 from tuner.cost import NoFeasibleCandidateError, choose
@@ -224,23 +224,34 @@ def test_measure_node_needs_a_gpu_or_says_so() -> None:
     assert "no CUDA device here: measure-node measures a GPU node" in result.output
 
 
-def measure_node_trial(tmp_path: Path) -> Path:
+def measure_node_trial(tmp_path: Path, *, output: bool = True) -> Path:
     """``kaisa-ray measure-node --quick`` on the CPU with two gloo ranks, as profile "trial";
-    the file it wrote (the command must succeed)."""
-    out = tmp_path / "node.yaml"
+    the file it wrote (the command must succeed): ``--output`` in ``tmp_path``, or (``output``
+    false) where it goes by default."""
+    out = ["--output", str(tmp_path / "node.yaml")] if output else []
     result = kaisa_ray(
-        "measure-node", "--device", "cpu", "--quick", "--ranks", "2", "--name", "trial",
-        "--output", str(out),
+        "measure-node", "--device", "cpu", "--quick", "--ranks", "2", "--name", "trial", *out,
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    return out
+    written = Path(result.output.split("wrote ", 1)[1].split(";", 1)[0])
+    assert written.is_file()
+    return written
 
 
-def test_measure_node_writes_a_profile_that_plans(tmp_path: Path) -> None:
+def test_measure_node_writes_a_profile_that_plans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The command end to end on the CPU (``--quick``, two gloo processes for the
-    collectives): what it writes loads, its numbers are measured here with the date, and
-    only the links between nodes come from the base profile."""
-    out = measure_node_trial(tmp_path)
+    collectives), with no ``--output``: it writes to the user's folder (never into the
+    installed package), ``--hardware trial`` finds it there by name, what it wrote loads, its
+    numbers are measured here with the date, and only the links between nodes come from the
+    base profile."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    shipped = sorted(HARDWARE_DIR.iterdir())
+    out = measure_node_trial(tmp_path, output=False)
+    assert out == tmp_path / "config" / "kaisa-ray" / "hardware" / "trial.yaml"
+    assert sorted(HARDWARE_DIR.iterdir()) == shipped
+    assert hardware_names() == ["a100-80gb-hdr", "h100-80gb-ndr"]  # what the service offers
     hardware = load_hardware(out)
     assert hardware.name == "trial"
     measured = {path for path, n in hardware.sources.items() if n.kind == "measured"}
@@ -258,9 +269,19 @@ def test_measure_node_writes_a_profile_that_plans(tmp_path: Path) -> None:
     assert all(math.isfinite(n.value) and n.value > 0 for n in hardware.sources.values())
     assert "measured by kaisa-ray measure-node on CPU" in hardware.eigh.points[0][1].source
     planned = plan_json(
-        "--model", "lenet", "--workers", "2", "--batch", "64", "--hardware", str(out)
-    )
+        "--model", "lenet", "--workers", "2", "--batch", "64", "--hardware", "trial"
+    )  # fmt: skip
     assert planned["inputs"]["hardware"] == "trial"
+    unknown = kaisa_ray("plan", "--model", "lenet", "--workers", "2", "--batch", "64",
+                        "--hardware", "tpu")  # fmt: skip
+    assert unknown.exit_code == 1
+    assert f"a profile of yours in {out.parent} (trial;" in " ".join(unknown.output.split())
+
+
+def test_measure_node_refuses_a_preset_name() -> None:
+    result = kaisa_ray("measure-node", "--device", "cpu", "--name", "a100-80gb-hdr")
+    assert result.exit_code == 2
+    assert "is a preset's name" in result.output
 
 
 def test_a_latency_the_fit_cannot_resolve_is_bounded_by_the_smallest_all_reduce(

@@ -1,15 +1,23 @@
-"""Hyperparameter sweeps: the JobSpec's sweep section, checked field by field, and a real
-sweep on Ray Tune (ASHA stops a weak trial, a diverging trial fails with its reason, the best
-spec comes out as a job file and reproduces the best trial)."""
+"""Hyperparameter sweeps: the JobSpec's sweep section, checked field by field; the CLI around
+a sweep (faked at its seam); and real sweeps as a user runs them: a trial whose workers cannot
+be placed fails saying so, and Ctrl-C ends a sweep without a result. (A sweep through the
+service: test_service_e2e.py; the README's, beside other Ray instances:
+test_shared_machine.py.)"""
 
 from __future__ import annotations
 
+import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from cli_process import KAISA_RAY, own_heads_left, run, user_env
 from click.testing import CliRunner
+from ray_head import RayHead
 
 from kaisa_ray.train.records import TrialOutcome, TrialRecord, TrialState
 from kaisa_ray.train.spec import JobSpecError, parse_job_spec, trial_spec
@@ -112,6 +120,7 @@ def test_what_the_tuner_decides_and_fixed_strategies_are_refused() -> None:
     assert "the tuner chooses the intervals" in found["sweep.space.kfac.inv_update_steps"]
     found = problems({"space": SPACE}, kfac={"strategy": "comm-opt"})
     assert "kfac.strategy: auto" in found["kfac.strategy"]
+    assert found["kfac.strategy"].endswith("set it instead of 'comm-opt'")  # the value, no repr
     found = problems({"space": {"kfac.damping": {"uniform": [0.01, 0.3]}}}, kfac="off")
     assert "kfac is off" in found["sweep.space.kfac.damping"]
     found = problems({"space": SPACE, "metric": "time_to_target"})
@@ -224,3 +233,80 @@ def test_the_cli_prints_the_trials_and_writes_the_best_spec(
     failed = CliRunner().invoke(main, args)
     assert failed.exit_code == 1
     assert "no trial reported test_accuracy" in failed.output
+
+
+# -- a real sweep ends every trial, or says why not (a command as a user runs it) ----------
+
+
+def tiny_sweep(tmp_path: Path, trials: int, **overrides: Any) -> Path:
+    spec: dict[str, Any] = {
+        "name": "tiny-sweep",
+        "model": {"name": "mlp"},
+        "dataset": {"name": "synthetic", "batch_size": 32},
+        "kfac": {"strategy": "auto"},
+        "scaling": {"workers": 1},
+        "stop": {"max_steps": 2000},
+        "eval_every": 50,
+        "sweep": {
+            "space": {"optimizer.lr": {"loguniform": [0.001, 0.1]}},
+            "trials": trials,
+            "scheduler": "none",
+        },
+    }
+    spec.update(overrides)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_a_trial_whose_workers_cannot_be_placed_fails_saying_so(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    """Five workers on a 4-CPU cluster: the trial fails after scaling.resource_timeout_s with
+    the reason (the workers' and the cluster's resources) instead of waiting forever."""
+    config = tiny_sweep(
+        tmp_path, 1, scaling={"workers": 5, "cpus_per_worker": 1, "resource_timeout_s": 3}
+    )
+    env = {**user_env(tmp_path / "home"), "RAY_ADDRESS": ray_head.gcs_address}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=ray_head.token)
+    done = run([KAISA_RAY, "sweep", "--config", str(config)], env, tmp_path, 300)
+    output = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 1, output[-4000:]
+    assert "FAILED" in output
+    assert (
+        "WorkersNotPlacedError: the job's 5 workers (1 CPU each, placement pack) did not get "
+        "their resources within scaling.resource_timeout_s=3 s (the cluster has 4 CPU in all"
+    ) in output
+    assert "no trial reported time_to_target" in output or "no trial reported" in output
+
+
+@pytest.mark.ray
+def test_ctrl_c_ends_a_sweep_without_a_result(tmp_path: Path) -> None:
+    """Ctrl-C while a trial runs: the sweep says it was interrupted, exits 130 (not 0), writes
+    no best spec, and its Ray of its own is gone."""
+    config = tiny_sweep(tmp_path, 4)
+    env = user_env(tmp_path / "home")
+    process = subprocess.Popen(
+        [KAISA_RAY, "sweep", "--config", str(config), "--output", "best.yaml"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    assert process.stdout is not None
+    deadline = time.monotonic() + 240
+    for line in process.stdout:
+        lines.append(line)
+        if re.match(r"trial \S+ RUNNING", line) or time.monotonic() > deadline:
+            break
+    assert any(re.match(r"trial \S+ RUNNING", line) for line in lines), "".join(lines)[-4000:]
+    process.send_signal(signal.SIGINT)
+    rest, _ = process.communicate(timeout=180)
+    output = "".join(lines) + rest
+    assert process.returncode == 130, output[-4000:]
+    assert "was interrupted before its 4 trials ended: no best spec is written" in output
+    assert "did not end: the sweep was interrupted" in output
+    assert not (tmp_path / "best.yaml").exists()
+    assert own_heads_left(output) == []

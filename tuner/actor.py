@@ -5,7 +5,8 @@ named, detached Ray actor, created on first use by ``tuner_actor()``. Profiles a
 ``profile_key``: the model's structure, the batch each worker trains on, the job's K-FAC
 options and the shape of the cluster that ran it (workers, nodes, devices, threads), so a
 second identical job skips profiling and gets its decision at once. The cache is bounded and
-lives as long as the actor (that is, the Ray cluster).
+lives as long as the actor (that is, the Ray cluster); a head started by a standalone command
+loads and saves it through the local store (``kaisa_ray.train.local_store``).
 """
 
 from __future__ import annotations
@@ -136,6 +137,20 @@ class TunerState:
             self._profiles.clear()
             return count
         return 1 if self._profiles.pop(key, None) is not None else 0
+
+    def profiles(self) -> dict[str, Profile]:
+        """Every cached profile by key, oldest first (what a local store keeps)."""
+        return dict(self._profiles)
+
+    def remember(self, profiles: dict[str, Profile]) -> int:
+        """Cache ``profiles`` (from a local store) without counting hits or misses; the bound
+        holds. Returns how many are cached."""
+        for key, profile in profiles.items():
+            if isinstance(profile, Profile):
+                self._profiles[key] = profile
+        while len(self._profiles) > self._max:
+            self._profiles.popitem(last=False)
+        return len(self._profiles)
 
     def stats(self) -> dict[str, int]:
         return {"profiles": len(self._profiles), "hits": self.hits, "misses": self.misses}

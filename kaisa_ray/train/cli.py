@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from kaisa_ray.enums import KFACApprox
+from kaisa_ray.train.connection import cluster_address, ensure_ray, release_ray
 from kaisa_ray.train.datasets import DatasetNotFoundError, IDXFormatError
 from kaisa_ray.train.example import run_example
 
@@ -224,8 +225,6 @@ def _read_key(key: str) -> str:
     a spec of any size, where a command line has a limit."""
     from ray.experimental.internal_kv import _internal_kv_get
 
-    from kaisa_ray.train.trainer import ensure_ray
-
     ensure_ray()
     value = _internal_kv_get(key, namespace=SPEC_NAMESPACE)
     if value is None:
@@ -326,6 +325,8 @@ def train(
         )
     except ConfigurationError as err:
         raise click.ClickException(str(err)) from err
+    finally:
+        release_ray()  # a local Ray of this command's own, if it started one
     if not result.succeeded:
         raise click.ClickException(f"run {result.run_name} failed: {result.error}")
     metrics = result.metrics
@@ -387,27 +388,45 @@ def tune(
         outcome = tune_job(spec, storage_path=storage_path)
     except ConfigurationError as err:
         raise click.ClickException(str(err)) from err
+    finally:
+        release_ray()  # a local Ray of this command's own: its profile goes to the local store
     click.echo(tuning_table(outcome.record))
 
 
 def _print_history(run: str) -> None:
+    """A run's intervals records: from the progress sink of the cluster in ``RAY_ADDRESS``,
+    else (or when it has none) from the local store, where a standalone command's own Ray
+    left them when it stopped."""
     from kaisa_ray.errors import ConfigurationError
-    from kaisa_ray.train.progress import read_progress
-    from kaisa_ray.train.records import IntervalsRecord, RecordKind, parse_record
+    from kaisa_ray.train.local_store import LocalStore
+    from kaisa_ray.train.records import IntervalsRecord, RecordKind, try_record
     from kaisa_ray.train.tables import intervals_timeline
-    from kaisa_ray.train.trainer import ensure_ray
 
-    try:
-        ensure_ray()
-    except ConfigurationError as err:
-        raise click.ClickException(str(err)) from err
-    found = [parse_record(r) for r in read_progress(run, kinds=[RecordKind.INTERVALS])["records"]]
-    records = [r for r in found if isinstance(r, IntervalsRecord)]
+    address = cluster_address()
+    found: list[dict[str, Any]] = []
+    if address is not None:
+        from kaisa_ray.train.progress import read_progress
+
+        try:
+            ensure_ray()
+        except ConfigurationError as err:
+            raise click.ClickException(str(err)) from err
+        found = read_progress(run, kinds=[RecordKind.INTERVALS])["records"]
+    store = LocalStore()
+    if not found:
+        found = [r for r in store.run_records(run) or [] if r.get("kind") == RecordKind.INTERVALS]
+    records = [r for r in (try_record(data)[0] for data in found) if isinstance(r, IntervalsRecord)]
     if not records:
+        where = (
+            f"the progress sink of the cluster at RAY_ADDRESS={address} nor in " if address else ""
+        )
         raise click.ClickException(
-            f"run {run!r} has no intervals records in this cluster's progress sink: is the name "
-            "right (kaisa-ray train prints it), and does the job use kfac: auto (or "
-            "kfac.measure_staleness)?"
+            f"run {run!r} has no intervals records in {where}the local store "
+            f"({store.runs_dir}). A `kaisa-ray train` without RAY_ADDRESS runs on a Ray of its "
+            "own and keeps its runs' records there when it ends; a run on a cluster (`ray job "
+            "submit`, the service) keeps them in that cluster's progress sink while the cluster "
+            "runs: set RAY_ADDRESS to it. Is the name right (kaisa-ray train prints it), and "
+            "does the job use kfac: auto (or kfac.measure_staleness)?"
         )
     click.echo(intervals_timeline(records))
 
@@ -448,7 +467,7 @@ def sweep(
     from kaisa_ray.train.follow import Follower
     from kaisa_ray.train.progress import SinkReader
     from kaisa_ray.train.records import RecordKind, TrialRecord
-    from kaisa_ray.train.sweep import run_sweep
+    from kaisa_ray.train.sweep import CUT_SHORT, run_sweep
     from kaisa_ray.train.tables import TrialTable
     from kaisa_ray.train.trainer import unique_run_name
 
@@ -475,7 +494,12 @@ def sweep(
     finally:
         reader.stop()  # its last read has every trial record (run_sweep waited for them)
         follower.close()
-    click.echo(f"\nsweep {result.run_name}: {len(result.trials)} trials in {result.seconds:.0f} s")
+        release_ray()  # a local Ray of this command's own, if it started one
+    ended = len(result.trials) - sum(t.error == CUT_SHORT for t in result.trials)
+    click.echo(
+        f"\nsweep {result.run_name}: {len(result.trials)} trials in {result.seconds:.0f} s"
+        + (f" (interrupted: {ended} of {result.planned} ended)" if result.interrupted else "")
+    )
     for trial in result.trials:
         metrics = {k: v for k, v in trial.metrics.items() if k != "step"}
         table.update(
@@ -491,6 +515,18 @@ def sweep(
             )
         )
     click.echo(table.render())
+    for trial in result.trials:
+        if trial.error:
+            click.echo(f"trial {trial.trial_id} {trial.state}: {trial.error}")
+    if result.interrupted:
+        click.echo(
+            f"sweep {result.run_name} was interrupted before its {result.planned} trials ended: "
+            "no best spec is written"
+            + (f" (to {output})" if output is not None else "")
+            + "; run the sweep again to finish it",
+            err=True,
+        )
+        raise click.exceptions.Exit(130)
     if result.best is None or result.best_spec is None:
         raise click.ClickException(
             f"no trial reported {result.metric}; see each trial's state and error above"

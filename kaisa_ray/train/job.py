@@ -10,15 +10,13 @@ a line per evaluation).
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import ray.train
-
 from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.train.connection import cluster_address, seed_tuner
 from kaisa_ray.train.follow import Follower
 from kaisa_ray.train.progress import SinkReader
 from kaisa_ray.train.records import EvalRecord
@@ -27,10 +25,16 @@ from kaisa_ray.train.state import CHECKPOINT_FILE
 from kaisa_ray.train.storage import (
     checkpoint_file_exists,
     checkpoint_location,
-    latest_checkpoint,
     resolve_storage,
 )
-from kaisa_ray.train.trainer import build_trainer, ensure_ray, resource_timeout, unique_run_name
+from kaisa_ray.train.trainer import (
+    build_trainer,
+    ensure_ray,
+    resource_timeout,
+    unique_run_name,
+    unplaced_message,
+    waited_too_long,
+)
 from kaisa_ray.train.tuning import tune_job
 from kaisa_ray.train.worker_config import TrainConfig
 
@@ -51,42 +55,11 @@ class JobResult:
     error: str | None = None
 
 
-def _waited_too_long(error: Exception) -> bool:
-    """Whether Ray Train gave up waiting for the workers' resources: a controller error whose
-    cause is its worker-group start timeout (an internal class of Ray Train's, so matched by
-    its name, not imported)."""
-    failure = getattr(error, "controller_failure", None)
-    return (
-        isinstance(error, ray.train.ControllerError)
-        and failure is not None
-        and type(failure).__name__ == "WorkerGroupStartupTimeoutError"
-    )
-
-
 def _failure(spec: JobSpec, error: Exception, storage: str, run: str) -> str:
     """Why a run failed, in words a user can act on; Ray's own message otherwise."""
-    if not _waited_too_long(error):
+    if not waited_too_long(error):
         return f"{type(error).__name__}: {error}"
-    scaling = spec.scaling
-    per_worker = f"{scaling.cpus_per_worker:g} CPU" + (
-        f", {scaling.gpus_per_worker:g} GPU" if scaling.gpus_per_worker else ""
-    )
-    latest = latest_checkpoint(storage, run, CHECKPOINT_FILE)
-    timeout = scaling.resource_timeout_s or 0.0
-    return (
-        f"the job's {scaling.workers} workers ({per_worker} each, placement "
-        f"{scaling.placement}) did not get their resources within "
-        f"scaling.resource_timeout_s={timeout:g} s: the cluster is too small "
-        "for them, or a node left and none came back. Add nodes, lower scaling.workers or "
-        "relax scaling.placement, or raise scaling.resource_timeout_s (unset: wait as long as "
-        "it takes). "
-        + (
-            f"The latest checkpoint is {latest}: continue from it with "
-            f"`kaisa-ray train --resume-from {latest}`."
-            if latest
-            else "No checkpoint was written."
-        )
-    )
+    return unplaced_message(spec, storage, run)
 
 
 def describe_run(
@@ -103,7 +76,7 @@ def describe_run(
     return {
         "job": spec.name,
         "run_name": run_name or f"{spec.name}-<UTC time>-<8 hex>",
-        "ray_address": os.environ.get("RAY_ADDRESS") or "local (a Ray started for this job)",
+        "ray_address": cluster_address() or "local (a Ray head of its own for this command)",
         "workers": scaling.workers,
         "resources_per_worker": resources,
         "placement_strategy": scaling.placement_strategy,
@@ -174,6 +147,8 @@ def run_job(
         progress_every=progress_every,
     )
     kfac = spec.kfac
+    if isinstance(kfac, KFACSpec) and kfac.auto:
+        seed_tuner()
     if isinstance(kfac, KFACSpec) and kfac.auto and kfac.verify > 0 and resume_from is None:
         outcome = tune_job(spec, storage_path=storage, run_name=name)
         config = TrainConfig(

@@ -15,7 +15,6 @@ from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.cli import _job
 from kaisa_ray.train.planning import (
-    HARDWARE_DIR,
     PlanRequest,
     hardware_names,
     plan_job,
@@ -218,7 +217,8 @@ def _params(pairs: tuple[str, ...]) -> dict[str, Any]:
     "--hardware",
     default="a100-80gb-hdr",
     show_default=True,
-    help=f"A preset ({', '.join(hardware_names())}) or a profile file.",
+    help=f"A preset ({', '.join(hardware_names())}), a profile of yours by name (in "
+    "~/.config/kaisa-ray/hardware, where measure-node writes them) or a profile file.",
 )
 @click.option(
     "--budget",
@@ -330,7 +330,8 @@ def plan(
     "--output",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help=f"Where to write it [default: {HARDWARE_DIR}/<name>.yaml].",
+    help="Where to write it [default: <name>.yaml in ~/.config/kaisa-ray/hardware, where "
+    "--hardware NAME finds it].",
 )
 @click.option("--device", default="cuda", show_default=True, help="cuda, or cpu to try it out.")
 @click.option("--quick", is_flag=True, help="Small sizes and few repeats (a trial run).")
@@ -349,9 +350,14 @@ def measure_node(
     import yaml
 
     from kaisa_ray.train.models_large import ResNet50
-    from kaisa_ray.train.planning import hardware_file
+    from kaisa_ray.train.planning import hardware_file, user_hardware_dir
     from tuner.node import measure
 
+    if output is None and (name in hardware_names() or "/" in name or name.startswith(".")):
+        raise click.BadParameter(
+            f"{name!r} is a preset's name or not a file name; choose another (or give --output)",
+            param_hint="--name",
+        )
     try:
         profile = measure(
             yaml.safe_load(hardware_file(base).read_text()),
@@ -363,9 +369,11 @@ def measure_node(
         )
     except ConfigurationError as err:
         raise click.ClickException(str(err)) from err
-    target = output or HARDWARE_DIR / f"{name}.yaml"
+    target = output or user_hardware_dir() / f"{name}.yaml"
+    target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(
         "# Measured by kaisa-ray measure-node; see kaisa_ray/train/hardware/a100-80gb-hdr.yaml\n"
         + yaml.safe_dump(profile, sort_keys=False, width=100)
     )
-    click.echo(f"wrote {target}; plan with it: kaisa-ray plan --hardware {target} ...")
+    use = name if output is None else str(target)
+    click.echo(f"wrote {target}; plan with it: kaisa-ray plan --hardware {use} ...")

@@ -21,6 +21,7 @@ returns it from ``POST /v1/plan``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,26 +49,46 @@ from tuner.topology import Topology
 HARDWARE_DIR = Path(__file__).with_name("hardware")
 
 
+def user_hardware_dir() -> Path:
+    """Where ``kaisa-ray measure-node`` writes profiles and ``--hardware NAME`` finds them
+    after the presets: ``$XDG_CONFIG_HOME/kaisa-ray/hardware`` (``~/.config/...``), never the
+    installed package."""
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "kaisa-ray" / "hardware"
+
+
 def hardware_names() -> list[str]:
-    """The hardware presets shipped with kaisa-ray."""
+    """The hardware presets shipped with kaisa-ray (the service offers these only)."""
     return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
 
 
+def user_hardware_names() -> list[str]:
+    """The profiles in ``user_hardware_dir()`` (a preset's name there is shadowed)."""
+    presets = hardware_names()
+    return sorted(p.stem for p in user_hardware_dir().glob("*.yaml") if p.stem not in presets)
+
+
 def hardware_file(name_or_path: str | Path) -> Path:
-    """The file of a preset (by name) or a profile file's path.
+    """The file of a preset or of a profile in ``user_hardware_dir()`` (by name, presets
+    first), or a profile file's path.
 
     Raises:
-        ConfigurationError: neither (the presets are listed).
+        ConfigurationError: none of these (the presets and the user's profiles are listed).
     """
     text = str(name_or_path)
-    path = HARDWARE_DIR / f"{text}.yaml"
-    if path.is_file() and "/" not in text:
-        return path
+    if "/" not in text:
+        for folder in (HARDWARE_DIR, user_hardware_dir()):
+            path = folder / f"{text}.yaml"
+            if path.is_file():
+                return path
     path = Path(text).expanduser()
     if not path.is_file():
+        mine = ", ".join(user_hardware_names()) or "none yet"
         raise ConfigurationError(
-            f"unknown hardware {text!r}: give a preset ({', '.join(hardware_names())}) or "
-            "a profile file (see kaisa_ray/train/hardware/*.yaml for the format)"
+            f"unknown hardware {text!r}: give a preset ({', '.join(hardware_names())}), a "
+            f"profile of yours in {user_hardware_dir()} ({mine}; `kaisa-ray measure-node` "
+            "writes them there), or a profile file (see kaisa_ray/train/hardware/*.yaml for the "
+            "format)"
         )
     return path
 

@@ -497,7 +497,7 @@ class KFACSpec(_Strict):
                 raise ValueError(
                     f"{', '.join(given)} only for strategy: auto (the tuner); remove "
                     f"{'it' if len(given) == 1 else 'them'} or set strategy: auto instead of "
-                    f"{self.strategy!r}"
+                    f"{str(self.strategy)!r}"
                 )
         if self.adapt and self.verify:
             raise ValueError(
@@ -522,7 +522,7 @@ class ScalingSpec(_Strict):
     one node) or ``strict-spread`` (one per node, or wait for enough nodes).
     ``resource_timeout_s``: how long the worker group may wait for its resources, at the start
     and after losing a node, before the job fails saying so; unset, it waits as long as it
-    takes (an autoscaling cluster adds nodes)."""
+    takes (an autoscaling cluster adds nodes), except in a sweep's trials (120 s)."""
 
     workers: Annotated[int, Field(gt=0, le=MAX_WORKERS)] = 1
     gpus_per_worker: Annotated[float, Field(ge=0, le=MAX_GPUS_PER_WORKER)] = 0
@@ -784,7 +784,8 @@ def sweep_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
             (
                 ("kfac", "strategy"),
                 "a sweep runs every trial with kfac.strategy: auto, so that each trial's K-FAC "
-                f"strategy is chosen under memory_budget; set it instead of {spec.kfac.strategy!r}",
+                "strategy is chosen under memory_budget; set it instead of "
+                f"{str(spec.kfac.strategy)!r}",
             )
         )
     if isinstance(spec.kfac, KFACSpec) and spec.kfac.verify:

@@ -8,8 +8,14 @@ rungs. Every trial runs with ``kfac: auto``: the tuner picks its strategy under 
 memory budget (and, with its profile cached after the first trial, at no further cost).
 A trial that fails (a diverging loss, say) is recorded with its reason; the sweep goes on.
 When ASHA stops a trial, Ray Tune ends the trial's actor, and Ray Train's placement-group
-cleaner frees its workers' resources once Ray's State API says the trial's controller is gone:
-a cluster needs its dashboard for that (a local Ray started by ``kaisa-ray`` has it).
+cleaner frees its workers' resources once Ray's State API says the trial's controller is gone.
+The cleaner (an actor in a worker of the cluster) needs the cluster's dashboard and
+``RAY_ADDRESS`` in its environment: without it, it looks for "the cluster" among every Ray on
+the machine, dies with "Found multiple active Ray instances" when there are several, and the
+stopped trial's workers hold their CPUs for good (the next trial then waits forever). The
+heads ``kaisa-ray`` starts (``kaisa_ray.train.head``, the service's) have both. A trial whose
+workers are not placed within ``scaling.resource_timeout_s`` (in a sweep 120 s unless the job
+says) fails saying so, and an interrupted sweep (Ctrl-C) says which trials it cut short.
 
 Progress goes to the progress sink under the sweep's run name, as the service and the CLI
 read it (``records.py``): ``sweep-start`` (the plan), one ``trial`` record per trial event
@@ -33,6 +39,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from kaisa_ray.errors import ConfigurationError, KaisaRayError
+from kaisa_ray.train.connection import seed_tuner
 from kaisa_ray.train.progress import progress_sink
 from kaisa_ray.train.records import (
     TRIAL_METRICS,
@@ -47,7 +54,14 @@ from kaisa_ray.train.records import (
 from kaisa_ray.train.spec import Distribution, JobSpec, SweepSpec, trial_spec
 from kaisa_ray.train.state import CHECKPOINT_FILE
 from kaisa_ray.train.storage import latest_checkpoint, resolve_storage
-from kaisa_ray.train.trainer import build_trainer, ensure_ray, unique_run_name
+from kaisa_ray.train.trainer import (
+    build_trainer,
+    ensure_ray,
+    resource_timeout,
+    unique_run_name,
+    unplaced_message,
+    waited_too_long,
+)
 from kaisa_ray.train.worker_config import TrainConfig
 
 __all__ = ["SweepResult", "run_sweep", "search_space"]
@@ -80,6 +94,8 @@ class SweepResult:
     best: TrialOutcome | None
     best_spec: JobSpec | None
     seconds: float
+    planned: int = 0  # the trials the sweep was to run
+    interrupted: bool = False  # stopped (Ctrl-C) before every planned trial ended
 
     def record(self) -> SweepRecord:
         """The ``sweep`` progress record: every trial, and the best one with its spec."""
@@ -95,9 +111,25 @@ class SweepResult:
         )
 
 
+TRIAL_RESOURCE_TIMEOUT_S = 120.0
+"""How long a trial's workers may wait for their resources when the job does not say
+(``scaling.resource_timeout_s``): a worker group starts in 10-30 s here, so a trial still
+unplaced after two minutes is failed with the reason rather than left waiting forever."""
+
+
+CUT_SHORT = "did not end: the sweep was interrupted"
+
+
+class WorkersNotPlacedError(KaisaRayError):
+    """A trial's workers did not get their resources in time (the message says what to do)."""
+
+
 def _trial(config: dict[str, Any]) -> None:
     """A Tune function trainable: the job with this trial's params, on its own workers."""
     spec = trial_spec(config["base"], config["params"])
+    if spec.scaling.resource_timeout_s is None:
+        scaling = spec.scaling.model_copy(update={"resource_timeout_s": TRIAL_RESOURCE_TIMEOUT_S})
+        spec = spec.model_copy(update={"scaling": scaling})
     run = f"{config['run']}.{ray.tune.get_context().get_trial_id()}"
     trainer = build_trainer(
         spec,
@@ -106,20 +138,30 @@ def _trial(config: dict[str, Any]) -> None:
         max_failures=0,  # a failing trial fails; the sweep goes on with the others
         callbacks=[TuneReportCallback()],  # type: ignore[no-untyped-call]
     )
-    trainer.fit()
+    try:
+        with resource_timeout(spec):
+            trainer.fit()
+    except Exception as error:
+        if waited_too_long(error):
+            raise WorkersNotPlacedError(unplaced_message(spec, config["storage"], run)) from None
+        raise
 
 
 class _Recorder(ray.tune.Callback):
-    """Pushes each trial's events to the progress sink under the sweep's run name."""
+    """Pushes each trial's events to the progress sink under the sweep's run name, and keeps
+    which trials ended (a trial Tune left unended was cut short by an interrupted sweep)."""
 
     def __init__(self, run: str, sink: Any) -> None:
         self.run = run
         self.sink = sink  # the sweep's own handle: its records arrive in the order sent
+        self.ended: set[str] = set()  # trial ids that completed or failed
+        self.ids: dict[str, str] = {}  # a trial's path (a Result's) -> its id
 
     def _push(self, record: TrialRecord) -> None:
         self.sink.push.remote(self.run, [record.wire()])
 
     def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self.ids[str(trial.path)] = trial.trial_id
         self._push(
             TrialRecord(
                 trial=trial.trial_id, state=TrialState.RUNNING, params=trial.config["params"]
@@ -135,10 +177,12 @@ class _Recorder(ray.tune.Callback):
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         done = bool((trial.last_result or {}).get("finished"))
         state = TrialState.SUCCEEDED if done else TrialState.STOPPED
+        self.ended.add(trial.trial_id)
         self._push(TrialRecord(trial=trial.trial_id, state=state))
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         error = trial.get_pickled_error()  # the trial's exception, as Tune kept it
+        self.ended.add(trial.trial_id)
         self._push(TrialRecord(trial=trial.trial_id, state=TrialState.FAILED, error=_reason(error)))
 
 
@@ -208,38 +252,18 @@ def _value(metrics: dict[str, Any], metric: SweepMetric) -> float | None:
     return float(value)
 
 
-def run_sweep(
+def _tuner(
     spec: JobSpec,
+    sweep: SweepSpec,
     *,
-    storage_path: str | Path | None = None,
-    run_name: str | None = None,
-) -> SweepResult:
-    """Run the job's sweep on Ray Tune and return every trial and the best one.
-
-    Raises:
-        ConfigurationError: the job has no ``sweep`` section.
-    """
-    sweep = spec.sweep
-    if sweep is None:
-        raise ConfigurationError(
-            f"job {spec.name!r} has no sweep section; add one (see the JobSpec's sweep) or "
-            "train it with `kaisa-ray train`"
-        )
-    name = run_name or unique_run_name(spec.name)
-    storage = resolve_storage(storage_path)
-    ensure_ray()
-    began = time.perf_counter()
-    sink = progress_sink()
-    start = SweepStartRecord(
-        trials=sweep.trials,
-        concurrent=sweep.concurrent,
-        metric=sweep.metric,
-        mode=sweep.direction,
-        space={path: d.model_dump(exclude_none=True) for path, d in sweep.space.items()},
-    )
-    sink.push.remote(name, [start.wire()])
-    base = spec.without_sweep().model_dump(mode="json")
-    tuner = ray.tune.Tuner(
+    base: dict[str, Any],
+    name: str,
+    storage: str,
+    recorder: _Recorder,
+) -> ray.tune.Tuner:
+    """The sweep as a Ray Tune experiment: ``sweep.trials`` draws of the space, each a trial
+    of ``_trial``, under the sweep's scheduler, ``recorder`` told of every trial event."""
+    return ray.tune.Tuner(
         # A trial only waits on its TorchTrainer, whose workers hold the CPUs: it takes none
         # (Tune refuses an empty bundle; a MiB of logical memory makes it non-empty).
         ray.tune.with_resources(_trial, {"CPU": 0, "memory": 2**20}),
@@ -260,24 +284,68 @@ def run_sweep(
             name=name,
             storage_path=storage,
             verbose=0,
-            callbacks=[_Recorder(name, sink)],
+            callbacks=[recorder],
         ),
     )
+
+
+def run_sweep(
+    spec: JobSpec,
+    *,
+    storage_path: str | Path | None = None,
+    run_name: str | None = None,
+) -> SweepResult:
+    """Run the job's sweep on Ray Tune and return every trial and the best one.
+
+    Raises:
+        ConfigurationError: the job has no ``sweep`` section.
+    """
+    sweep = spec.sweep
+    if sweep is None:
+        raise ConfigurationError(
+            f"job {spec.name!r} has no sweep section; add one (see the JobSpec's sweep) or "
+            "train it with `kaisa-ray train`"
+        )
+    name = run_name or unique_run_name(spec.name)
+    storage = resolve_storage(storage_path)
+    ensure_ray()
+    seed_tuner()  # every trial runs kfac: auto
+    began = time.perf_counter()
+    sink = progress_sink()
+    start = SweepStartRecord(
+        trials=sweep.trials,
+        concurrent=sweep.concurrent,
+        metric=sweep.metric,
+        mode=sweep.direction,
+        space={path: d.model_dump(exclude_none=True) for path, d in sweep.space.items()},
+    )
+    sink.push.remote(name, [start.wire()])
+    base = spec.without_sweep().model_dump(mode="json")
+    recorder = _Recorder(name, sink)
+    tuner = _tuner(spec, sweep, base=base, name=name, storage=storage, recorder=recorder)
+    # Ray Tune ends the sweep on Ctrl-C (SIGINT) as if it were done: what it left unended
+    # tells an interrupted sweep from a finished one.
     grid = tuner.fit()
-    trials = []
+    trials, cut = [], 0
     for index in range(len(grid)):
         result = grid[index]
         metrics = dict(result.metrics or {})
         config = result.config or {}
-        trial_id = str(metrics.get("trial_id") or Path(result.path).name)
+        trial_id = str(
+            metrics.get("trial_id") or recorder.ids.get(str(result.path)) or Path(result.path).name
+        )
         run = f"{name}.{trial_id}"
+        cut_short = not result.error and trial_id not in recorder.ended
         state = (
             TrialState.FAILED
-            if result.error
+            if result.error or cut_short
             else TrialState.SUCCEEDED
             if metrics.get("finished")
             else TrialState.STOPPED
         )
+        error = _reason(result.error) if result.error else None
+        if cut_short:
+            error, cut = CUT_SHORT, cut + 1
         outcome = TrialOutcome(
             trial_id=trial_id,
             run=run,
@@ -285,11 +353,12 @@ def run_sweep(
             state=state,
             step=metrics.get("step"),
             metrics={k: v for k, v in metrics.items() if k in _KEPT},
-            value=None if result.error else _value(metrics, sweep.metric),
-            error=_reason(result.error) if result.error else None,
+            value=None if state is TrialState.FAILED else _value(metrics, sweep.metric),
+            error=error,
             checkpoint=latest_checkpoint(storage, run, CHECKPOINT_FILE),
         )
         trials.append(outcome)
+    interrupted = cut > 0 or len(trials) < sweep.trials
     best = _best(trials, sweep.direction)
     outcome_spec = trial_spec(base, best.params) if best is not None else None
     result_ = SweepResult(
@@ -300,6 +369,8 @@ def run_sweep(
         best=best,
         best_spec=outcome_spec,
         seconds=time.perf_counter() - began,
+        planned=sweep.trials,
+        interrupted=interrupted,
     )
     # Waited for, and from the handle the trials' records went through: once it returns, the
     # sink has every record of the sweep.

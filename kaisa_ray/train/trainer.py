@@ -1,6 +1,6 @@
-"""The Ray Train plumbing every driver shares: the connection to Ray, run names, and the
-job's ``TorchTrainer`` (its workers, placement, storage, failures and the records of the
-checkpoints Ray Train holds).
+"""The Ray Train plumbing every driver shares: run names, the connection to Ray (``ensure_ray``,
+from ``connection.py``), and the job's ``TorchTrainer`` (its workers, placement, storage,
+failures and the records of the checkpoints Ray Train holds).
 """
 
 from __future__ import annotations
@@ -16,14 +16,23 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.train.connection import ensure_ray
 from kaisa_ray.train.progress import progress_sink
 from kaisa_ray.train.records import CheckpointRecord
 from kaisa_ray.train.spec import JobSpec
+from kaisa_ray.train.state import CHECKPOINT_FILE
+from kaisa_ray.train.storage import latest_checkpoint
 from kaisa_ray.train.worker import train_worker
 from kaisa_ray.train.worker_config import WorkerConfig
 
-__all__ = ["build_trainer", "ensure_ray", "resource_timeout", "unique_run_name"]
+__all__ = [
+    "build_trainer",
+    "ensure_ray",
+    "resource_timeout",
+    "unique_run_name",
+    "unplaced_message",
+    "waited_too_long",
+]
 
 # Read by Ray Train's controller, which takes it from the driver's environment.
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
@@ -33,22 +42,6 @@ def unique_run_name(job_name: str) -> str:
     """``<job name>-<UTC time>-<8 hex>``: unique, so a run never resumes an older one."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     return f"{job_name}-{stamp}-{uuid.uuid4().hex[:8]}"
-
-
-def ensure_ray() -> None:
-    """Connect to Ray once: the cluster in ``RAY_ADDRESS`` (set inside a Ray Job) or a local one."""
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS") or None
-    try:
-        ray.init(address=address, log_to_driver=True)
-    except ConnectionError as err:
-        where = f"RAY_ADDRESS={address}" if address else "the address `ray start` left behind"
-        raise ConfigurationError(
-            f"cannot reach the Ray cluster at {where} ({err}). Start it, point RAY_ADDRESS at "
-            "a running cluster, or set RAY_ADDRESS=local to start a local Ray for this job "
-            "(`ray stop` also clears a stale address)"
-        ) from err
 
 
 class CheckpointRecorder(ray.train.UserCallback):
@@ -127,3 +120,50 @@ def resource_timeout(spec: JobSpec) -> Iterator[None]:
             os.environ.pop(START_TIMEOUT_ENV, None)
         else:
             os.environ[START_TIMEOUT_ENV] = old
+
+
+def waited_too_long(error: BaseException) -> bool:
+    """Whether Ray Train gave up waiting for the workers' resources: a controller error whose
+    cause is its worker-group start timeout (an internal class of Ray Train's, so matched by
+    its name, not imported)."""
+    failure = getattr(error, "controller_failure", None)
+    return (
+        isinstance(error, ray.train.ControllerError)
+        and failure is not None
+        and type(failure).__name__ == "WorkerGroupStartupTimeoutError"
+    )
+
+
+def _cluster_cpus() -> str:
+    """The cluster's CPUs in words (``4 CPU in all, 0 free now``), or "" if Ray cannot say."""
+    try:
+        total = ray.cluster_resources().get("CPU", 0.0)  # type: ignore[no-untyped-call]
+        free = ray.available_resources().get("CPU", 0.0)  # type: ignore[no-untyped-call]
+    except Exception:  # only words for a message: never fail the message
+        return ""
+    return f" (the cluster has {total:g} CPU in all, {free:g} free now)"
+
+
+def unplaced_message(spec: JobSpec, storage: str, run: str) -> str:
+    """Why a run whose workers were not placed within ``scaling.resource_timeout_s`` failed,
+    and what to do: the workers' resources, the cluster's, and the latest checkpoint."""
+    scaling = spec.scaling
+    per_worker = f"{scaling.cpus_per_worker:g} CPU" + (
+        f", {scaling.gpus_per_worker:g} GPU" if scaling.gpus_per_worker else ""
+    )
+    latest = latest_checkpoint(storage, run, CHECKPOINT_FILE)
+    timeout = scaling.resource_timeout_s or 0.0
+    return (
+        f"the job's {scaling.workers} workers ({per_worker} each, placement "
+        f"{scaling.placement}) did not get their resources within "
+        f"scaling.resource_timeout_s={timeout:g} s{_cluster_cpus()}: the cluster is too small "
+        "for them, other work holds them, or a node left and none came back. Add nodes, lower "
+        "scaling.workers or relax scaling.placement, or raise scaling.resource_timeout_s "
+        "(unset in a job: wait as long as it takes). "
+        + (
+            f"The latest checkpoint is {latest}: continue from it with "
+            f"`kaisa-ray train --resume-from {latest}`."
+            if latest
+            else "No checkpoint was written."
+        )
+    )

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray.amp import MixedPrecision
 from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.train.connection import seed_tuner
 from kaisa_ray.train.progress import read_progress
 from kaisa_ray.train.records import (
     AdaptiveChoice,
@@ -237,6 +238,7 @@ def tune_job(
     name = run_name or unique_run_name(spec.name)
     storage = resolve_storage(storage_path)
     ensure_ray()
+    seed_tuner()
     profile_run = f"{name}.profile"
     began = time.perf_counter()
     trainer = build_trainer(

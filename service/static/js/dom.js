@@ -18,10 +18,14 @@ export function h(tag, attrs, ...children) {
 
 export const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
+/** A number for people: 5,660 (not toPrecision's 5.66e+3), 12.3, 0.0123; "–" for none. */
 export function fmt(value, digits = 3) {
   if (value === undefined || value === null || Number.isNaN(value)) return "–";
   if (typeof value !== "number") return String(value);
-  if (Number.isInteger(value)) return value.toLocaleString("en-US");
+  // From 10^(digits-1) on, whole numbers (toPrecision would write 5660 as 5.66e+3).
+  if (Number.isInteger(value) || Math.abs(Number(value.toPrecision(digits))) >= 10 ** (digits - 1)) {
+    return Math.round(value).toLocaleString("en-US");
+  }
   return value.toPrecision(digits);
 }
 

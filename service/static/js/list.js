@@ -22,6 +22,7 @@ export async function listPage(view, hash, signal) {
   const body = h("tbody", { id: "jobs" });
   const empty = h("p", { class: "empty", hidden: true }, "No jobs here yet. ",
     h("a", { href: "#/new" }, "Submit one."));
+  const loading = h("p", { class: "empty", id: "jobs-loading" }, "Loading the jobs…");
   view.append(
     h("section", {},
       h("div", { class: "heading" }, h("h1", {}, "Jobs"), filters),
@@ -30,7 +31,7 @@ export async function listPage(view, hash, signal) {
           ["name", "state", "progress", "loss", "accuracy", "strategy", "started", "elapsed"]
             .map((c) => h("th", {}, c)))),
         body),
-      empty));
+      loading, empty));
 
   const params = new URLSearchParams([...wanted].map((s) => ["state", s]));
   params.set("limit", "200");
@@ -73,6 +74,7 @@ export async function listPage(view, hash, signal) {
   function load() {
     api(`/v1/jobs?${params}`, { signal }).then((page) => {
       for (const job of page.jobs.reverse()) render(job);
+      loading.remove();
       empty.hidden = rows.size > 0;
     }).catch((err) => {
       if (!signal.aborted) view.append(h("p", { class: "error" }, err.message));
@@ -119,7 +121,9 @@ export async function listPage(view, hash, signal) {
     }
   });
 
-  // The stream first: on its "ready" (and on every reconnection) the list is read, so no
-  // change between the list and the stream is missed.
+  // The list at once, so that the page shows the jobs while the stream connects (through a
+  // slow proxy, say); then on the stream's "ready" (and on every reconnection) the list is read
+  // again, so that no change between the list and the stream is missed.
+  load();
   await follow("/v1/events", onEvent, signal);
 }

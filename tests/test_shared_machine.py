@@ -1,0 +1,260 @@
+"""kaisa-ray's own commands with other people's Ray instances on the same machine: another
+user's ``ray start --head`` on Ray's default ports (it writes ``/tmp/ray/ray_current_cluster``)
+and a second ``kaisa-ray serve`` with its embedded head, both running throughout.
+
+Every command runs as a new user runs it: a real process, a fresh home, the venv on PATH
+(as after ``source .venv/bin/activate``), no Ray or kaisa-ray variables set.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from cli_process import ANY_OTHER, KAISA_RAY, ROOT, connected_to, own_heads_left, run, user_env
+from neighbours import DefaultPortsRay, MakeRun, neighbours
+
+from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_ray.train.head import start_head
+
+pytestmark = [pytest.mark.ray]
+NEEDS_DATA = pytest.mark.skipif(
+    not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
+)
+README_BLOCKS = re.compile(r"```bash\n(.*?)```", re.S)
+
+
+@pytest.fixture(scope="module")
+def others(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DefaultPortsRay, MakeRun]]:
+    """The neighbours, for the whole module: the service runs the quickstart job meanwhile."""
+    job = ROOT / "examples" / "quickstart.yaml"
+    with neighbours(tmp_path_factory.mktemp("neighbours"), job) as found:
+        yield found
+
+
+# -- a head of its own ----------------------------------------------------------------------
+
+
+def test_a_head_of_its_own_shares_nothing_with_the_others(
+    others: tuple[DefaultPortsRay, MakeRun], tmp_path: Path
+) -> None:
+    """Free ports (Ray's defaults are taken), its own temp dir with its own address file (the
+    machine's one still names the other head), RAY_ADDRESS pinned to it in every process of
+    it; ``stop`` leaves no process and no file."""
+    before = Path("/tmp/ray/ray_current_cluster").read_text()
+    head = start_head(env={**user_env(tmp_path / "home"), "RAY_AUTH_MODE": "disabled"})
+    try:
+        ports = {int(head.gcs_address.rsplit(":", 1)[1]), int(head.dashboard_url.rsplit(":", 1)[1])}
+        assert ports.isdisjoint({6379, 8265})
+        assert (
+            (Path(head.temp_dir) / "ray_current_cluster")
+            .read_text()
+            .strip()
+            .endswith(head.gcs_address.rsplit(":", 1)[1])
+        )
+        assert Path("/tmp/ray/ray_current_cluster").read_text() == before
+        # The raylet starts every worker (Ray Train's placement-group cleaner included) with
+        # its own environment. (Python processes of Ray's rewrite their /proc environ with
+        # setproctitle: not read here.)
+        named = {_name(pid): pid for pid in _group(head.pid)}
+        assert {"raylet", "gcs_server"} <= set(named), named
+        for name in ("raylet", "gcs_server"):
+            assert f"RAY_ADDRESS={head.gcs_address}" in _environ(named[name]).splitlines()
+    finally:
+        head.stop()
+    assert not Path(head.temp_dir).exists()
+    assert _group(head.pid) == []
+
+
+def _group(pgid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid and _environ(int(entry.name)):
+                    found.append(int(entry.name))
+            except (ProcessLookupError, PermissionError):
+                continue
+    return found
+
+
+def _name(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _environ(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "environ").read_bytes().replace(b"\0", b"\n").decode()
+    except OSError:  # gone, or a zombie
+        return ""
+
+
+def test_a_ray_address_nothing_answers_fails_at_once_naming_the_fix(tmp_path: Path) -> None:
+    """A stale RAY_ADDRESS (a head stopped with ``kill``): an error in seconds that names the
+    cause and the fix, not Ray's ten-minute retries."""
+    from kaisa_ray.train.head import free_port
+
+    env = user_env(tmp_path / "home", RAY_ADDRESS=f"127.0.0.1:{free_port()}")
+    done = run([KAISA_RAY, "train", "--config", "examples/quickstart.yaml"], env, ROOT, 120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    message = " ".join(done.stderr.split())
+    assert "but nothing answers there" in message
+    assert "unset RAY_ADDRESS to let this command start a local Ray of its own" in message
+
+
+# -- the README's commands, verbatim, beside the others ---------------------------------------
+
+
+def readme_block(marker: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text.split(f"<!-- {marker}:begin -->")[1].split(f"<!-- {marker}:end -->")[0]
+    return "\n".join(README_BLOCKS.findall(section))
+
+
+def checkout(tmp_path: Path) -> Path:
+    """A checkout-like folder (what ``ray job submit --working-dir .`` uploads): the examples,
+    the README, the .gitignore (which keeps the venv out of the upload) and the venv."""
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    for name in (".venv", "examples", "README.md", ".gitignore"):
+        (clone / name).symlink_to(ROOT / name)
+    return clone
+
+
+def reduced_sweep(clone: Path) -> Path:
+    """The README's sweep example with fewer, shorter trials (the full one: 16 trials, about
+    17 minutes here): the same model and scheduler, on 4096 images to 80%, over two learning
+    rates far apart, so that ASHA certainly stops a trial at its first rung while its workers
+    run, and another must start after it: Tune's seed 1 draws 0.05 (reaches 80%), then 0.0005
+    twice (the first of these falls behind at step 25). Training here is deterministic: three
+    trials at 0.0005 ended at the same accuracy to the digit."""
+    spec = yaml.safe_load((ROOT / "examples" / "fashion_mnist_sweep.yaml").read_text())
+    spec["dataset"]["limit"] = 4096
+    spec["stop"] = {"max_steps": 150, "target": {"metric": "test_accuracy", "value": 0.8}}
+    spec["checkpoint"] = {"every_steps": 150, "keep": 1}
+    spec["sweep"]["trials"] = 3
+    spec["sweep"]["space"] = {"optimizer.lr": {"choice": [0.05, 0.0005]}}
+    spec["sweep"]["seed"] = 1
+    spec["sweep"]["asha"] = {"grace_steps": 25, "reduction_factor": 2}
+    path = clone / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+AUTO_JOB = {
+    "name": "stored",
+    "model": {"name": "mlp"},
+    "dataset": {"name": "synthetic", "batch_size": 32},
+    "kfac": {"strategy": "auto", "measure_staleness": True},
+    "scaling": {"workers": 1},
+    "stop": {"max_steps": 30},  # an intervals record every 10 steps
+    "eval_every": 30,
+}
+
+
+@NEEDS_DATA
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_readme_commands_finish_beside_other_ray_instances(
+    others: tuple[DefaultPortsRay, MakeRun], tmp_path: Path
+) -> None:
+    """Two terminals of one user at once, beside the others. In one, the README's sweep
+    (reduced) ends every trial. In the other, the README's ``ray job submit`` block succeeds
+    pasted as one block, and the next commands neither hang nor profile again: ``tune``, then
+    ``train`` of the same ``kfac: auto`` job (its profile from the local store), then
+    ``tune --history`` of that run (no Ray at all). None connects to another head, none prints
+    Ray's "multiple instances" traceback, none leaves a head behind."""
+    clone = checkout(tmp_path)
+    env = user_env(tmp_path / "home")
+    assert (
+        "kaisa-ray sweep --config examples/fashion_mnist_sweep.yaml --output best.yaml"
+        in (ROOT / "README.md").read_text()
+    )
+    sweep = reduced_sweep(clone)
+    out, err = (tmp_path / "sweep.out").open("w"), (tmp_path / "sweep.err").open("w")
+    sweeping = subprocess.Popen(
+        [KAISA_RAY, "sweep", "--config", str(sweep), "--output", "best.yaml"],
+        cwd=clone, env=env, stdout=out, stderr=err,
+    )  # fmt: skip
+    try:
+        (clone / "job.yaml").write_text(yaml.safe_dump(AUTO_JOB))
+        block = readme_block("ray-job-submit")
+        assert "kaisa-ray head start" in block
+        script = block + "\nkaisa-ray tune --config job.yaml\nkaisa-ray train --config job.yaml\n"
+        done = run(["bash", "-c", "set -euo pipefail\n" + script], env, clone, 600)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, output[-6000:]
+        assert re.search(r"Job 'raysubmit_\w+' succeeded", output), output[-4000:]
+        assert re.search(r"run quickstart-\S+ finished at step 40", output), output[-4000:]
+        assert "stopped the Ray head at http://127.0.0.1:" in output
+        assert "s of profiling" in done.stdout  # tune profiled...
+        assert "profile from the tuner's cache" in output  # ...and train did not, after it
+        trained = re.search(r"run (stored-\S+) finished at step 30", output)
+        assert trained is not None, output[-3000:]
+        assert ANY_OTHER not in output
+        assert 6379 not in connected_to(output)
+        assert own_heads_left(output) == []
+        assert list((tmp_path / "home" / ".cache" / "kaisa-ray" / "heads").glob("*.json")) == []
+
+        history = run([KAISA_RAY, "tune", "--history", trained[1]], env, clone, 120)
+        assert history.returncode == 0, history.stdout + history.stderr
+        assert connected_to(history.stdout + history.stderr) == []  # no Ray needed
+        assert "net.1" in history.stdout  # the MLP's first Linear layer, by name
+
+        assert sweeping.wait(timeout=600) == 0, (tmp_path / "sweep.err").read_text()[-6000:]
+    finally:
+        if sweeping.poll() is None:
+            sweeping.kill()  # its head of its own goes with it (tied to it)
+            sweeping.wait(timeout=60)
+        out.close()
+        err.close()
+    stdout, stderr = (tmp_path / "sweep.out").read_text(), (tmp_path / "sweep.err").read_text()
+    assert re.search(r"sweep \S+: 3 trials in \d+ s\n", stdout), stdout[-3000:]
+    rows = [line.split() for line in stdout.splitlines() if re.match(r"^\S+_0000\d ", line)]
+    states = [row[1] for row in rows]
+    assert len(states) == 3, stdout[-3000:]
+    assert set(states) <= {"SUCCEEDED", "STOPPED"}, stdout[-3000:]
+    assert "STOPPED" in states[:-1], stdout[-3000:]  # ASHA stopped one, and one came after
+    assert (clone / "best.yaml").is_file()
+    assert run([KAISA_RAY, "validate", "--config", "best.yaml"], env, clone).returncode == 0
+    assert ANY_OTHER not in stdout + stderr
+    assert 6379 not in connected_to(stdout + stderr)
+    assert own_heads_left(stdout + stderr) == []
+
+
+# -- make run, beside the others -----------------------------------------------------------
+
+
+@NEEDS_DATA
+def test_make_run_says_when_its_job_ended_without_a_line_per_request(
+    others: tuple[DefaultPortsRay, MakeRun],
+) -> None:
+    """The other service is what ``make run`` runs (``serve --submit``): its terminal says
+    each state of the job, then that it ended and how, and has no access-log line (the
+    dashboard and every client poll it)."""
+    _, served = others
+    deadline = time.monotonic() + 300
+    while "; the service keeps running (Ctrl-C stops it)" not in served.output():
+        assert served.process.poll() is None, served.output()[-4000:]
+        assert time.monotonic() < deadline, served.output()[-4000:]
+        time.sleep(1)
+    output = served.output()
+    job = re.search(r"submitted \S+ as job (\w+)", output)
+    assert job is not None, output[-4000:]
+    assert f"job {job[1]}: RUNNING" in output
+    assert re.search(
+        rf"job {job[1]}: SUCCEEDED at step 40, test accuracy 0\.\d+; the service keeps running",
+        output,
+    ), output[-4000:]
+    assert ' HTTP/1.1" ' not in output  # uvicorn's access log: '... "GET /readyz HTTP/1.1" 200'
+    assert served.stop() == 0
+    assert "shutdown complete" in served.output()
