@@ -50,6 +50,22 @@ class BatchFactor:
             self.total.add_(factor)
         self.count += 1
 
+    def accumulate(self, rows: torch.Tensor, alpha: float) -> torch.Tensor:
+        """Add ``alpha · rows rowsᵀ`` (``rows`` ``(k, d, n)``) with one product straight into
+        the buffer (the first micro-batch overwrites it); the running total."""
+        k, d, _ = rows.shape
+        fresh = (
+            self.total is None or self.total.shape != (k, d, d) or self.total.dtype != rows.dtype
+        )
+        if fresh:
+            self.total = rows.new_empty((k, d, d))
+        total = self.total
+        assert total is not None
+        beta = 0.0 if fresh or self.count == 0 else 1.0
+        torch.baddbmm(total, rows, rows.transpose(-1, -2), beta=beta, alpha=alpha, out=total)
+        self.count += 1
+        return total
+
     def mean(self) -> torch.Tensor | None:
         """The mean over micro-batches (in place in the buffer), or None if nothing was added."""
         if self.total is None or self.count == 0:
@@ -148,7 +164,7 @@ class KFACLayer:
 
     def add_input(self, inputs: torch.Tensor) -> None:
         x = self._sampled(inputs.detach()).to(self.factor_dtype)
-        self.a_batch.add(self.helper.a_factor(x, self.fisher))
+        self.helper.a_factor(x, self.fisher, into=self.a_batch)
 
     def add_grad_output(self, grad_output: torch.Tensor, divisor: float) -> None:
         """Add the G factor of an output gradient.
@@ -161,7 +177,7 @@ class KFACLayer:
         g = grad_output.detach()
         scale = (self.helper.examples(g) if self.fisher else 1.0) / divisor
         g = self._sampled(g).to(self.factor_dtype)
-        self.g_batch.add(self.helper.g_factor(g, self.fisher, scale))
+        self.helper.g_factor(g, self.fisher, scale, into=self.g_batch)
 
     def save_input(self, inputs: torch.Tensor) -> None:
         """Keep an input until ``factor_saved`` (update_factors_in_hook off)."""
@@ -175,11 +191,11 @@ class KFACLayer:
     def factor_saved(self, divisor: float) -> None:
         """Turn the tensors kept by the hooks into batch factors (update_factors_in_hook off)."""
         for inputs in self._saved_inputs:
-            self.a_batch.add(self.helper.a_factor(inputs.to(self.factor_dtype), self.fisher))
+            self.helper.a_factor(inputs.to(self.factor_dtype), self.fisher, into=self.a_batch)
         for grad_output, examples in self._saved_grad_outputs:
             scale = (examples if self.fisher else 1.0) / divisor
             g = grad_output.to(self.factor_dtype)
-            self.g_batch.add(self.helper.g_factor(g, self.fisher, scale))
+            self.helper.g_factor(g, self.fisher, scale, into=self.g_batch)
         self._saved_inputs.clear()
         self._saved_grad_outputs.clear()
 

@@ -23,8 +23,8 @@ then exactly that example's gradient outer product.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,41 +33,58 @@ from torch import nn
 from kaisa_ray.enums import KFACApprox
 
 
-def _covariance(rows: torch.Tensor, scale: float, count: int) -> torch.Tensor:
+class Accumulator(Protocol):
+    """Where a batch factor goes: ``kaisa_ray.kfac_layer.BatchFactor``."""
+
+    def accumulate(self, rows: torch.Tensor, alpha: float) -> torch.Tensor:
+        """Add ``alpha · rows rowsᵀ`` (``rows`` ``(k, d, n)``) in place; the running total."""
+
+    def add(self, factor: torch.Tensor) -> None:
+        """Add a factor computed elsewhere."""
+
+
+def _covariance(
+    rows: torch.Tensor, scale: float, count: int, into: Accumulator | None = None
+) -> torch.Tensor:
     """Mean outer product of the scaled rows of ``rows`` ``(k, n, d)`` (rows first)."""
-    return _covariance_features_first(rows.transpose(-1, -2), scale, count, bias=False)
+    return _covariance_features_first(rows.transpose(-1, -2), scale, count, False, into)
 
 
 def _covariance_features_first(
-    rows: torch.Tensor, scale: float, count: int, bias: bool
+    rows: torch.Tensor,
+    scale: float,
+    count: int,
+    bias: bool,
+    into: Accumulator | None = None,
 ) -> torch.Tensor:
     """Mean outer product of ``scale·[rows, 1]`` over ``count`` rows; ``rows`` is ``(k, d, n)``.
 
-    Features-first is the layout the patch view reshapes into without a transpose. The
-    product is made exactly symmetric (``P + Pᵀ``, half the scale on each). With fewer rows
-    than features the scale goes onto the rows and the bias's ones become one more row (both
-    cheaper than passes over the ``d × d`` result); otherwise the ones column is folded in
-    with a row sum instead of a copy of ``rows``.
+    Features-first is the layout the patch view reshapes into without a transpose. One
+    product ``rows rowsᵀ`` with the scale as its ``alpha``, added straight into ``into``'s
+    buffer where given (a factor step's hook: one kernel for the factor); it is symmetric up
+    to rounding, and the decompositions read one triangle. The bias's ones become one more
+    row where there are fewer rows than features; otherwise the ones column is folded in with
+    a row sum instead of a copy of ``rows``.
     """
     k, d, n = rows.shape
     factor = scale * scale / count
-    if n < d:
-        root = math.sqrt(factor / 2)
-        rows = rows * root
-        if bias:
-            rows = torch.cat([rows, rows.new_full((k, 1, n), root)], dim=1)
-        gram = torch.matmul(rows, rows.transpose(-1, -2))
-        return gram + gram.transpose(-1, -2)
-    gram = torch.matmul(rows, rows.transpose(-1, -2))
-    gram = (gram + gram.transpose(-1, -2)).mul_(factor / 2)
+    if bias and n < d:
+        rows = torch.cat([rows, rows.new_ones((k, 1, n))], dim=1)
+        bias = False
     if not bias:
-        return gram
+        if into is not None:
+            return into.accumulate(rows, factor)
+        out = rows.new_empty((k, rows.shape[1], rows.shape[1]))
+        return torch.baddbmm(out, rows, rows.transpose(-1, -2), beta=0.0, alpha=factor)
+    gram = torch.matmul(rows, rows.transpose(-1, -2))
     out = rows.new_empty((k, d + 1, d + 1))
-    out[:, :d, :d] = gram
+    out[:, :d, :d] = gram.mul_(factor)
     sums = rows.sum(dim=-1) * factor
     out[:, :d, d] = sums
     out[:, d, :d] = sums
     out[:, d, d] = factor * count
+    if into is not None:
+        into.add(out)
     return out
 
 
@@ -96,12 +113,19 @@ class LayerHelper(ABC):
         """Width of one group's G factor."""
 
     @abstractmethod
-    def a_factor(self, inputs: torch.Tensor, fisher: bool = False) -> torch.Tensor:
-        """Batch A factor ``(k, a_dim, a_dim)`` from the module's input."""
+    def a_factor(
+        self, inputs: torch.Tensor, fisher: bool = False, into: Accumulator | None = None
+    ) -> torch.Tensor:
+        """Batch A factor ``(k, a_dim, a_dim)`` from the module's input (added into ``into``
+        where given)."""
 
     @abstractmethod
     def g_factor(
-        self, grad_output: torch.Tensor, fisher: bool = False, scale: float = 1.0
+        self,
+        grad_output: torch.Tensor,
+        fisher: bool = False,
+        scale: float = 1.0,
+        into: Accumulator | None = None,
     ) -> torch.Tensor:
         """Batch G factor ``(k, g_dim, g_dim)`` from the gradient w.r.t. the module's output
         times ``scale`` (with ``fisher``, per-example gradients: see the module docstring);
@@ -167,15 +191,21 @@ class LinearHelper(LayerHelper):
     def g_dim(self) -> int:
         return self.module.out_features
 
-    def a_factor(self, inputs: torch.Tensor, fisher: bool = False) -> torch.Tensor:
-        rows = inputs.reshape(-1, inputs.shape[-1])
-        return _covariance_features_first(rows.t().unsqueeze(0), 1.0, rows.shape[0], self.has_bias)
+    def a_factor(
+        self, inputs: torch.Tensor, fisher: bool = False, into: Accumulator | None = None
+    ) -> torch.Tensor:
+        rows = inputs.reshape(-1, inputs.shape[-1]).t().unsqueeze(0)
+        return _covariance_features_first(rows, 1.0, rows.shape[-1], self.has_bias, into)
 
     def g_factor(
-        self, grad_output: torch.Tensor, fisher: bool = False, scale: float = 1.0
+        self,
+        grad_output: torch.Tensor,
+        fisher: bool = False,
+        scale: float = 1.0,
+        into: Accumulator | None = None,
     ) -> torch.Tensor:
         rows = grad_output.reshape(-1, grad_output.shape[-1])
-        return _covariance(rows.unsqueeze(0), scale, rows.shape[0])
+        return _covariance(rows.unsqueeze(0), scale, rows.shape[0], into)
 
 
 class Conv2dHelper(LayerHelper):
@@ -279,7 +309,9 @@ class Conv2dHelper(LayerHelper):
         """A convolution's loss averages over samples, not over output positions."""
         return int(grad_output.shape[0])
 
-    def a_factor(self, inputs: torch.Tensor, fisher: bool = False) -> torch.Tensor:
+    def a_factor(
+        self, inputs: torch.Tensor, fisher: bool = False, into: Accumulator | None = None
+    ) -> torch.Tensor:
         k, batch = self.groups, inputs.shape[0]
         oh, ow = self.output_size(inputs.shape[-2], inputs.shape[-1])
         positions = oh * ow
@@ -291,26 +323,30 @@ class Conv2dHelper(LayerHelper):
             if self.has_bias:
                 ones = sums.new_full((k, 1, batch), float(positions))
                 sums = torch.cat([sums, ones], dim=1)
-            return _covariance_features_first(sums, scale / positions, batch, bias=False)
+            return _covariance_features_first(sums, scale / positions, batch, False, into)
         view = self.patch_view(inputs)  # (C, kh, kw, batch, oh, ow)
         rows = view.reshape(k, -1, batch * positions)
-        return _covariance_features_first(rows, scale, batch * positions, self.has_bias)
+        return _covariance_features_first(rows, scale, batch * positions, self.has_bias, into)
 
     def g_factor(
-        self, grad_output: torch.Tensor, fisher: bool = False, scale: float = 1.0
+        self,
+        grad_output: torch.Tensor,
+        fisher: bool = False,
+        scale: float = 1.0,
+        into: Accumulator | None = None,
     ) -> torch.Tensor:
         batch, channels, oh, ow = grad_output.shape
         k, positions = self.groups, oh * ow
         if self.approx is KFACApprox.REDUCE:
             # E_n[(Σ_p d)(Σ_p d)ᵀ] (fisher), or the position means' covariance over P²
             sums = grad_output.sum(dim=(-2, -1)).reshape(batch, k, -1).transpose(0, 1)
-            return _covariance(sums, scale if fisher else scale / positions**2, batch)
+            return _covariance(sums, scale if fisher else scale / positions**2, batch, into)
         # (batch, k, g, positions) -> (k, g, batch * positions): features first, one copy
         rows = grad_output.reshape(batch, k, channels // k, positions).permute(1, 2, 0, 3)
         rows = rows.reshape(k, channels // k, batch * positions)
         if fisher:  # P · E_{n,p}[d dᵀ] = Σ_{n,p} d dᵀ / batch
-            return _covariance_features_first(rows, scale, batch, bias=False)
-        return _covariance_features_first(rows, scale / positions, batch * positions, bias=False)
+            return _covariance_features_first(rows, scale, batch, False, into)
+        return _covariance_features_first(rows, scale / positions, batch * positions, False, into)
 
     def describe(self) -> str:
         m = self.module
