@@ -48,5 +48,24 @@ profile = measure(base, name='h100-measured', device='cuda', resnet50=ResNet50)
 open('$OUT/h100-measured.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width=100))
 "
         ;;
+    c)  # after a change: this checkout only (the "before" figures from an earlier "a")
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        run 150 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -s
+        (cd benchmarks && run 200 gpu_step_b32 python3 gpu_step.py --rounds 2 \
+            --only "b32 fp32" --json "$OUT/gpu_step_b32.json")
+        (cd benchmarks && run 150 gpu_step_rest python3 gpu_step.py --rounds 2 \
+            --only ": " --skip "b32 fp32" --json "$OUT/gpu_step_rest.json")
+        run 120 measure_node python3 -c "
+import yaml
+from kaisa_ray.train.models_large import ResNet50
+from kaisa_ray.train.planning import hardware_file
+from tuner.node import measure
+base = yaml.safe_load(hardware_file('a100-80gb-hdr').read_text())
+profile = measure(base, name='h200-measured-2', device='cuda', resnet50=ResNet50)
+open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width=100))
+"
+        (cd benchmarks && run 60 gpu_kernels python3 gpu_kernels.py --batch 32 \
+            --out "$OUT/gpu_kernels.json")
+        ;;
     esac
 done

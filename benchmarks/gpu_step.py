@@ -154,15 +154,24 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one round, ResNet-50 b32 fp32")
     parser.add_argument("--json", type=Path, help="also save the results here")
-    parser.add_argument("--from-json", type=Path, help="render saved results; measure nothing")
+    parser.add_argument(
+        "--from-json", type=Path, nargs="+", help="render saved results; measure nothing"
+    )
     parser.add_argument("--write", action="store_true", help="update benchmarks/README.md")
     parser.add_argument("--commit", help="the commit measured, where the checkout has no .git")
     parser.add_argument("--device", default="cuda", help="cpu: try the script out")
     parser.add_argument("--steps", type=int, help="steps per round, every configuration")
     parser.add_argument("--only", help="the configurations whose label contains this")
+    parser.add_argument("--skip", help="leave out the configurations whose label contains this")
     args = parser.parse_args()
     if args.from_json is not None:
-        result = json.loads(args.from_json.read_text())
+        results = [json.loads(path.read_text()) for path in args.from_json]
+        text = "\n\n".join(render(result) for result in results)
+        print(text)
+        if args.write:
+            RESULTS.write_text(json.dumps(results, indent=1))
+            write_block("gpu-step", text)
+        return 0
     else:
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -174,7 +183,8 @@ def main() -> int:
         chosen = [
             dataclasses.replace(c, steps=args.steps or c.steps)
             for c in configs(args.quick)
-            if args.only is None or args.only in c.label
+            if (args.only is None or args.only in c.label)
+            and (args.skip is None or args.skip not in c.label)
         ]
         rounds = 1 if args.quick else args.rounds
         measured = run_rounds(chosen, trees, rounds, device)
