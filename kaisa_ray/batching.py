@@ -71,6 +71,27 @@ def shape_key(layer: KFACLayer) -> ShapeKey:
     )
 
 
+class StackedStorage(dict[str, torch.Tensor]):
+    """Each decomposition part of ``members`` layers, stacked: ``(members, *part's shape)``.
+    It refers to no layer, so the layers' decompositions can refer to it without a cycle."""
+
+    def __init__(self, members: int) -> None:
+        super().__init__()
+        self.members = members
+
+    def store(self, index: int, part: str, value: torch.Tensor) -> torch.Tensor:
+        """Copy ``value`` into member ``index``'s share of ``part``; that share (a view)."""
+        buffer = self.get(part)
+        if buffer is None or buffer.shape[1:] != value.shape or buffer.dtype != value.dtype:
+            buffer = torch.empty(
+                (self.members, *value.shape), dtype=value.dtype, device=value.device
+            )
+            self[part] = buffer
+        view = buffer[index]
+        view.copy_(value)
+        return view
+
+
 class ShapeGroup:
     """Layers of one ``ShapeKey`` whose decompositions share stacked storage."""
 
@@ -78,21 +99,9 @@ class ShapeGroup:
         self.key = key
         self.layers = tuple(layers)
         self.names = frozenset(layer.name for layer in layers)
-        self.storage: dict[str, torch.Tensor] = {}
+        self.storage = StackedStorage(len(self.layers))
         for index, layer in enumerate(self.layers):
-            layer.decomposition.attach(partial(self._store, index))
-
-    def _store(self, index: int, part: str, value: torch.Tensor) -> torch.Tensor:
-        """Copy ``value`` into member ``index``'s share of ``part``'s storage; its view."""
-        buffer = self.storage.get(part)
-        if buffer is None or buffer.shape[1:] != value.shape or buffer.dtype != value.dtype:
-            buffer = torch.empty(
-                (len(self.layers), *value.shape), dtype=value.dtype, device=value.device
-            )
-            self.storage[part] = buffer
-        view = buffer[index]
-        view.copy_(value)
-        return view
+            layer.decomposition.attach(partial(self.storage.store, index))
 
     def _parts(self) -> tuple[str, ...]:
         if self.key.method is ComputeMethod.INVERSE:

@@ -14,6 +14,7 @@ numbers for an n×n factor while it runs); on CUDA the allocator's peak includes
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Iterable
 from types import TracebackType
@@ -82,6 +83,9 @@ class TensorMemory:
 
     def __enter__(self) -> TensorMemory:
         if self.device.type == "cuda":
+            # Garbage in reference cycles (a dropped model and its hooks) would otherwise be
+            # counted at the start and may be freed inside the window, lowering the peak.
+            gc.collect()
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device) - tensor_bytes(
