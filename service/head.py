@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -120,6 +121,10 @@ class RayHead:
             port = self.gcs_address.rsplit(":", 1)[1]
             if address_file.read_text().strip().endswith(f":{port}"):
                 address_file.unlink()
+        # The head's own temp directory (sockets, session logs): nothing reads it once the
+        # head is gone, and Ray leaves it world-writable.
+        if self.temp_dir and Path(self.temp_dir).name.startswith("kaisa-ray-"):
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -220,6 +225,8 @@ def start_head(
             raise RuntimeError(f"ray start exited with {process.returncode}:\n{log.read_text()}")
         if head.alive():
             logger.info("Ray head up at %s (dashboard %s)", head.gcs_address, head.dashboard_url)
+            with contextlib.suppress(OSError):  # Ray makes it 0777: this user's alone again
+                os.chmod(temp_dir, 0o700)
             return head
         time.sleep(0.5)
     head.stop()

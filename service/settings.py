@@ -119,7 +119,7 @@ class Settings(BaseSettings):
     @classmethod
     def _not_empty(cls, token: SecretStr | None) -> SecretStr | None:
         if token is not None and not token.get_secret_value():
-            return None
+            return None  # an empty variable is an unset one
         return token
 
     @model_validator(mode="after")
@@ -137,7 +137,10 @@ class Settings(BaseSettings):
                 raise ValueError(f"cannot read the token file {self.token_file}: {err}") from None
             if not line:
                 raise ValueError(f"the token file {self.token_file} is empty")
+            _check_token(line, f"the token in {self.token_file}")
             object.__setattr__(self, "token", SecretStr(line))
+        elif self.token is not None:
+            _check_token(self.token.get_secret_value(), "the token ($KAISA_RAY_TOKEN, --token)")
         if self.token is None and not self.insecure and not loopback(self.host):
             raise InsecureBindError(
                 f"refusing to serve on {self.host} without a token: anyone who reaches that "
@@ -163,6 +166,24 @@ class Settings(BaseSettings):
         if self.storage_path or self.ray_address:
             return self.storage_path
         return str(self.data_dir / "runs")
+
+
+MIN_TOKEN_LENGTH = 8
+
+
+def _check_token(token: str, where: str) -> None:
+    """A token a client can send and no one guesses: no whitespace (a bearer credential has
+    none, so a token with it, a lone space above all, could never be sent), not short."""
+    fix = "make one with: python3 -c 'import secrets; print(secrets.token_hex(16))'"
+    if any(c.isspace() for c in token):
+        raise ValueError(
+            f"{where} contains whitespace ({len(token)} characters, "
+            f"{sum(c.isspace() for c in token)} of them blank): a bearer token cannot; {fix}"
+        )
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ValueError(
+            f"{where} has {len(token)} characters; use at least {MIN_TOKEN_LENGTH}: {fix}"
+        )
 
 
 def loopback(host: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import secrets
 import threading
@@ -36,9 +37,11 @@ from service.lifecycle import (
     JobState,
     transition,
 )
+from service.records import plain_text
 from service.tables import JobRow, MetricRow, TransitionRow
 
 MIGRATIONS = Path(__file__).with_name("migrations")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,7 @@ def _move(session: Session, row: JobRow, event: JobEvent, reason: str | None) ->
     old = JobState(row.state)
     new = transition(old, event)
     now = time.time()
+    reason = plain_text(reason) if reason else reason  # Ray's messages carry colour codes
     row.state, row.updated_at = new.value, now
     if new in (JobState.PROFILING, JobState.RUNNING) and row.started_at is None:
         row.started_at = now
@@ -187,8 +191,8 @@ def sqlite_file(url: str) -> Path | None:
 def _flock(lock: Path, refusal: str) -> Iterator[None]:
     """Hold an exclusive lock on ``lock`` while the block runs (the kernel drops it when the
     process dies); another holder: ``DatabaseInUseError(refusal.format(pid=...))``."""
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with lock.open("a+") as handle:
+    lock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with os.fdopen(os.open(lock, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -237,6 +241,22 @@ def sole_writer(url: str, data_dir: Path | None = None) -> Iterator[None]:
         yield
 
 
+def private_file(path: Path) -> None:
+    """Create the database file readable by its owner only (0600; its folder, when made here,
+    0700) before SQLite opens it: jobs' specs and failure reasons are the service's users'
+    business. SQLite gives the WAL and shared-memory files the database file's mode. An
+    existing file keeps its mode, but a warning says when others can read it."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            logger.warning(
+                "the job database %s is readable by others (mode %o): chmod 600 it", path, mode
+            )
+
+
 def new_job_id() -> str:
     """Sortable by creation time (hex milliseconds), then random."""
     return f"{int(time.time() * 1000):011x}{secrets.token_hex(4)}"
@@ -248,7 +268,7 @@ class JobStore:
     def __init__(self, url: str) -> None:
         path = sqlite_file(url)
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_file(path)
         self.url = url
         sqlite = make_url(url).get_backend_name() == "sqlite"
         self.engine = create_engine(

@@ -54,6 +54,7 @@ from kaisa_ray.enums import (
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.intervals import DEFAULT_TARGET_ANGLE, check_rungs
 from kaisa_ray.strategy import resolve_grad_worker_fraction
+from kaisa_ray.train.numbers import NoBooleanNumbers
 from kaisa_ray.train.records import Direction, SweepMetric
 from kaisa_ray.train.registry import dataset_entry, dataset_names, model_factory, model_names
 
@@ -136,9 +137,10 @@ Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 Big = 1e12
 
 
-class _Strict(BaseModel):
-    # Floats must be finite: JSON's Infinity and NaN, and 1e309 (which parses as infinity),
-    # are refused rather than stored and shown back as null.
+class _Strict(NoBooleanNumbers):
+    # Numbers are numbers (``true`` is refused where a number belongs). Floats must be
+    # finite: JSON's Infinity and NaN, and 1e309 (which parses as infinity), are refused
+    # rather than stored and shown back as null.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
@@ -233,11 +235,14 @@ def constructor_params(name: str) -> type[BaseModel]:
         kind = hints.get(parameter.name, _UNTYPED)
         default = ... if parameter.default is inspect.Parameter.empty else parameter.default
         fields[parameter.name] = (kind, default)
-    return create_model(
-        f"{name}_params",
-        __config__=ConfigDict(extra="forbid", allow_inf_nan=False, strict=False),
-        **fields,
-    )
+    return create_model(f"{name}_params", __base__=_Params, **fields)
+
+
+class _Params(NoBooleanNumbers):
+    """The base of a model's constructor check: its keywords only, finite, no boolean
+    where a number belongs."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=False)
 
 
 class DatasetSpec(_Strict):
@@ -563,7 +568,12 @@ class Distribution(_Strict):
                 f"{', '.join(given) or 'none'}), e.g. {{loguniform: [0.001, 0.1]}}"
             )
         if self.kind != "choice":
-            low, high = self.ends
+            low, high = getattr(self, self.kind)  # as written: [low, high]
+            if low > high:
+                raise ValueError(
+                    f"the range [{low:g}, {high:g}] of {self.kind} is reversed: write it as "
+                    f"[low, high], [{high:g}, {low:g}]"
+                )
             if not low < high:
                 raise ValueError(
                     f"the range [{low:g}, {high:g}] of {self.kind} is empty: its low end must be "

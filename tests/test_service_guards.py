@@ -1,0 +1,103 @@
+"""The service's guards at its edges (issue 30), in process: FastAPI's ``TestClient`` with the
+app's lifespan, a real SQLite file and ``FakeRunner`` in place of Ray. The token's form, the
+Host and Origin of a request, bodies nested deep, what a failure reason may carry, and the
+modes of the files the service creates."""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fake_runner import FakeRunner
+from pydantic import ValidationError
+from test_service_api import TOKEN, Service, make_client, spec, start
+
+from service.app import create_app
+from service.runner import RayJobStatus
+from service.settings import Settings
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[Service]:
+    fake = FakeRunner()
+    app, client = start(tmp_path, fake)
+    with client:
+        yield Service(app, client, fake)
+
+
+# -- the token's form ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("token", "words"),
+    [(" ", "contains whitespace"), ("two words-token", "contains whitespace"), ("short", "5 ch")],
+)
+def test_a_token_no_client_could_send_or_anyone_could_guess_is_refused(
+    tmp_path: Path, token: str, words: str
+) -> None:
+    with pytest.raises(ValidationError, match=words) as caught:
+        Settings(data_dir=tmp_path, token=token)
+    assert "secrets.token_hex" in str(caught.value)  # how to make a good one
+    secret = tmp_path / "token"
+    secret.write_text(f"{token}x\n" if token.strip() else " \n")
+    with pytest.raises(ValidationError, match="token"):
+        Settings(data_dir=tmp_path, token_file=secret)
+    assert Settings(data_dir=tmp_path, token="").token is None  # an empty variable: unset
+    assert Settings(data_dir=tmp_path, token="good-token-0123").secret == "good-token-0123"
+
+
+# -- bodies --------------------------------------------------------------------------------
+
+
+def test_deeply_nested_yaml_is_refused_before_it_is_parsed(service: Service) -> None:
+    """Refused on its brackets, before PyYAML's scanner (quadratic in open brackets: 30 000
+    of them took 0.6-1.9 s of CPU) reads it: the body is not valid YAML past its 40 brackets,
+    and the answer is 'nested too deep', not the parser's error."""
+    body = "name: " + "[" * 40 + "x: : :" + "[" * 20_000
+    response = service.client.post(
+        "/v1/jobs", content=body, headers={"Content-Type": "application/yaml"}
+    )
+    assert response.status_code == 422, response.text
+    assert "nested too deep" in response.json()["detail"]
+    # Nesting by indentation is bounded while composing, not after: 'nested too deep'.
+    indented = "name:\n" + "".join(f"{' ' * i}a{i}:\n" for i in range(1, 200)) + " " * 200 + "x"
+    response = service.client.post(
+        "/v1/jobs", content=indented, headers={"Content-Type": "application/yaml"}
+    )
+    assert response.status_code == 422, response.text
+    assert "nested too deep" in response.json()["detail"]
+
+
+# -- what a failure reason may carry -------------------------------------------------------
+
+
+def test_a_failure_reason_is_stored_without_terminal_escapes(service: Service) -> None:
+    job = service.running("coloured")
+    message = "\x1b[31mTrainingDivergedError\x1b[0m: loss nan\x1b]0;title\x07 at step 3\x00"
+    service.fake.finish(job["id"], RayJobStatus.FAILED, message)
+    failed = service.wait_state(job["id"], "FAILED")
+    assert failed["failure_reason"] == (
+        "the Ray Job failed: TrainingDivergedError: loss nan at step 3"
+    )
+    detail = service.client.get(f"/v1/jobs/{job['id']}").json()
+    assert "\x1b" not in str(detail["transitions"])
+
+
+# -- files ----------------------------------------------------------------------------------
+
+
+def test_the_database_and_its_locks_are_the_owners_alone(tmp_path: Path) -> None:
+    data = tmp_path / "fresh"
+    app = create_app(Settings(data_dir=data, token=TOKEN), runner=FakeRunner())
+    with make_client(app) as client:
+        assert client.post("/v1/jobs", json=spec()).status_code == 201
+        modes = {
+            path.name: stat.S_IMODE(path.stat().st_mode)
+            for path in data.iterdir()
+            if path.name.startswith(("jobs.db", "service.lock"))
+        }
+    assert modes.keys() >= {"jobs.db", "jobs.db.lock", "service.lock", "jobs.db-wal"}
+    assert all(mode & 0o077 == 0 for mode in modes.values()), modes
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
