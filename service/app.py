@@ -36,6 +36,7 @@ from service.errors import ServiceError
 from service.head import RayHead
 from service.health_routes import router as health_router
 from service.hub import Hub
+from service.job_logs import LogArchive
 from service.job_routes import router as job_router
 from service.jobs import Follower, Jobs
 from service.metrics import ServiceMetrics
@@ -43,6 +44,7 @@ from service.middleware import BearerAuth, BodyLimit, RateLimit, SecurityHeaders
 from service.page_routes import SECURITY_HEADERS, STATIC, swagger_ui
 from service.page_routes import router as page_router
 from service.plan_routes import router as plan_router
+from service.restart import interrupt, resume
 from service.runner import RayRunner, Runner
 from service.runtime import Runtime
 from service.schemas import ErrorBody, FieldProblem, ValidationErrorBody
@@ -80,7 +82,16 @@ def _connect(settings: Settings) -> tuple[Runner, RayHead | None]:
     return runner, head
 
 
-def create_app(settings: Settings | None = None, *, runner: Runner | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    runner: Runner | None = None,
+    jobs_stop_with_service: bool | None = None,
+) -> FastAPI:
+    """The service. ``runner``: a fake Ray for tests (default: the real one).
+    ``jobs_stop_with_service``: whether stopping the service stops its Ray Jobs, so that it
+    interrupts them and resumes them at its next start (``service.restart``) [default: with
+    the embedded head; a test's fake runner says so itself]."""
     settings = settings or Settings()
 
     @asynccontextmanager
@@ -100,7 +111,14 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
                 for sig, handler in handlers.items():
                     if callable(handler) and threading.current_thread() is threading.main_thread():
                         signal.signal(sig, handler)
-            jobs = Jobs(store, active, Hub(), idempotency_ttl_s=settings.idempotency_ttl_s)
+            jobs = Jobs(
+                store,
+                active,
+                Hub(),
+                idempotency_ttl_s=settings.idempotency_ttl_s,
+                logs=LogArchive(settings.data_dir / "logs"),
+            )
+            await run_in_threadpool(resume, jobs)  # what a graceful stop interrupted
             follower = Follower(
                 jobs,
                 interval_s=settings.poll_interval_s,
@@ -128,6 +146,9 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
             finally:
                 logger.info("shutting down: the follower, Ray, the embedded head, the store")
                 follower.stop()
+                stops_jobs = jobs_stop_with_service
+                if stops_jobs if stops_jobs is not None else head is not None:
+                    await run_in_threadpool(interrupt, jobs, follower)
                 await run_in_threadpool(active.close)
                 if head is not None:
                     await run_in_threadpool(head.stop)

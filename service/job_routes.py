@@ -28,6 +28,7 @@ from kaisa_ray.train.registry import dataset_names, model_names
 from kaisa_ray.train.spec import AUTO, JobSpec, OptimizerSpec
 from service.errors import JobNotFoundError, RayUnavailableError
 from service.hub import EVERY_JOB
+from service.job_logs import LogArchive
 from service.jobs import EVENT_OF
 from service.lifecycle import FINISHED, JobState
 from service.responses import (
@@ -300,15 +301,23 @@ async def registry() -> Registry:
     tags=["jobs"],
 )
 def job_logs(job_id: str, runtime: RuntimeDep) -> PlainTextResponse:
-    """The job driver's log (the Ray Job's output); empty before the job reached Ray."""
+    """The job driver's log (the Ray Job's output): the service's copy of each ended life of
+    the job (a finished job's, kept past Ray's and past restarts; an earlier life of a job a
+    restart resumed), then the live log of the life now in Ray; empty before the job reached
+    Ray."""
     job = runtime.store.get(job_id)
-    if job.submission_id is None:
-        return PlainTextResponse("")
+    logs = runtime.jobs.logs
+    kept = (logs.read(job.id) if logs is not None else None) or ""
+    sid = job.submission_id
+    if sid is None or (job.state.finished and LogArchive.header(sid) in kept):
+        return PlainTextResponse(kept)
     try:
-        text = runtime.jobs.runner.logs(job.submission_id)
+        text = runtime.jobs.runner.logs(sid)
     except Exception as err:
+        if kept:  # what is kept, and why the rest is missing
+            return PlainTextResponse(f"{kept}[the log of Ray Job {sid} cannot be read: {err}]\n")
         raise RayUnavailableError(f"cannot read the job's log from Ray: {err}") from err
-    return PlainTextResponse(text)
+    return PlainTextResponse(kept + text)
 
 
 @router.post(

@@ -118,7 +118,12 @@ class Service:
 
 
 def start(
-    tmp_path: Path, fake: FakeRunner, *, raise_server_exceptions: bool = True, **settings: Any
+    tmp_path: Path,
+    fake: FakeRunner,
+    *,
+    raise_server_exceptions: bool = True,
+    jobs_stop_with_service: bool | None = None,
+    **settings: Any,
 ) -> tuple[FastAPI, TestClient]:
     options: dict[str, Any] = {
         "data_dir": tmp_path,
@@ -130,7 +135,9 @@ def start(
         "post_burst": 10**6,
     }
     options.update(settings)
-    app = create_app(Settings(**options), runner=fake)
+    app = create_app(
+        Settings(**options), runner=fake, jobs_stop_with_service=jobs_stop_with_service
+    )
     return app, make_client(app, raise_server_exceptions=raise_server_exceptions)
 
 

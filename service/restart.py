@@ -1,0 +1,85 @@
+"""A graceful restart that resumes: what the service does with its jobs when it stops its
+embedded Ray head, and when it starts again on the same database.
+
+On a graceful stop (SIGTERM, Ctrl-C) with the embedded head, the head and every Ray Job on
+it stop with the service. Each job that was in Ray is then INTERRUPTED, not FAILED: its last
+progress is read and its log copied first (``service.job_logs``). A job being cancelled is
+CANCELLED (its Ray Job stops anyway); a job still waiting for admission stays QUEUED.
+
+On the next start with the same database, every INTERRUPTED job goes back to the head of the
+queue (``JobStore.resume``) and, once admitted, is submitted again as a new Ray Job of the
+same run: Ray Train finds the run's checkpoints in its storage under the run's name (the job
+id) and ``ray.train.get_checkpoint()`` gives the worker group the latest one. The records of
+the new life are numbered after the old ones, and its start record drops what the old life
+recorded past the checkpoint's step (``service.jobs.interpret``): the history goes on from the
+checkpoint with no step twice and none missing.
+
+A resume does not count against the job's ``max_failures``: that is the job's tolerance for
+its own workers failing (Ray Train counts it within one Ray Job), and a restart of the service
+is the operator's doing, not the job's; counting it would fail every ``max_failures: 0`` job
+(the default) on each upgrade of the service. A service on a cluster of its own
+(``--ray-address``) stops nothing in Ray: its jobs run on and it follows them again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from service.jobs import Follower, Jobs
+from service.lifecycle import JobEvent, JobState
+from service.store import Job
+
+__all__ = ["interrupt", "resume"]
+
+logger = logging.getLogger(__name__)
+
+INTERRUPTED = (
+    "the service stopped (a graceful stop: SIGTERM or Ctrl-C) and its embedded Ray head with "
+    "it, at step {step}; the job resumes from its latest checkpoint when the service starts "
+    "again on this database"
+)
+RESUMED = "the service started again: resumed from the run's latest checkpoint"
+
+
+def interrupt(jobs: Jobs, follower: Follower) -> list[Job]:
+    """Before the embedded head stops: every job in Ray INTERRUPTED (its progress read and
+    its log kept first), every job being cancelled CANCELLED. Returns the interrupted jobs.
+    The follower has stopped: nothing else moves the jobs meanwhile."""
+    interrupted = []
+    for job in jobs.store.active():
+        if job.submission_id is None:
+            continue  # never reached Ray: still in the queue next time
+        try:
+            job = follower.read_progress(job)
+        except Exception as err:  # the last records are lost; the checkpoint is not
+            logger.warning("job %s: its last progress could not be read: %s", job.id, err)
+        jobs.keep_logs(job)
+        if job.state is JobState.CANCELLING:
+            jobs.apply(job.id, JobEvent.CANCELLED)
+            continue
+        try:
+            moved = jobs.apply(job.id, JobEvent.INTERRUPT, INTERRUPTED.format(step=job.step))
+        except Exception as err:  # a database that cannot be written: the next start fails it
+            logger.warning("job %s: could not record its interruption: %s", job.id, err)
+            continue
+        interrupted.append(moved)
+    if interrupted:
+        logger.info(
+            "interrupted %d job(s); they resume when the service starts again: %s",
+            len(interrupted),
+            ", ".join(j.id for j in interrupted),
+        )
+    return interrupted
+
+
+def resume(jobs: Jobs) -> list[Job]:
+    """At start-up: every INTERRUPTED job back in the queue, oldest first, to go on from its
+    latest checkpoint."""
+    resumed = []
+    for job in jobs.store.interrupted():
+        moved = jobs.store.resume(job.id, RESUMED)
+        jobs.publish_state(moved)
+        resumed.append(moved)
+    if resumed:
+        logger.info("resuming %d interrupted job(s): %s", len(resumed), resumed[0].id)
+    return resumed
