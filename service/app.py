@@ -27,11 +27,13 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import TypeAdapter
+from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kaisa_ray.train.records import Record
 from kaisa_ray.train.spec import field_problems
+from service import readiness
 from service.errors import ServiceError
 from service.head import RayHead
 from service.health_routes import router as health_router
@@ -255,6 +257,17 @@ def _handlers(app: FastAPI) -> None:
             ErrorBody(detail=str(err.detail)).model_dump(),
             status_code=err.status_code,
             headers=getattr(err, "headers", None),
+        )
+
+    @app.exception_handler(OperationalError)
+    async def database_unavailable(request: Request, err: OperationalError) -> JSONResponse:
+        # Another process's lock, a full disk, a read-only file: the service's condition,
+        # which passes; never a 500 (service.readiness).
+        logger.warning("database: %s on %s %s", err.orig, request.method, request.url.path)
+        return JSONResponse(
+            ErrorBody(detail=readiness.database_unavailable(err)).model_dump(),
+            status_code=503,
+            headers={"Retry-After": str(readiness.RETRY_AFTER_S)},
         )
 
     @app.exception_handler(Exception)

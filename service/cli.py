@@ -136,7 +136,19 @@ def program() -> str:
     default=None,
     help="The service's files: database, embedded Ray head, runs [default: ~/kaisa-ray].",
 )
-@click.option("--storage-path", default=None, help="Where jobs checkpoint [<data-dir>/runs].")
+@click.option(
+    "--checkpoint-root",
+    "--storage-path",
+    "storage_path",
+    default=None,
+    help="Where jobs checkpoint, a folder or a URI [<data-dir>/runs]; a disk of its own keeps "
+    "checkpoints from filling the database's.",
+)
+@click.option(
+    "--min-free-bytes",
+    default=None,
+    help="/readyz fails below this much free space where the service writes [256MiB].",
+)
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=None)
 @click.option(
     "--submit",

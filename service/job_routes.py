@@ -38,6 +38,7 @@ from service.responses import (
     SSE_EVENT,
     TOO_MANY,
     UNAUTHORIZED,
+    UNWRITABLE,
     error,
     json_error,
 )
@@ -130,6 +131,7 @@ def _within_the_cluster(spec: JobSpec, settings: Settings) -> None:
         **error(415, "the body is neither JSON nor YAML"),
         **TOO_MANY,
         **INVALID,
+        **UNWRITABLE,
     },
     openapi_extra={
         "requestBody": {
@@ -328,6 +330,7 @@ def job_logs(job_id: str, runtime: RuntimeDep) -> PlainTextResponse:
         **error(409, "the job already finished otherwise"),
         **TOO_MANY,
         **INVALID,
+        **UNWRITABLE,
     },
     tags=["jobs"],
 )
@@ -340,7 +343,7 @@ def cancel_job(job_id: str, runtime: RuntimeDep) -> JobView:
     "/jobs/{job_id}",
     status_code=status.HTTP_204_NO_CONTENT,
     response_class=Response,
-    responses={**NOT_FOUND, **error(409, "the job is not finished"), **INVALID},
+    responses={**NOT_FOUND, **error(409, "the job is not finished"), **INVALID, **UNWRITABLE},
     tags=["jobs"],
 )
 def delete_job(job_id: str, runtime: RuntimeDep) -> Response:

@@ -7,7 +7,7 @@ import ipaddress
 import os
 from pathlib import Path
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, ByteSize, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.errors import InsecureBindError
@@ -33,11 +33,18 @@ class Settings(BaseSettings):
     )
     storage_path: str | None = Field(
         default=None,
-        # KAISA_RAY_STORAGE is what `kaisa-ray train` reads: one name for both works.
+        # KAISA_RAY_STORAGE is what `kaisa-ray train` reads: one name for both works;
+        # the checkpoint root is the same setting by the name the operator looks for.
         validation_alias=AliasChoices(
-            "storage_path", "KAISA_RAY_STORAGE_PATH", "KAISA_RAY_STORAGE"
+            "storage_path",
+            "checkpoint_root",
+            "KAISA_RAY_STORAGE_PATH",
+            "KAISA_RAY_STORAGE",
+            "KAISA_RAY_CHECKPOINT_ROOT",
         ),
-        description="where jobs keep checkpoints, a directory or a URI (s3://bucket/prefix) "
+        description="the checkpoint root: where jobs keep checkpoints, a directory (on a disk "
+        "of its own, say, so that checkpoints never fill the database's) or a URI "
+        "(s3://bucket/prefix) "
         "[default: <data_dir>/runs with the embedded head; on a cluster, the jobs' own "
         "default, $KAISA_RAY_STORAGE on the cluster's nodes]; on a multi-node cluster, storage "
         "every node reaches",
@@ -54,6 +61,12 @@ class Settings(BaseSettings):
         "can run jobs)",
     )
     max_body_bytes: int = Field(default=64 * 1024, gt=0, le=16 * 2**20)
+    min_free_bytes: ByteSize = Field(
+        default=ByteSize(256 * 2**20),
+        ge=0,
+        description="/readyz answers 503 while a disk the service writes to (the data "
+        "directory's, the checkpoint root's) has less free space",
+    )
     max_workers: int = Field(
         default=64, gt=0, le=MAX_WORKERS, description="the most workers one job may ask for"
     )

@@ -1343,17 +1343,20 @@ def test_health(service: Service) -> None:
     assert (response.status_code, response.json()) == (200, {"status": "ok", "checks": {}})
 
 
+DISKS_OK = {"data_dir": "ok", "checkpoint_root": "ok"}  # test_service_readiness.py
+
+
 def test_readiness_follows_ray(service: Service) -> None:
     ready = service.client.get("/readyz")
     assert (ready.status_code, ready.json()) == (
         200,
-        {"status": "ok", "checks": {"ray": "ok", "database": "ok"}},
+        {"status": "ok", "checks": {"ray": "ok", "database": "ok", **DISKS_OK}},
     )
     service.fake.up = False
     unready = service.client.get("/readyz")
     assert (unready.status_code, unready.json()) == (
         503,
-        {"status": "unavailable", "checks": {"ray": "unreachable", "database": "ok"}},
+        {"status": "unavailable", "checks": {"ray": "unreachable", "database": "ok", **DISKS_OK}},
     )
     assert service.client.get("/healthz").status_code == 200  # alive all the same
     service.fake.up = True
@@ -1479,14 +1482,14 @@ def test_an_internal_error_is_a_500_without_the_traceback(
 
 
 API_RESPONSES = {
-    ("POST", "/v1/jobs"): {"201", "401", "409", "413", "415", "422", "429"},
+    ("POST", "/v1/jobs"): {"201", "401", "409", "413", "415", "422", "429", "503"},
     ("GET", "/v1/jobs"): {"200", "401", "422"},
     ("GET", "/v1/jobs/{job_id}"): {"200", "401", "404", "422"},
-    ("DELETE", "/v1/jobs/{job_id}"): {"204", "401", "404", "409", "422"},
+    ("DELETE", "/v1/jobs/{job_id}"): {"204", "401", "404", "409", "422", "503"},
     ("GET", "/v1/jobs/{job_id}/metrics"): {"200", "401", "404", "422"},
     ("GET", "/v1/jobs/{job_id}/events"): {"200", "401", "404", "422"},
     ("GET", "/v1/jobs/{job_id}/logs"): {"200", "401", "404", "422", "503"},
-    ("POST", "/v1/jobs/{job_id}/cancel"): {"200", "401", "404", "409", "422", "429"},
+    ("POST", "/v1/jobs/{job_id}/cancel"): {"200", "401", "404", "409", "422", "429", "503"},
     ("GET", "/v1/events"): {"200", "401"},
     ("GET", "/v1/registry"): {"200", "401"},
     ("POST", "/v1/plan"): {"200", "401", "413", "422", "429"},
