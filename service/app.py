@@ -43,6 +43,7 @@ from service.job_routes import router as job_router
 from service.jobs import Follower, Jobs
 from service.metrics import ServiceMetrics
 from service.middleware import BearerAuth, BodyLimit, RateLimit, SecurityHeaders, SpecBody, Timing
+from service.origin import SameOrigin
 from service.page_routes import SECURITY_HEADERS, STATIC, swagger_ui
 from service.page_routes import router as page_router
 from service.plan_routes import router as plan_router
@@ -176,7 +177,8 @@ def create_app(
     app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
     app.mount("/static/vendor/swagger", StaticFiles(directory=swagger_ui()), name="swagger")
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    # The outermost last: Timing > SecurityHeaders > RateLimit > BearerAuth > BodyLimit > SpecBody.
+    # The outermost last: Timing > SecurityHeaders > SameOrigin > RateLimit > BearerAuth >
+    # BodyLimit > SpecBody.
     app.add_middleware(SpecBody, path=f"/{API_VERSION}/jobs")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(BearerAuth, token=settings.secret, prefixes=(f"/{API_VERSION}", "/metrics"))
@@ -185,6 +187,11 @@ def create_app(
         rate=settings.post_rate,
         burst=settings.post_burst,
         prefixes=(f"/{API_VERSION}",),
+    )
+    app.add_middleware(
+        SameOrigin,
+        guarded_by_token=settings.secret is not None,
+        allowed_hosts=tuple(settings.allowed_hosts),
     )
     app.add_middleware(SecurityHeaders, headers=SECURITY_HEADERS)
     app.add_middleware(Timing, observe=metrics.observe, prefixes=(f"/{API_VERSION}",))

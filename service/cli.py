@@ -108,6 +108,13 @@ def program() -> str:
     help="Serve a non-loopback --host without a token (anyone who reaches it can run jobs).",
 )
 @click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help="Without a token, also answer requests addressed to this name (repeatable) "
+    "[default: 127.0.0.1, ::1 and localhost only].",
+)
+@click.option(
     "--max-running",
     type=click.IntRange(1, 10_000),
     default=None,
@@ -181,7 +188,8 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
             err=True,
         )
     try:
-        settings = Settings(**{k: v for k, v in flags.items() if v is not None})
+        # Unset flags (None; () for a repeatable one) leave the environment's settings.
+        settings = Settings(**{k: v for k, v in flags.items() if v not in (None, ())})
     except ValidationError as err:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: "

@@ -60,6 +60,12 @@ class Settings(BaseSettings):
         description="allow a non-loopback host without a token (anyone who reaches the port "
         "can run jobs)",
     )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Host names answered without a token besides 127.0.0.1, ::1 and "
+        "localhost (a guard against DNS rebinding; with a token, any name is)",
+    )
     max_body_bytes: int = Field(default=64 * 1024, gt=0, le=16 * 2**20)
     min_free_bytes: ByteSize = Field(
         default=ByteSize(256 * 2**20),

@@ -47,14 +47,18 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 T = TypeVar("T")
 
 
-def make_client(app: FastAPI, *, raise_server_exceptions: bool = True) -> TestClient:
+def make_client(
+    app: FastAPI, *, raise_server_exceptions: bool = True, base_url: str = "http://testserver"
+) -> TestClient:
     """Starlette's test client (imported here: with httpx rather than httpx2 its import warns
     that this is deprecated, which says nothing about the service)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
         from starlette.testclient import TestClient
 
-    return TestClient(app, headers=AUTH, raise_server_exceptions=raise_server_exceptions)
+    return TestClient(
+        app, headers=AUTH, raise_server_exceptions=raise_server_exceptions, base_url=base_url
+    )
 
 
 def spec(name: str = "job", **overrides: Any) -> dict[str, Any]:
@@ -123,6 +127,7 @@ def start(
     *,
     raise_server_exceptions: bool = True,
     jobs_stop_with_service: bool | None = None,
+    base_url: str = "http://testserver",
     **settings: Any,
 ) -> tuple[FastAPI, TestClient]:
     options: dict[str, Any] = {
@@ -138,7 +143,7 @@ def start(
     app = create_app(
         Settings(**options), runner=fake, jobs_stop_with_service=jobs_stop_with_service
     )
-    return app, make_client(app, raise_server_exceptions=raise_server_exceptions)
+    return app, make_client(app, raise_server_exceptions=raise_server_exceptions, base_url=base_url)
 
 
 @pytest.fixture
@@ -429,7 +434,9 @@ def test_health_and_readiness_need_no_token(service: Service) -> None:
 @pytest.mark.parametrize("token", [None, ""], ids=["none", "empty"])
 def test_without_a_configured_token_everything_is_open(tmp_path: Path, token: str | None) -> None:
     fake = FakeRunner()
-    _, client = start(tmp_path, fake, token=token)
+    # Addressed to loopback: without a token, only loopback names are answered
+    # (test_service_guards.py).
+    _, client = start(tmp_path, fake, token=token, base_url="http://127.0.0.1:8000")
     with client:
 
         def call(method: str, path: str, **kwargs: Any) -> int:

@@ -101,3 +101,81 @@ def test_the_database_and_its_locks_are_the_owners_alone(tmp_path: Path) -> None
     assert modes.keys() >= {"jobs.db", "jobs.db.lock", "service.lock", "jobs.db-wal"}
     assert all(mode & 0o077 == 0 for mode in modes.values()), modes
     assert stat.S_IMODE(data.stat().st_mode) == 0o700
+
+
+# -- Host and Origin -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def open_service(tmp_path: Path) -> Iterator[Service]:
+    """The service as the README starts it: loopback, no token."""
+    fake = FakeRunner()
+    app = create_app(Settings(data_dir=tmp_path, poll_interval_s=0.02), runner=fake)
+    with make_client(app, base_url="http://127.0.0.1:8000") as client:
+        yield Service(app, client, fake)
+
+
+def test_without_a_token_only_loopback_host_names_are_answered(open_service: Service) -> None:
+    """DNS rebinding: a page of evil.example, its name pointed at 127.0.0.1, sends requests
+    that name evil.example: refused, reads and writes alike, naming the fix. Loopback names
+    (with any port), the probes, and names the operator allowed are answered."""
+    client = open_service.client
+    for method, path in (("GET", "/v1/jobs"), ("POST", "/v1/jobs"), ("GET", "/")):
+        refused = client.request(method, path, json=spec(), headers={"Host": "evil.example"})
+        assert refused.status_code == 400, (path, refused.text)
+        detail = refused.json()["detail"]
+        assert "Host 'evil.example' is not a name of this service" in detail
+        assert "--allowed-host" in detail
+        assert "--token-file" in detail
+    assert open_service.fake.submitted == {}
+    assert client.get("/v1/jobs").json()["total"] == 0
+    for host in ("127.0.0.1:8000", "localhost", "LOCALHOST:1", "[::1]:8000", "127.0.0.2"):
+        assert client.get("/v1/jobs", headers={"Host": host}).status_code == 200, host
+    assert client.get("/readyz", headers={"Host": "10.0.0.5:8000"}).status_code == 200
+
+
+def test_an_allowed_host_or_a_token_lets_other_names_in(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, allowed_hosts=["kaisa.lan"])
+    with make_client(create_app(settings, runner=FakeRunner())) as client:
+        assert client.get("/v1/jobs", headers={"Host": "kaisa.lan:8000"}).status_code == 200
+        assert client.get("/v1/jobs", headers={"Host": "evil.example"}).status_code == 400
+    settings = Settings(data_dir=tmp_path / "t", token=TOKEN)
+    with make_client(create_app(settings, runner=FakeRunner())) as client:
+        assert client.get("/v1/jobs", headers={"Host": "evil.example"}).status_code == 200
+
+
+def test_simple_cross_site_requests_change_nothing(open_service: Service) -> None:
+    """A form or a no-cors fetch from any page: a text/plain or form POST, or any request
+    whose Origin is another site's, is refused before it reaches a route; the dashboard's
+    own requests (same origin, JSON) and clients without an Origin go through."""
+    client = open_service.client
+    job = open_service.submitted()
+    cancel = f"/v1/jobs/{job['id']}/cancel"
+    for headers, status in (
+        ({"Content-Type": "text/plain"}, 415),
+        ({"Content-Type": "application/x-www-form-urlencoded"}, 415),
+        ({"Content-Type": "multipart/form-data; boundary=x"}, 415),
+        ({"Origin": "http://evil.example"}, 403),
+        ({"Origin": "null"}, 403),  # a sandboxed frame's
+        ({"Origin": "http://127.0.0.1:9999"}, 403),  # another port is another site
+    ):
+        refused = client.post(cancel, content=b"{}", headers=headers)
+        assert refused.status_code == status, (headers, refused.text)
+    assert (
+        "Content-Type text/plain is refused"
+        in client.post(cancel, content=b"x", headers={"Content-Type": "text/plain"}).json()[
+            "detail"
+        ]
+    )
+    assert (
+        "cross-site request refused"
+        in client.delete(f"/v1/jobs/{job['id']}", headers={"Origin": "http://evil.example"}).json()[
+            "detail"
+        ]
+    )
+    assert open_service.job(job["id"])["state"] == "QUEUED"
+    assert open_service.fake.stopped == []
+    same = client.post(cancel, headers={"Origin": "http://127.0.0.1:8000"})
+    assert same.status_code == 200, same.text
+    assert same.json()["state"] in ("CANCELLING", "CANCELLED")
+    assert client.post("/v1/jobs", json=spec("no-origin")).status_code == 201  # curl, the CLI
