@@ -50,6 +50,7 @@ from service.plan_routes import router as plan_router
 from service.restart import interrupt, resume
 from service.runner import RayRunner, Runner
 from service.runtime import Runtime
+from service.sandbox import DataRoots
 from service.schemas import ErrorBody, FieldProblem, ValidationErrorBody
 from service.settings import Settings
 from service.store import JobStore, sole_writer
@@ -178,7 +179,8 @@ def create_app(
     app.mount("/static/vendor/swagger", StaticFiles(directory=swagger_ui()), name="swagger")
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     # The outermost last: Timing > SecurityHeaders > SameOrigin > RateLimit > BearerAuth >
-    # BodyLimit > SpecBody.
+    # BodyLimit > SpecBody > DataRoots.
+    app.add_middleware(DataRoots, roots=settings.roots)  # while FastAPI validates the body
     app.add_middleware(SpecBody, path=f"/{API_VERSION}/jobs")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(BearerAuth, token=settings.secret, prefixes=(f"/{API_VERSION}", "/metrics"))

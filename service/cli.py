@@ -152,6 +152,14 @@ def program() -> str:
     "checkpoints from filling the database's.",
 )
 @click.option(
+    "--data-root",
+    "data_roots",
+    multiple=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="A folder under which jobs may read dataset.data_dir (repeatable) [default: the "
+    "built-in datasets' folders].",
+)
+@click.option(
     "--min-free-bytes",
     default=None,
     help="/readyz fails below this much free space where the service writes [256MiB].",
@@ -201,6 +209,7 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
         shown = settings.model_dump(mode="json")
         shown["token"] = "<set>" if settings.token else None
         shown["database"], shown["storage"] = settings.database, settings.storage
+        shown["data_roots"] = [str(root) for root in settings.roots]  # the defaults too
         click.echo(json.dumps(shown, indent=2))
         return
     try:  # the lifespan takes the lock for good; this says it plainly, before uvicorn

@@ -60,6 +60,12 @@ class Settings(BaseSettings):
         description="allow a non-loopback host without a token (anyone who reaches the port "
         "can run jobs)",
     )
+    data_roots: list[Path] = Field(
+        default_factory=list,
+        max_length=64,
+        description="the folders under which a job may name dataset.data_dir (symlinks and "
+        ".. resolved) [default: the built-in datasets' own folders]",
+    )
     allowed_hosts: list[str] = Field(
         default_factory=list,
         max_length=64,
@@ -167,6 +173,13 @@ class Settings(BaseSettings):
                 "--token-file), bind 127.0.0.1, or pass --insecure if the network is yours alone"
             )
         return self
+
+    @property
+    def roots(self) -> list[Path]:
+        """The data roots in force: the configured ones, or the datasets' own folders."""
+        from service.sandbox import default_data_roots
+
+        return list(self.data_roots) or default_data_roots()
 
     @property
     def secret(self) -> str | None:

@@ -14,6 +14,9 @@ from fake_runner import FakeRunner
 from pydantic import ValidationError
 from test_service_api import TOKEN, Service, make_client, spec, start
 
+from kaisa_ray.train.corpus import DEFAULT_FORTUNES_DIR
+from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_ray.train.spec import parse_job_spec
 from service.app import create_app
 from service.runner import RayJobStatus
 from service.settings import Settings
@@ -179,3 +182,76 @@ def test_simple_cross_site_requests_change_nothing(open_service: Service) -> Non
     assert same.status_code == 200, same.text
     assert same.json()["state"] in ("CANCELLING", "CANCELLED")
     assert client.post("/v1/jobs", json=spec("no-origin")).status_code == 201  # curl, the CLI
+
+
+# -- the data sandbox --------------------------------------------------------------------------
+
+
+def test_data_dir_outside_the_roots_is_refused_alike_whether_it_exists_or_not(
+    tmp_path: Path,
+) -> None:
+    """Under --data-root only, after symlinks and '..' are resolved; a path outside gets the
+    same answer whether it exists (the folder of the service's own token, say) or not, so
+    the answers map nothing of the host. Inside, the dataset's own checks apply as before;
+    kaisa-ray train (no roots) reads any folder."""
+    root = tmp_path / "roots"
+    (root / "mnist").mkdir(parents=True)
+    (root / "escape").symlink_to(tmp_path / "service")
+    app = create_app(
+        Settings(data_dir=tmp_path / "service", token=TOKEN, data_roots=[root]),
+        runner=FakeRunner(),
+    )
+
+    def answer(data_dir: str, name: str = "mnist") -> tuple[int, str]:
+        body = spec(dataset={"name": name, "data_dir": data_dir})
+        response = client.post("/v1/jobs", json=body)
+        if response.status_code != 422:
+            return response.status_code, ""
+        return 422, response.json()["detail"].replace(data_dir, "<path>")
+
+    with make_client(app) as client:
+        outside = {
+            "exists": str(tmp_path / "service"),  # the service's data dir: its database
+            "missing": str(tmp_path / "no-such-folder"),
+            "dotdot": str(root / ".." / "service"),
+            "dotdot-missing": str(root / ".." / "no-such-folder"),
+            "symlink-out": str(root / "escape"),
+            "system": "/etc",
+        }
+        answers = {kind: answer(path) for kind, path in outside.items()}
+        assert len(set(answers.values())) == 1, answers
+        status, detail = answers["exists"]
+        assert status == 422
+        assert detail == (
+            "1 problem(s): dataset: <path> is not under this service's data roots "
+            f"({root}): put the data under one of them, or start the service with "
+            "--data-root DIR"
+        )
+        relative = answer("../../..")
+        assert relative[0] == 422
+        assert "is a relative path" in relative[1]
+        assert answer(str(root / "mnist")) == (201, "")
+        assert answer(str(root / "mnist" / ".." / "mnist")) == (201, "")
+        missing_inside = answer(str(root / "nothing-here"))
+        assert "does not exist" in missing_inside[1]  # inside the roots: as before
+        assert answer(str(tmp_path / "service"), name="synthetic")[0] == 422  # any dataset
+        plan = client.post(
+            "/v1/plan",
+            json={
+                "spec": spec(dataset={"name": "mnist", "data_dir": "/etc"}),
+                "hardware": "a100-80gb-hdr",
+            },
+        )
+        assert plan.status_code == 422
+        assert "not under this service's data roots" in plan.json()["detail"]
+    assert parse_job_spec(spec(dataset={"name": "mnist", "data_dir": str(root)})).dataset
+
+
+def test_the_default_roots_are_the_datasets_own_folders(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, token=TOKEN)
+    assert settings.roots == sorted({DEFAULT_FASHION_MNIST_DIR, DEFAULT_FORTUNES_DIR})
+    with make_client(create_app(settings, runner=FakeRunner())) as client:
+        elsewhere = spec(dataset={"name": "mnist", "data_dir": str(tmp_path)})
+        refused = client.post("/v1/jobs", json=elsewhere)
+        assert refused.status_code == 422
+        assert str(DEFAULT_FASHION_MNIST_DIR) in refused.json()["detail"]

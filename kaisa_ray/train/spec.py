@@ -54,6 +54,7 @@ from kaisa_ray.enums import (
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.intervals import DEFAULT_TARGET_ANGLE, check_rungs
 from kaisa_ray.strategy import resolve_grad_worker_fraction
+from kaisa_ray.train.data_roots import check_root
 from kaisa_ray.train.numbers import NoBooleanNumbers
 from kaisa_ray.train.records import Direction, SweepMetric
 from kaisa_ray.train.registry import dataset_entry, dataset_names, model_factory, model_names
@@ -267,8 +268,12 @@ class DatasetSpec(_Strict):
                 f"unknown dataset {self.name!r}; choose one of {', '.join(dataset_names())}, "
                 "or register your own under the 'kaisa_ray.datasets' entry point"
             ) from None
+        directory = self.data_dir or entry.default_dir
+        if directory is not None and (self.data_dir is not None or entry.needs_files):
+            # A service's data roots, before anything looks at the folder: a refusal must not
+            # tell whether it exists (kaisa_ray.train.data_roots).
+            check_root(directory)
         if entry.needs_files:
-            directory = self.data_dir or entry.default_dir
             if directory is None:
                 raise ValueError(f"dataset {self.name!r} needs data_dir: {entry.install_hint}")
             if not directory.is_dir():
