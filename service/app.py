@@ -41,6 +41,7 @@ from service.hub import Hub
 from service.job_logs import LogArchive
 from service.job_routes import router as job_router
 from service.jobs import Follower, Jobs
+from service.limits import Pricer
 from service.metrics import ServiceMetrics
 from service.middleware import BearerAuth, BodyLimit, RateLimit, SecurityHeaders, SpecBody, Timing
 from service.origin import SameOrigin
@@ -55,6 +56,7 @@ from service.schemas import ErrorBody, FieldProblem, ValidationErrorBody
 from service.settings import Settings
 from service.store import JobStore, sole_writer
 from service.views import ViewCache
+from service.worker_pool import WorkerPool
 
 __all__ = ["API_VERSION", "create_app"]
 
@@ -131,10 +133,32 @@ def create_app(
                 driver_cpus=settings.driver_cpus,
                 lost_grace_s=settings.lost_grace_s,
             )
-            runtime = Runtime(
-                settings, store, jobs, follower, metrics, ViewCache(store.version_now), head
+            plans = WorkerPool(
+                what="plans",
+                size=settings.max_plans,
+                timeout_s=settings.plan_timeout_s,
+                knob="kaisa-ray serve --max-plans, --plan-timeout-s",
             )
-            metrics.bind(store)
+            checks = WorkerPool(
+                what="model checks",
+                size=2,
+                timeout_s=30,
+                wait_s=10,  # a submission waits for a worker rather than being refused
+                knob="building the model on the meta device",
+            )
+            stop_pools_on_signal(plans, checks)
+            runtime = Runtime(
+                settings,
+                store,
+                jobs,
+                follower,
+                metrics,
+                ViewCache(store.version_now),
+                plans,
+                Pricer(checks),
+                head,
+            )
+            metrics.bind(store, plans)
             app.state.runtime = runtime
             follower.start()
             # What start-up loaded (Ray, torch, pydantic's schemas: some 300 000 objects) lives
@@ -149,6 +173,8 @@ def create_app(
                 yield
             finally:
                 logger.info("shutting down: the follower, Ray, the embedded head, the store")
+                await plans.close()
+                await checks.close()
                 follower.stop()
                 stops_jobs = jobs_stop_with_service
                 if stops_jobs if stops_jobs is not None else head is not None:
@@ -200,6 +226,26 @@ def create_app(
     return app
 
 
+def stop_pools_on_signal(*pools: WorkerPool) -> None:
+    """SIGTERM and SIGINT end the pools' tasks at once, before uvicorn's graceful drain
+    waits for the requests in flight (a plan can take minutes), then do what they did. Only
+    the main thread may set handlers (the lifespan runs there under uvicorn; a test's
+    client runs it elsewhere, and stops the pools at the lifespan's end)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        then = signal.getsignal(sig)
+        if not callable(then):
+            continue
+
+        def first_the_pools(signum: int, frame: Any, then: Any = then) -> None:
+            for pool in pools:
+                pool.stop_now()
+            then(signum, frame)
+
+        signal.signal(sig, first_the_pools)
+
+
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """The API's schema, with every progress record's typed schema (``Record``: what the
     event streams send, and what a job's ``tuner`` and metric points hold) among its
@@ -225,7 +271,11 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 def _handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def service_error(_: Request, err: ServiceError) -> JSONResponse:
-        return JSONResponse(ErrorBody(detail=str(err)).model_dump(), status_code=err.status)
+        return JSONResponse(
+            ErrorBody(detail=str(err)).model_dump(),
+            status_code=err.status,
+            headers=getattr(err, "headers", None),  # Retry-After of a 429
+        )
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Response, status
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPBearer
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -26,6 +25,7 @@ from kaisa_ray.enums import ComputeMethod, DistributedStrategy, KFACApprox, Prec
 from kaisa_ray.train.records import TRIAL_METRICS, RecordKind, SweepMetric, TrialState
 from kaisa_ray.train.registry import dataset_names, model_names
 from kaisa_ray.train.spec import AUTO, JobSpec, OptimizerSpec
+from service import limits
 from service.errors import JobNotFoundError, RayUnavailableError
 from service.hub import EVERY_JOB
 from service.job_logs import LogArchive
@@ -54,7 +54,6 @@ from service.schemas import (
     job_view,
     metric_point,
 )
-from service.settings import Settings
 from service.store import Job
 
 __all__ = ["registry_now", "router"]
@@ -94,33 +93,6 @@ def registry_now() -> Registry:
     )
 
 
-def _within_the_cluster(spec: JobSpec, settings: Settings) -> None:
-    """The service's own maximums (below the JobSpec's): 422 naming the field and the knob."""
-    problems = []
-    if spec.scaling.workers > settings.max_workers:
-        problems.append(
-            (
-                ("body", "scaling", "workers"),
-                f"{spec.scaling.workers} workers is over this service's maximum of "
-                f"{settings.max_workers} (kaisa-ray serve --max-workers, "
-                "$KAISA_RAY_MAX_WORKERS); ask for fewer",
-            )
-        )
-    if spec.scaling.gpus_per_worker > settings.max_gpus_per_worker:
-        problems.append(
-            (
-                ("body", "scaling", "gpus_per_worker"),
-                f"{spec.scaling.gpus_per_worker:g} GPUs per worker is over this service's "
-                f"maximum of {settings.max_gpus_per_worker:g} (--max-gpus-per-worker); ask "
-                "for fewer",
-            )
-        )
-    if problems:
-        raise RequestValidationError(
-            [{"loc": loc, "msg": message, "type": "cluster_maximum"} for loc, message in problems]
-        )
-
-
 @router.post(
     "/jobs",
     status_code=status.HTTP_201_CREATED,
@@ -140,7 +112,7 @@ def _within_the_cluster(spec: JobSpec, settings: Settings) -> None:
     },
     tags=["jobs"],
 )
-def submit_job(
+async def submit_job(
     spec: JobSpec,
     runtime: RuntimeDep,
     idempotency_key: Annotated[
@@ -153,12 +125,21 @@ def submit_job(
 ) -> JobView:
     """Store a job as QUEUED; it starts on Ray when admission control lets it (its
     ``queue_position`` says how many are ahead). The body is JSON, or YAML with
-    ``Content-Type: application/yaml``."""
-    _within_the_cluster(spec, runtime.settings)
-    job, created = runtime.jobs.create(spec.model_dump(mode="json"), idempotency_key)
-    if created:
-        runtime.metrics.submissions.inc()
-    return job_view(job, runtime.store.queue_position(job))
+    ``Content-Type: application/yaml``. The job, and each trial of a sweep, must be within
+    the service's caps (workers, GPUs and CPUs per worker, the model's size, the cluster's
+    memory: ``service.limits``)."""
+    memory = (await run_in_threadpool(runtime.follower.capacity)).memory_bytes
+    need = await limits.check(spec, runtime.settings, runtime.pricer, memory)
+
+    def store() -> JobView:
+        job, created = runtime.jobs.create(
+            spec.model_dump(mode="json"), idempotency_key, need.as_json()
+        )
+        if created:
+            runtime.metrics.submissions.inc()
+        return job_view(job, runtime.store.queue_position(job))
+
+    return await run_in_threadpool(store)
 
 
 @router.get("/jobs", response_model=JobList, responses=INVALID, tags=["jobs"])

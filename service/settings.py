@@ -85,6 +85,32 @@ class Settings(BaseSettings):
     max_gpus_per_worker: float = Field(
         default=8, ge=0, le=16, description="the most GPUs one worker may ask for"
     )
+    min_cpus_per_worker: float = Field(
+        default=0.5,
+        ge=0,
+        le=1024,
+        description="the fewest CPUs one worker may ask for (below it Ray packs any number of "
+        "workers on a node)",
+    )
+    max_model_bytes: ByteSize = Field(
+        default=ByteSize(16 * 2**30),
+        gt=0,
+        description="the most a job's model may hold per worker: its float32 parameters and "
+        "its activations at the job's batch size, computed on the meta device",
+    )
+    max_plans: int = Field(
+        default_factory=lambda: max(1, (os.cpu_count() or 2) // 2),
+        gt=0,
+        le=256,
+        description="plans (POST /v1/plan) computed at once, each in a process of its own; "
+        "more are answered 429 [default: half the machine's cores]",
+    )
+    plan_timeout_s: float = Field(
+        default=60,
+        gt=0,
+        le=3600,
+        description="how long one plan may compute before it is ended (504)",
+    )
     max_running: int | None = Field(
         default=None,
         gt=0,

@@ -55,9 +55,9 @@ from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.intervals import DEFAULT_TARGET_ANGLE, check_rungs
 from kaisa_ray.strategy import resolve_grad_worker_fraction
 from kaisa_ray.train.data_roots import check_root
-from kaisa_ray.train.numbers import NoBooleanNumbers
 from kaisa_ray.train.records import Direction, SweepMetric
 from kaisa_ray.train.registry import dataset_entry, dataset_names, model_factory, model_names
+from kaisa_ray.train.strict_numbers import NoBooleanNumbers
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
