@@ -181,7 +181,9 @@ def create_app(
                     await run_in_threadpool(interrupt, jobs, follower)
                 await run_in_threadpool(active.close)
                 if head is not None:
-                    await run_in_threadpool(head.stop)
+                    # Its jobs are interrupted and resume from their checkpoints: nothing on
+                    # the head needs a long drain (a service manager waits 10 s, say).
+                    await run_in_threadpool(functools.partial(head.stop, grace_s=2))
                 store.close()
                 logger.info("shutdown complete")
 

@@ -125,6 +125,29 @@ def program() -> str:
     "--max-gpus-per-worker", type=click.FloatRange(0, 16), default=None, help="[default: 8]"
 )
 @click.option(
+    "--min-cpus-per-worker",
+    type=click.FloatRange(0, 1024),
+    default=None,
+    help="The fewest CPUs one worker may ask for [default: 0.5].",
+)
+@click.option(
+    "--max-model-bytes",
+    default=None,
+    help="The most a job's model may hold per worker, parameters and activations [16GiB].",
+)
+@click.option(
+    "--max-plans",
+    type=click.IntRange(1, 256),
+    default=None,
+    help="Plans (POST /v1/plan) computed at once [default: half the cores].",
+)
+@click.option(
+    "--plan-timeout-s",
+    type=click.FloatRange(min=0, min_open=True, max=3600),
+    default=None,
+    help="How long one plan may compute [default: 60].",
+)
+@click.option(
     "--driver-cpus",
     type=click.FloatRange(0, 64),
     default=None,
@@ -186,6 +209,7 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
 
     from service.app import create_app
     from service.errors import DatabaseInUseError
+    from service.http_protocol import with_header_timeout
     from service.settings import Settings
     from service.store import sole_writer
 
@@ -237,6 +261,7 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
         port=settings.port,
         log_level="info",
         timeout_graceful_shutdown=5,  # event streams never end on their own
+        http=with_header_timeout(settings.header_timeout_s),  # half-sent requests: closed
     )
 
 

@@ -73,6 +73,13 @@ class Settings(BaseSettings):
         "localhost (a guard against DNS rebinding; with a token, any name is)",
     )
     max_body_bytes: int = Field(default=64 * 1024, gt=0, le=16 * 2**20)
+    header_timeout_s: float = Field(
+        default=10,
+        gt=0,
+        le=600,
+        description="how long a connection may take to send a request's headers before it is "
+        "closed",
+    )
     min_free_bytes: ByteSize = Field(
         default=ByteSize(256 * 2**20),
         ge=0,

@@ -201,6 +201,9 @@ class WorkerPool:
                 finished, _ = await asyncio.wait({reply}, timeout=max(0.0, min(POLL_S, left)))
                 if finished:
                     line = reply.result()
+                    if not line and self.stopping:  # killed by stop_now before we looked
+                        self._count("stopped")
+                        raise PoolStoppedError("the service is stopping; retry when it is back")
                     if not line:
                         self._count("error")
                         raise RuntimeError(
