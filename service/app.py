@@ -48,7 +48,7 @@ from service.origin import SameOrigin
 from service.page_routes import SECURITY_HEADERS, STATIC, swagger_ui
 from service.page_routes import router as page_router
 from service.plan_routes import router as plan_router
-from service.restart import interrupt, resume
+from service.restart import interrupt, resume, stop_training
 from service.runner import RayRunner, Runner
 from service.runtime import Runtime
 from service.sandbox import DataRoots
@@ -178,7 +178,8 @@ def create_app(
                 follower.stop()
                 stops_jobs = jobs_stop_with_service
                 if stops_jobs if stops_jobs is not None else head is not None:
-                    await run_in_threadpool(interrupt, jobs, follower)
+                    stop = functools.partial(stop_training, head) if head else None
+                    await run_in_threadpool(interrupt, jobs, follower, stop)
                 await run_in_threadpool(active.close)
                 if head is not None:
                     # Its jobs are interrupted and resume from their checkpoints: nothing on

@@ -2,9 +2,13 @@
 embedded Ray head, and when it starts again on the same database.
 
 On a graceful stop (SIGTERM, Ctrl-C) with the embedded head, the head and every Ray Job on
-it stop with the service. Each job that was in Ray is then INTERRUPTED, not FAILED: its last
-progress is read and its log copied first (``service.job_logs``). A job being cancelled is
-CANCELLED (its Ray Job stops anyway); a job still waiting for admission stays QUEUED.
+it stop with the service. First the training stops (``stop_training``: the jobs' drivers and
+Ray's actors of the head are killed, all but the progress sink and the job supervisors), so
+that no checkpoint can be taken after the service's last read of the progress: the
+checkpoint a job resumes from is one whose records the service has. Each job that was in
+Ray is then INTERRUPTED, not FAILED: its last progress is read and its log copied
+(``service.job_logs``). A job being cancelled is CANCELLED (its Ray Job stops anyway); a job
+still waiting for admission stays QUEUED.
 
 On the next start with the same database, every INTERRUPTED job goes back to the head of the
 queue (``JobStore.resume``) and, once admitted, is submitted again as a new Ray Job of the
@@ -23,13 +27,20 @@ is the operator's doing, not the job's; counting it would fail every ``max_failu
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
 
+from service.head import RayHead, descendants
 from service.jobs import Follower, Jobs
 from service.lifecycle import JobEvent, JobState
 from service.store import Job
 
-__all__ = ["interrupt", "resume"]
+__all__ = ["interrupt", "resume", "stop_training"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +52,47 @@ INTERRUPTED = (
 RESUMED = "the service started again: resumed from the run's latest checkpoint"
 
 
-def interrupt(jobs: Jobs, follower: Follower) -> list[Job]:
-    """Before the embedded head stops: every job in Ray INTERRUPTED (its progress read and
-    its log kept first), every job being cancelled CANCELLED. Returns the interrupted jobs.
-    The follower has stopped: nothing else moves the jobs meanwhile."""
+KEPT_ALIVE = ("ray::ProgressSink", "ray::JobSupervisor")
+"""The actors of the head that outlive the training: what the service still reads."""
+JOB_DRIVERS = ("kaisa-ray train", "kaisa-ray sweep")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def stop_training(head: RayHead) -> int:
+    """Kill the jobs' drivers and Ray's worker processes on the embedded head (each named
+    ``ray::<its actor>`` by Ray), but the progress sink's and the job supervisors': no
+    training step, record or checkpoint after this. Returns how many were killed."""
+    killed = 0
+    for pid in descendants(head.pid):
+        line = _cmdline(pid)
+        training = line.startswith("ray::") and not line.startswith(KEPT_ALIVE)
+        if training or any(driver in line for driver in JOB_DRIVERS):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+    if killed:
+        time.sleep(SETTLE_S)  # what the killed sent before they died reaches the sink
+    return killed
+
+
+SETTLE_S = 0.5
+
+
+def interrupt(
+    jobs: Jobs, follower: Follower, stop: Callable[[], object] | None = None
+) -> list[Job]:
+    """Before the embedded head stops: the training stopped (``stop``: ``stop_training``
+    of the head), then every job in Ray INTERRUPTED (its progress read and its log kept
+    first), every job being cancelled CANCELLED. Returns the interrupted jobs. The follower
+    has stopped: nothing else moves the jobs meanwhile."""
+    if stop is not None and any(j.submission_id for j in jobs.store.active()):
+        stop()
     interrupted = []
     for job in jobs.store.active():
         if job.submission_id is None:
