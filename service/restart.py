@@ -2,8 +2,9 @@
 embedded Ray head, and when it starts again on the same database.
 
 On a graceful stop (SIGTERM, Ctrl-C) with the embedded head, the head and every Ray Job on
-it stop with the service. First the training stops (``stop_training``: the jobs' drivers and
-Ray's actors of the head are killed, all but the progress sink and the job supervisors), so
+it stop with the service. First the training stops (``stop_training``: the jobs' drivers,
+Ray Train's controllers and workers on the head are killed; the progress sink and the job
+server go on), so
 that no checkpoint can be taken after the service's last read of the progress: the
 checkpoint a job resumes from is one whose records the service has. Each job that was in
 Ray is then INTERRUPTED, not FAILED: its last progress is read and its log copied
@@ -52,8 +53,11 @@ INTERRUPTED = (
 RESUMED = "the service started again: resumed from the run's latest checkpoint"
 
 
-KEPT_ALIVE = ("ray::ProgressSink", "ray::JobSupervisor")
-"""The actors of the head that outlive the training: what the service still reads."""
+TRAINING = ("ray::TrainController", "ray::RayTrainWorker", "ray::ImplicitFunc")
+"""Ray's titles of the processes that train (Ray Train's controller, which takes the
+checkpoints, and workers; Ray Tune's trials). Not every ``ray::`` process: the dashboard's
+and runtime-env agents are ``ray::`` too, and the raylet (and every actor with it, the
+progress sink among them) dies with them."""
 JOB_DRIVERS = ("kaisa-ray train", "kaisa-ray sweep")
 
 
@@ -65,14 +69,13 @@ def _cmdline(pid: int) -> str:
 
 
 def stop_training(head: RayHead) -> int:
-    """Kill the jobs' drivers and Ray's worker processes on the embedded head (each named
-    ``ray::<its actor>`` by Ray), but the progress sink's and the job supervisors': no
-    training step, record or checkpoint after this. Returns how many were killed."""
+    """Kill the jobs' drivers and the processes that train on the embedded head (``TRAINING``:
+    Ray names each ``ray::<its actor>``): no training step, record or checkpoint after this,
+    while the progress sink and the job server still answer. Returns how many were killed."""
     killed = 0
     for pid in descendants(head.pid):
         line = _cmdline(pid)
-        training = line.startswith("ray::") and not line.startswith(KEPT_ALIVE)
-        if training or any(driver in line for driver in JOB_DRIVERS):
+        if line.startswith(TRAINING) or any(driver in line for driver in JOB_DRIVERS):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
                 killed += 1

@@ -413,6 +413,10 @@ class JobStore:
             row.cursor = 0
             row.submission_id = None
             row.resumes = (row.resumes or 0) + 1
+            if row.sweep is not None or (row.spec or {}).get("sweep"):
+                # A sweep starts over (Ray Tune does not resume its trials here): its view of
+                # the trials is of the life that was stopped.
+                row.sweep, row.step, row.total_steps = None, 0, None
             return Job.of(row)
 
     def set_submission(self, job_id: str, submission_id: str) -> Job:

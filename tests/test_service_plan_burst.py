@@ -167,6 +167,9 @@ def test_40_plans_at_once_never_slow_the_job_list_and_sigterm_ends_the_service_a
     workers = plan_workers(service)
     head = RayHead.load(service.log.parent / "ray" / "head.json")
     assert head is not None
+    temp = Path(head.temp_dir)  # the head's own Ray temp directory: its user's alone
+    assert temp.name.startswith("kaisa-ray-")
+    assert temp.stat().st_mode & 0o777 == 0o700
     family = [service.process.pid, *descendants(service.process.pid), head.pid]
     began = time.monotonic()
     service.process.send_signal(signal.SIGTERM)
@@ -188,3 +191,4 @@ def test_40_plans_at_once_never_slow_the_job_list_and_sigterm_ends_the_service_a
         timeout_s=15,
     )
     assert "shutdown complete" in service.log.read_text()
+    assert not temp.exists()  # nothing left behind in the system's temp directory

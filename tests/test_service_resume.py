@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import test_service_sweeps as sweeps
 from fake_runner import FakeRunner
 from test_service_api import Service, start
 
@@ -126,3 +127,26 @@ def test_a_worker_group_restarted_from_its_checkpoint_records_no_step_twice(
         assert steps(service, job["id"]) == [
             (10, 1.0), (20, 1.0), (30, 0.5), (40, 0.5), (50, 0.5), (60, 0.5)
         ]  # fmt: skip
+
+
+def test_an_interrupted_sweep_starts_over(tmp_path: Path) -> None:
+    """Ray Tune does not resume its trials here: the resumed sweep starts over, and its view
+    of the stopped life's trials is dropped, not merged with the new life's."""
+    first = FakeRunner()
+    app, client = start(tmp_path, first, jobs_stop_with_service=True)
+    with client:
+        service = Service(app, client, first)
+        body = sweeps.sweep_spec()
+        job = service.submitted(body.pop("name"), **body)
+        first.push(job["id"], *sweeps.FIRST)
+        service.wait(job["id"], "its trials", lambda j: len(j["sweep"]["trials"]) == 2)
+    second = FakeRunner()
+    app, client = start(tmp_path, second, jobs_stop_with_service=True)
+    with client:
+        service = Service(app, client, second)
+        resumed = service.wait(job["id"], "resubmitted", lambda j: j["submission_id"] is not None)
+        assert resumed["sweep"]["trials"] == []  # the plan, from the spec; no trial yet
+        assert resumed["progress"]["step"] == 0
+        second.push(job["id"], sweeps.START)
+        running = service.wait_state(job["id"], "RUNNING")
+        assert running["sweep"]["trials"] == []
