@@ -167,8 +167,11 @@ def test_40_plans_at_once_never_slow_the_job_list_and_sigterm_ends_the_service_a
     workers = plan_workers(service)
     head = RayHead.load(service.log.parent / "ray" / "head.json")
     assert head is not None
-    temp = Path(head.temp_dir)  # the head's own Ray temp directory: its user's alone
+    # The head's own Ray temp directory, which Ray makes 0777, in a folder only its user
+    # can enter.
+    temp = Path(head.temp_dir).parent
     assert temp.name.startswith("kaisa-ray-")
+    assert temp.parent == Path("/tmp")
     assert temp.stat().st_mode & 0o777 == 0o700
     family = [service.process.pid, *descendants(service.process.pid), head.pid]
     began = time.monotonic()
