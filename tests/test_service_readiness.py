@@ -1,9 +1,9 @@
 """``/readyz`` tells the truth, and a write that cannot happen answers 503 (issue 30), in
 process: FastAPI's ``TestClient`` with the app's lifespan, a real SQLite file and
-``FakeRunner`` in place of Ray. The database is locked by another connection as another
-process would lock it, and the full disk is a real 2 MB tmpfs (mounted where the tests run
-as root; skipped elsewhere, with a check of the same path on a real disk below its
-threshold that runs everywhere)."""
+``FakeRunner`` in place of Ray. The database is locked by another process (BEGIN
+EXCLUSIVE, held), and the full disk is a real 2 MB tmpfs (mounted where the tests run as
+root; skipped elsewhere, with a check of the same path on a real disk below its threshold
+that runs everywhere)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import contextlib
 import os
 import sqlite3
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,17 @@ def service(tmp_path: Path) -> Iterator[Service]:
     app, client = start(tmp_path, fake)
     with client:
         yield Service(app, client, fake)
+
+
+HOLD_THE_LOCK = """
+import sqlite3, sys
+connection = sqlite3.connect(sys.argv[1], timeout=0, isolation_level=None)
+connection.execute("BEGIN EXCLUSIVE")
+print("locked", flush=True)
+sys.stdin.read()
+connection.rollback()
+"""
+"""Another process holding the database's exclusive lock until its stdin closes."""
 
 
 def heartbeat(database: Path) -> tuple[float, int]:
@@ -58,9 +70,15 @@ def test_under_another_process_s_exclusive_lock_readiness_and_writes_answer_503(
     database cannot be written, and every POST (submit, cancel) 503 with Retry-After, not
     500; reads go on. Once it lets go, all is well again."""
     job = service.submit("before-the-lock")
-    holder = sqlite3.connect(tmp_path / "jobs.db", timeout=0, isolation_level=None)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_LOCK, str(tmp_path / "jobs.db")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        holder.execute("BEGIN EXCLUSIVE")
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "locked"
         ready = service.client.get("/readyz")
         assert ready.status_code == 503, ready.text
         assert ready.headers["Retry-After"] == "5"
@@ -79,9 +97,8 @@ def test_under_another_process_s_exclusive_lock_readiness_and_writes_answer_503(
             assert "nothing was changed" in detail
         assert service.client.get("/v1/jobs").status_code == 200  # reads go on (WAL)
     finally:
-        if holder.in_transaction:
-            holder.rollback()
-        holder.close()
+        holder.communicate("", timeout=30)  # its stdin closes: it lets go and exits
+    assert holder.returncode == 0
     assert service.client.get("/readyz").status_code == 200
     assert service.client.post("/v1/jobs", json=spec("after-the-lock")).status_code == 201
     assert service.job(job["id"])["state"] == "QUEUED"  # the refused cancel changed nothing
