@@ -16,8 +16,12 @@ Measured throughout, each in a thread of its own:
   PENDING or RUNNING, never to exceed the service's maximum.
 
 The run goes on ``--observe`` seconds (60) after the last submission was stored, so that
-jobs finish and the next ones are admitted; then the service is stopped (SIGINT), and the
-jobs still queued stay stored (they would run on the next start).
+jobs finish and the next ones are admitted. Then a burst of plans: ``--plans`` (40, the
+default burst of POSTs) concurrent ``POST /v1/plan`` of BERT-Large on 4096 GPUs (minutes of
+planning each; the service computes ``--max-plans`` at once and refuses the rest with 429),
+while ``GET /v1/jobs`` is timed every 20 ms for ``--plan-observe`` seconds (20) beside the
+``/healthz`` prober; then SIGTERM with the plans still computing, timed to the service's
+exit. The jobs still queued stay stored (they would run on the next start).
 
 Run ``python benchmarks/service_burst.py`` (about 3 minutes); ``--write`` stores
 ``benchmarks/results/service_burst.json`` and the table in ``benchmarks/README.md``;
@@ -31,6 +35,7 @@ import asyncio
 import datetime
 import json
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -119,6 +124,75 @@ async def burst(url: str, headers: dict[str, str], jobs: int, clients: int) -> d
     }
 
 
+BERT_4096 = {"model": "bert-large", "workers": 4096, "batch_size": 8}
+
+
+async def plan_burst(url: str, headers: dict[str, str], plans: int) -> dict[str, Any]:
+    """``plans`` concurrent plans of BERT-Large on 4096 GPUs, one a client; what each got
+    and how fast, until the service stops (the ones still computing then)."""
+    answers: list[tuple[int | str, float]] = []
+
+    async def client() -> None:
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as http:
+            began = time.perf_counter()
+            try:
+                response = await http.post("/v1/plan", json=BERT_4096)
+                answers.append((response.status_code, time.perf_counter() - began))
+            except httpx.HTTPError as err:  # the service stopped under it
+                answers.append((type(err).__name__, time.perf_counter() - began))
+
+    await asyncio.gather(*(client() for _ in range(plans)))
+    return {
+        "statuses": dict(Counter(str(status) for status, _ in answers)),
+        "answer_ms": {
+            str(status): summary([1000 * s for code, s in answers if code == status])
+            for status in {code for code, _ in answers}
+        },
+    }
+
+
+def plans_phase(service: Any, args: argparse.Namespace, health: Sampler) -> dict[str, Any]:
+    """The burst of plans with GET /v1/jobs timed, then SIGTERM timed (the service is
+    stopped when this returns)."""
+    lister = httpx.Client(base_url=service.url, headers=service.headers, timeout=30)
+
+    def list_jobs() -> float:
+        began = time.perf_counter()
+        lister.get("/v1/jobs").raise_for_status()
+        return (time.perf_counter() - began) * 1000
+
+    listing = Sampler(list_jobs, 0.02)
+    outcome: dict[str, Any] = {}
+    burst_thread = threading.Thread(
+        target=lambda: outcome.update(
+            asyncio.run(plan_burst(service.url, service.headers, args.plans))
+        )
+    )
+    began = time.time()
+    listing.start()
+    burst_thread.start()
+    time.sleep(args.plan_observe)
+    listing.done.set()
+    listing.join()
+    window = (began, time.time())
+    stopped = time.monotonic()
+    service.process.send_signal(signal.SIGTERM)
+    service.process.wait(timeout=120)
+    sigterm_s = time.monotonic() - stopped
+    burst_thread.join(timeout=120)
+    during = [v for t, v in health.values if window[0] <= t <= window[1]]
+    return {
+        "plans": args.plans,
+        "observe_s": args.plan_observe,
+        **outcome,
+        "list_jobs_ms": summary([v for _, v in listing.values]),
+        "list_jobs_errors": listing.errors,
+        "healthz_ms": summary(during),
+        "sigterm_s": round(sigterm_s, 2),
+        "exit_status": service.process.returncode,
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="kaisa-burst-") as tmp:
@@ -179,6 +253,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 offset = page["next_offset"]
             total = page["total"]
             others = busy_elsewhere()
+            health_plans = Sampler(healthz, 0.02)
+            health_plans.start()
+            plans = plans_phase(service, args, health_plans)
+            health_plans.done.set()
+            health_plans.join()
     window = (pushed["began"], pushed["ended"])
     during = [v for t, v in samplers["healthz"].values if window[0] <= t <= window[1]]
     after = [v for t, v in samplers["healthz"].values if t > window[1]]
@@ -210,6 +289,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "errors": samplers["ray"].errors,
             "histogram": dict(sorted(Counter(running).items())),
         },
+        "plans": plans,
     }
 
 
@@ -242,6 +322,7 @@ def render(saved: dict[str, Any]) -> str:
         f"| verdict | {'PASS' if ok else 'FAIL'}: all stored, never more than the maximum in "
         f"Ray, /healthz p99 under {GOAL_P99_MS:.0f} ms during the burst |",
     ]
+    rows += _plan_rows(saved)
     header = (
         "### A burst of 1000 submissions\n\n"
         f"Measured {saved['date']} at commit {saved['commit']} on {saved['machine']} (before "
@@ -261,12 +342,40 @@ def render(saved: dict[str, Any]) -> str:
     return header + "\n\n| what | measured |\n| --- | --- |\n" + "\n".join(rows)
 
 
+def _plan_rows(saved: dict[str, Any]) -> list[str]:
+    plans = saved.get("plans")
+    if not plans:  # a run from before the plans phase
+        return []
+    listing, health = plans["list_jobs_ms"], plans["healthz_ms"]
+    refused = plans["answer_ms"].get("429")
+    ok = listing["p99"] < GOAL_P99_MS and plans["sigterm_s"] < 10 and "500" not in plans["statuses"]
+    return [
+        f"| plans | {plans['plans']} concurrent POST /v1/plan of BERT-Large on 4096 GPUs, one "
+        f"a client; answers by status {plans['statuses']} (the one computing: answered when "
+        "the service stopped) |",
+        "| 429 answered in ms | "
+        + (f"p50 {refused['p50']:.1f}, p99 {refused['p99']:.1f}" if refused else "none")
+        + " |",
+        f"| GET /v1/jobs ms during the plans ({plans['observe_s']:g} s) | p50 "
+        f"{listing['p50']:.1f}, p99 {listing['p99']:.1f}, max {listing['max']:.1f} "
+        f"({listing['n']} requests, {plans['list_jobs_errors']} errors) |",
+        f"| /healthz ms during the plans | p50 {health['p50']:.1f}, p99 {health['p99']:.1f} "
+        f"({health['n']} requests) |",
+        f"| SIGTERM with a plan computing | the service exited in {plans['sigterm_s']:.1f} s, "
+        f"status {plans['exit_status']} |",
+        f"| verdict (plans) | {'PASS' if ok else 'FAIL'}: GET /v1/jobs p99 under "
+        f"{GOAL_P99_MS:.0f} ms, no 500, SIGTERM under 10 s |",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--max-running", type=int, default=2)
     parser.add_argument("--observe", type=float, default=60)
+    parser.add_argument("--plans", type=int, default=40)
+    parser.add_argument("--plan-observe", type=float, default=20)
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--from-json", type=Path, default=None)
     args = parser.parse_args()

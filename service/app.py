@@ -27,28 +27,36 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import TypeAdapter
+from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kaisa_ray.train.records import Record
 from kaisa_ray.train.spec import field_problems
+from service import readiness
 from service.errors import ServiceError
 from service.head import RayHead
 from service.health_routes import router as health_router
 from service.hub import Hub
+from service.job_logs import LogArchive
 from service.job_routes import router as job_router
 from service.jobs import Follower, Jobs
+from service.limits import Pricer
 from service.metrics import ServiceMetrics
 from service.middleware import BearerAuth, BodyLimit, RateLimit, SecurityHeaders, SpecBody, Timing
+from service.origin import SameOrigin
 from service.page_routes import SECURITY_HEADERS, STATIC, swagger_ui
 from service.page_routes import router as page_router
 from service.plan_routes import router as plan_router
+from service.restart import interrupt, resume, stop_training
 from service.runner import RayRunner, Runner
 from service.runtime import Runtime
+from service.sandbox import DataRoots
 from service.schemas import ErrorBody, FieldProblem, ValidationErrorBody
 from service.settings import Settings
 from service.store import JobStore, sole_writer
 from service.views import ViewCache
+from service.worker_pool import WorkerPool
 
 __all__ = ["API_VERSION", "create_app"]
 
@@ -80,7 +88,16 @@ def _connect(settings: Settings) -> tuple[Runner, RayHead | None]:
     return runner, head
 
 
-def create_app(settings: Settings | None = None, *, runner: Runner | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    runner: Runner | None = None,
+    jobs_stop_with_service: bool | None = None,
+) -> FastAPI:
+    """The service. ``runner``: a fake Ray for tests (default: the real one).
+    ``jobs_stop_with_service``: whether stopping the service stops its Ray Jobs, so that it
+    interrupts them and resumes them at its next start (``service.restart``) [default: with
+    the embedded head; a test's fake runner says so itself]."""
     settings = settings or Settings()
 
     @asynccontextmanager
@@ -100,7 +117,14 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
                 for sig, handler in handlers.items():
                     if callable(handler) and threading.current_thread() is threading.main_thread():
                         signal.signal(sig, handler)
-            jobs = Jobs(store, active, Hub(), idempotency_ttl_s=settings.idempotency_ttl_s)
+            jobs = Jobs(
+                store,
+                active,
+                Hub(),
+                idempotency_ttl_s=settings.idempotency_ttl_s,
+                logs=LogArchive(settings.data_dir / "logs"),
+            )
+            await run_in_threadpool(resume, jobs)  # what a graceful stop interrupted
             follower = Follower(
                 jobs,
                 interval_s=settings.poll_interval_s,
@@ -109,10 +133,32 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
                 driver_cpus=settings.driver_cpus,
                 lost_grace_s=settings.lost_grace_s,
             )
-            runtime = Runtime(
-                settings, store, jobs, follower, metrics, ViewCache(store.version_now), head
+            plans = WorkerPool(
+                what="plans",
+                size=settings.max_plans,
+                timeout_s=settings.plan_timeout_s,
+                knob="kaisa-ray serve --max-plans, --plan-timeout-s",
             )
-            metrics.bind(store)
+            checks = WorkerPool(
+                what="model checks",
+                size=2,
+                timeout_s=30,
+                wait_s=10,  # a submission waits for a worker rather than being refused
+                knob="building the model on the meta device",
+            )
+            stop_pools_on_signal(plans, checks)
+            runtime = Runtime(
+                settings,
+                store,
+                jobs,
+                follower,
+                metrics,
+                ViewCache(store.version_now),
+                plans,
+                Pricer(checks),
+                head,
+            )
+            metrics.bind(store, plans)
             app.state.runtime = runtime
             follower.start()
             # What start-up loaded (Ray, torch, pydantic's schemas: some 300 000 objects) lives
@@ -127,10 +173,18 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
                 yield
             finally:
                 logger.info("shutting down: the follower, Ray, the embedded head, the store")
+                await plans.close()
+                await checks.close()
                 follower.stop()
+                stops_jobs = jobs_stop_with_service
+                if stops_jobs if stops_jobs is not None else head is not None:
+                    stop = functools.partial(stop_training, head) if head else None
+                    await run_in_threadpool(interrupt, jobs, follower, stop)
                 await run_in_threadpool(active.close)
                 if head is not None:
-                    await run_in_threadpool(head.stop)
+                    # Its jobs are interrupted and resume from their checkpoints: nothing on
+                    # the head needs a long drain (a service manager waits 10 s, say).
+                    await run_in_threadpool(functools.partial(head.stop, grace_s=2))
                 store.close()
                 logger.info("shutdown complete")
 
@@ -153,7 +207,9 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
     app.mount("/static/vendor/swagger", StaticFiles(directory=swagger_ui()), name="swagger")
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    # The outermost last: Timing > SecurityHeaders > RateLimit > BearerAuth > BodyLimit > SpecBody.
+    # The outermost last: Timing > SecurityHeaders > SameOrigin > RateLimit > BearerAuth >
+    # BodyLimit > SpecBody > DataRoots.
+    app.add_middleware(DataRoots, roots=settings.roots)  # while FastAPI validates the body
     app.add_middleware(SpecBody, path=f"/{API_VERSION}/jobs")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(BearerAuth, token=settings.secret, prefixes=(f"/{API_VERSION}", "/metrics"))
@@ -163,9 +219,34 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
         burst=settings.post_burst,
         prefixes=(f"/{API_VERSION}",),
     )
+    app.add_middleware(
+        SameOrigin,
+        guarded_by_token=settings.secret is not None,
+        allowed_hosts=tuple(settings.allowed_hosts),
+    )
     app.add_middleware(SecurityHeaders, headers=SECURITY_HEADERS)
     app.add_middleware(Timing, observe=metrics.observe, prefixes=(f"/{API_VERSION}",))
     return app
+
+
+def stop_pools_on_signal(*pools: WorkerPool) -> None:
+    """SIGTERM and SIGINT end the pools' tasks at once, before uvicorn's graceful drain
+    waits for the requests in flight (a plan can take minutes), then do what they did. Only
+    the main thread may set handlers (the lifespan runs there under uvicorn; a test's
+    client runs it elsewhere, and stops the pools at the lifespan's end)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        then = signal.getsignal(sig)
+        if not callable(then):
+            continue
+
+        def first_the_pools(signum: int, frame: Any, then: Any = then) -> None:
+            for pool in pools:
+                pool.stop_now()
+            then(signum, frame)
+
+        signal.signal(sig, first_the_pools)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -193,7 +274,11 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 def _handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def service_error(_: Request, err: ServiceError) -> JSONResponse:
-        return JSONResponse(ErrorBody(detail=str(err)).model_dump(), status_code=err.status)
+        return JSONResponse(
+            ErrorBody(detail=str(err)).model_dump(),
+            status_code=err.status,
+            headers=getattr(err, "headers", None),  # Retry-After of a 429
+        )
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -234,6 +319,17 @@ def _handlers(app: FastAPI) -> None:
             ErrorBody(detail=str(err.detail)).model_dump(),
             status_code=err.status_code,
             headers=getattr(err, "headers", None),
+        )
+
+    @app.exception_handler(OperationalError)
+    async def database_unavailable(request: Request, err: OperationalError) -> JSONResponse:
+        # Another process's lock, a full disk, a read-only file: the service's condition,
+        # which passes; never a 500 (service.readiness).
+        logger.warning("database: %s on %s %s", err.orig, request.method, request.url.path)
+        return JSONResponse(
+            ErrorBody(detail=readiness.database_unavailable(err)).model_dump(),
+            status_code=503,
+            headers={"Retry-After": str(readiness.RETRY_AFTER_S)},
         )
 
     @app.exception_handler(Exception)

@@ -109,6 +109,13 @@ def program() -> str:
     help="Serve a non-loopback --host without a token (anyone who reaches it can run jobs).",
 )
 @click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help="Without a token, also answer requests addressed to this name (repeatable) "
+    "[default: 127.0.0.1, ::1 and localhost only].",
+)
+@click.option(
     "--max-running",
     type=click.IntRange(1, 10_000),
     default=None,
@@ -117,6 +124,29 @@ def program() -> str:
 @click.option("--max-workers", type=click.IntRange(1, 4096), default=None, help="[default: 64]")
 @click.option(
     "--max-gpus-per-worker", type=click.FloatRange(0, 16), default=None, help="[default: 8]"
+)
+@click.option(
+    "--min-cpus-per-worker",
+    type=click.FloatRange(0, 1024),
+    default=None,
+    help="The fewest CPUs one worker may ask for [default: 0.5].",
+)
+@click.option(
+    "--max-model-bytes",
+    default=None,
+    help="The most a job's model may hold per worker, parameters and activations [16GiB].",
+)
+@click.option(
+    "--max-plans",
+    type=click.IntRange(1, 256),
+    default=None,
+    help="Plans (POST /v1/plan) computed at once [default: half the cores].",
+)
+@click.option(
+    "--plan-timeout-s",
+    type=click.FloatRange(min=0, min_open=True, max=3600),
+    default=None,
+    help="How long one plan may compute [default: 60].",
 )
 @click.option(
     "--driver-cpus",
@@ -137,7 +167,27 @@ def program() -> str:
     default=None,
     help="The service's files: database, embedded Ray head, runs [default: ~/kaisa-ray].",
 )
-@click.option("--storage-path", default=None, help="Where jobs checkpoint [<data-dir>/runs].")
+@click.option(
+    "--checkpoint-root",
+    "--storage-path",
+    "storage_path",
+    default=None,
+    help="Where jobs checkpoint, a folder or a URI [<data-dir>/runs]; a disk of its own keeps "
+    "checkpoints from filling the database's.",
+)
+@click.option(
+    "--data-root",
+    "data_roots",
+    multiple=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="A folder under which jobs may read dataset.data_dir (repeatable) [default: the "
+    "built-in datasets' folders].",
+)
+@click.option(
+    "--min-free-bytes",
+    default=None,
+    help="/readyz fails below this much free space where the service writes [256MiB].",
+)
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=None)
 @click.option(
     "--submit",
@@ -160,6 +210,7 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
 
     from service.app import create_app
     from service.errors import DatabaseInUseError
+    from service.http_protocol import with_header_timeout
     from service.settings import Settings
     from service.store import sole_writer
 
@@ -170,7 +221,8 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
             err=True,
         )
     try:
-        settings = Settings(**{k: v for k, v in flags.items() if v is not None})
+        # Unset flags (None; () for a repeatable one) leave the environment's settings.
+        settings = Settings(**{k: v for k, v in flags.items() if v not in (None, ())})
     except ValidationError as err:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: "
@@ -182,6 +234,7 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
         shown = settings.model_dump(mode="json")
         shown["token"] = "<set>" if settings.token else None
         shown["database"], shown["storage"] = settings.database, settings.storage
+        shown["data_roots"] = [str(root) for root in settings.roots]  # the defaults too
         click.echo(json.dumps(shown, indent=2))
         return
     try:  # the lifespan takes the lock for good; this says it plainly, before uvicorn
@@ -212,6 +265,7 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
         # /metrics counts them by route and status.
         access_log=logging.getLogger().isEnabledFor(logging.INFO),
         timeout_graceful_shutdown=5,  # event streams never end on their own
+        http=with_header_timeout(settings.header_timeout_s),  # half-sent requests: closed
     )
 
 

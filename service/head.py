@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -120,6 +121,14 @@ class RayHead:
             port = self.gcs_address.rsplit(":", 1)[1]
             if address_file.read_text().strip().endswith(f":{port}"):
                 address_file.unlink()
+        # The head's own temp directory (sockets, session logs): nothing reads it once the
+        # head is gone. Its private parent (``start_head``) goes with it.
+        if self.temp_dir:
+            ours = Path(self.temp_dir)
+            if ours.name == "ray" and ours.parent.name.startswith("kaisa-ray-"):
+                shutil.rmtree(ours.parent, ignore_errors=True)
+            elif ours.name.startswith("kaisa-ray-"):  # a head started before the parent
+                shutil.rmtree(ours, ignore_errors=True)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -183,7 +192,10 @@ def start_head(
     head_env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"  # every Ray process of this head: this head
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / "ray-head.log"
-    temp_dir = tempfile.mkdtemp(prefix="kaisa-ray-", dir="/tmp")  # short: Ray's socket paths
+    # Short (Ray's socket paths), and private: every Ray process that starts or connects
+    # makes its temp directory world-writable (chmod 0777), so it lives in a folder of its
+    # own that only this user can enter (mkdtemp's 0700), removed when the head stops.
+    temp_dir = os.path.join(tempfile.mkdtemp(prefix="kaisa-ray-", dir="/tmp"), "ray")
     command = [
         RAY,
         "start",
@@ -217,6 +229,7 @@ def start_head(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
+            head.stop(grace_s=1)  # what it started, and its temp directory
             raise RuntimeError(f"ray start exited with {process.returncode}:\n{log.read_text()}")
         if head.alive():
             logger.info("Ray head up at %s (dashboard %s)", head.gcs_address, head.dashboard_url)

@@ -1,5 +1,6 @@
-"""The service's own health: ``/healthz`` (the process answers), ``/readyz`` (Ray and the
-database) and ``/metrics`` (Prometheus; behind the token, checked by the middleware)."""
+"""The service's own health: ``/healthz`` (the process answers), ``/readyz`` (Ray, the
+database and the disks: ``service.readiness``) and ``/metrics`` (Prometheus; behind the
+token, checked by the middleware)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from service import readiness
 from service.job_routes import BEARER
 from service.responses import PLAIN_ROUTE_ERRORS
 from service.runtime import RuntimeDep
@@ -27,20 +29,22 @@ async def healthz() -> Health:
 @router.get(
     "/readyz",
     response_model=Health,
-    responses={503: {"model": Health, "description": "Ray or the database is not ready"}},
+    responses={
+        503: {
+            "model": Health,
+            "description": "Ray, the database or a disk is not ready: each check says which "
+            "(retry after Retry-After seconds)",
+        }
+    },
 )
 def readyz(runtime: RuntimeDep) -> JSONResponse:
-    """Ray reachable and the database writable."""
-    checks = {"ray": "ok", "database": "ok"}
-    if not runtime.jobs.runner.reachable():
-        checks["ray"] = "unreachable"
-    try:
-        runtime.store.writable()
-    except Exception as err:
-        checks["database"] = f"not writable: {type(err).__name__}"
+    """Ray reachable, the database written (a heartbeat row), and free space on the disks
+    the service and its jobs write to (``service.readiness``)."""
+    checks = readiness.checks(runtime)
     ok = all(v == "ok" for v in checks.values())
     body = Health(status="ok" if ok else "unavailable", checks=checks)
-    return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+    headers = None if ok else {"Retry-After": str(readiness.RETRY_AFTER_S)}
+    return JSONResponse(body.model_dump(), status_code=200 if ok else 503, headers=headers)
 
 
 @router.get(

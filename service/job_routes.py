@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Response, status
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPBearer
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -26,8 +25,10 @@ from kaisa_ray.enums import ComputeMethod, DistributedStrategy, KFACApprox, Prec
 from kaisa_ray.train.records import TRIAL_METRICS, RecordKind, SweepMetric, TrialState
 from kaisa_ray.train.registry import dataset_names, model_names
 from kaisa_ray.train.spec import AUTO, JobSpec, OptimizerSpec
+from service import limits
 from service.errors import JobNotFoundError, RayUnavailableError
 from service.hub import EVERY_JOB
+from service.job_logs import LogArchive
 from service.jobs import EVENT_OF
 from service.lifecycle import FINISHED, JobState
 from service.responses import (
@@ -37,6 +38,7 @@ from service.responses import (
     SSE_EVENT,
     TOO_MANY,
     UNAUTHORIZED,
+    UNWRITABLE,
     error,
     json_error,
 )
@@ -52,7 +54,6 @@ from service.schemas import (
     job_view,
     metric_point,
 )
-from service.settings import Settings
 from service.store import Job
 
 __all__ = ["registry_now", "router"]
@@ -92,33 +93,6 @@ def registry_now() -> Registry:
     )
 
 
-def _within_the_cluster(spec: JobSpec, settings: Settings) -> None:
-    """The service's own maximums (below the JobSpec's): 422 naming the field and the knob."""
-    problems = []
-    if spec.scaling.workers > settings.max_workers:
-        problems.append(
-            (
-                ("body", "scaling", "workers"),
-                f"{spec.scaling.workers} workers is over this service's maximum of "
-                f"{settings.max_workers} (kaisa-ray serve --max-workers, "
-                "$KAISA_RAY_MAX_WORKERS); ask for fewer",
-            )
-        )
-    if spec.scaling.gpus_per_worker > settings.max_gpus_per_worker:
-        problems.append(
-            (
-                ("body", "scaling", "gpus_per_worker"),
-                f"{spec.scaling.gpus_per_worker:g} GPUs per worker is over this service's "
-                f"maximum of {settings.max_gpus_per_worker:g} (--max-gpus-per-worker); ask "
-                "for fewer",
-            )
-        )
-    if problems:
-        raise RequestValidationError(
-            [{"loc": loc, "msg": message, "type": "cluster_maximum"} for loc, message in problems]
-        )
-
-
 @router.post(
     "/jobs",
     status_code=status.HTTP_201_CREATED,
@@ -129,6 +103,7 @@ def _within_the_cluster(spec: JobSpec, settings: Settings) -> None:
         **error(415, "the body is neither JSON nor YAML"),
         **TOO_MANY,
         **INVALID,
+        **UNWRITABLE,
     },
     openapi_extra={
         "requestBody": {
@@ -137,7 +112,7 @@ def _within_the_cluster(spec: JobSpec, settings: Settings) -> None:
     },
     tags=["jobs"],
 )
-def submit_job(
+async def submit_job(
     spec: JobSpec,
     runtime: RuntimeDep,
     idempotency_key: Annotated[
@@ -150,12 +125,21 @@ def submit_job(
 ) -> JobView:
     """Store a job as QUEUED; it starts on Ray when admission control lets it (its
     ``queue_position`` says how many are ahead). The body is JSON, or YAML with
-    ``Content-Type: application/yaml``."""
-    _within_the_cluster(spec, runtime.settings)
-    job, created = runtime.jobs.create(spec.model_dump(mode="json"), idempotency_key)
-    if created:
-        runtime.metrics.submissions.inc()
-    return job_view(job, runtime.store.queue_position(job))
+    ``Content-Type: application/yaml``. The job, and each trial of a sweep, must be within
+    the service's caps (workers, GPUs and CPUs per worker, the model's size, the cluster's
+    memory: ``service.limits``)."""
+    memory = (await run_in_threadpool(runtime.follower.capacity)).memory_bytes
+    need = await limits.check(spec, runtime.settings, runtime.pricer, memory)
+
+    def store() -> JobView:
+        job, created = runtime.jobs.create(
+            spec.model_dump(mode="json"), idempotency_key, need.as_json()
+        )
+        if created:
+            runtime.metrics.submissions.inc()
+        return job_view(job, runtime.store.queue_position(job))
+
+    return await run_in_threadpool(store)
 
 
 @router.get("/jobs", response_model=JobList, responses=INVALID, tags=["jobs"])
@@ -300,15 +284,23 @@ async def registry() -> Registry:
     tags=["jobs"],
 )
 def job_logs(job_id: str, runtime: RuntimeDep) -> PlainTextResponse:
-    """The job driver's log (the Ray Job's output); empty before the job reached Ray."""
+    """The job driver's log (the Ray Job's output): the service's copy of each ended life of
+    the job (a finished job's, kept past Ray's and past restarts; an earlier life of a job a
+    restart resumed), then the live log of the life now in Ray; empty before the job reached
+    Ray."""
     job = runtime.store.get(job_id)
-    if job.submission_id is None:
-        return PlainTextResponse("")
+    logs = runtime.jobs.logs
+    kept = (logs.read(job.id) if logs is not None else None) or ""
+    sid = job.submission_id
+    if sid is None or (job.state.finished and LogArchive.header(sid) in kept):
+        return PlainTextResponse(kept)
     try:
-        text = runtime.jobs.runner.logs(job.submission_id)
+        text = runtime.jobs.runner.logs(sid)
     except Exception as err:
+        if kept:  # what is kept, and why the rest is missing
+            return PlainTextResponse(f"{kept}[the log of Ray Job {sid} cannot be read: {err}]\n")
         raise RayUnavailableError(f"cannot read the job's log from Ray: {err}") from err
-    return PlainTextResponse(text)
+    return PlainTextResponse(kept + text)
 
 
 @router.post(
@@ -319,6 +311,7 @@ def job_logs(job_id: str, runtime: RuntimeDep) -> PlainTextResponse:
         **error(409, "the job already finished otherwise"),
         **TOO_MANY,
         **INVALID,
+        **UNWRITABLE,
     },
     tags=["jobs"],
 )
@@ -331,7 +324,7 @@ def cancel_job(job_id: str, runtime: RuntimeDep) -> JobView:
     "/jobs/{job_id}",
     status_code=status.HTTP_204_NO_CONTENT,
     response_class=Response,
-    responses={**NOT_FOUND, **error(409, "the job is not finished"), **INVALID},
+    responses={**NOT_FOUND, **error(409, "the job is not finished"), **INVALID, **UNWRITABLE},
     tags=["jobs"],
 )
 def delete_job(job_id: str, runtime: RuntimeDep) -> Response:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -33,8 +32,10 @@ from kaisa_ray.train.records import (
     WorkerRecord,
     try_record,
 )
+from service.admission import Capacity, admit
 from service.errors import RayJobMissingError
 from service.hub import Hub, Update
+from service.job_logs import LogArchive
 from service.lifecycle import IllegalTransitionError, JobEvent, JobState, transition
 from service.records import clean
 from service.runner import RayJobInfo, RayJobStatus, Runner
@@ -60,17 +61,30 @@ EVENT_OF = {
 
 class Jobs:
     def __init__(
-        self, store: JobStore, runner: Runner, hub: Hub, *, idempotency_ttl_s: float = 86400
+        self,
+        store: JobStore,
+        runner: Runner,
+        hub: Hub,
+        *,
+        idempotency_ttl_s: float = 86400,
+        logs: LogArchive | None = None,
     ) -> None:
         self.store, self.runner, self.hub = store, runner, hub
         self.idempotency_ttl_s = idempotency_ttl_s
+        self.logs = logs
         self.submitted = 0  # POSTs that created a job, since start (for /metrics)
 
     def create(
-        self, spec: Mapping[str, Any], idempotency_key: str | None = None
+        self,
+        spec: Mapping[str, Any],
+        idempotency_key: str | None = None,
+        resources: Mapping[str, Any] | None = None,
     ) -> tuple[Job, bool]:
         job, created = self.store.create(
-            spec, idempotency_key=idempotency_key, idempotency_ttl_s=self.idempotency_ttl_s
+            spec,
+            idempotency_key=idempotency_key,
+            idempotency_ttl_s=self.idempotency_ttl_s,
+            resources=resources,
         )
         if created:
             self.submitted += 1
@@ -94,7 +108,25 @@ class Jobs:
 
     def delete(self, job_id: str) -> None:
         self.store.delete(job_id)
+        if self.logs is not None:
+            self.logs.delete(job_id)
         self.hub.publish(Update(job_id, "deleted", {"id": job_id}))
+
+    def keep_logs(self, job: Job) -> None:
+        """Copy the log of the job's Ray Job (the life that just ended) from Ray to the
+        service's own copy (``service.job_logs``), which outlives Ray's. A log Ray cannot
+        give now is left to Ray: ``/logs`` asks it again."""
+        if self.logs is None or job.submission_id is None:
+            return
+        try:
+            text = self.runner.logs(job.submission_id)
+        except Exception as err:
+            logger.warning("job %s: could not copy its log from Ray: %s", job.id, err)
+            return
+        try:
+            self.logs.keep(job.id, job.submission_id, text)
+        except OSError as err:
+            logger.warning("job %s: could not keep its log: %s", job.id, err)
 
     def publish_state(self, job: Job) -> None:
         self.hub.publish(Update(job.id, "state", {"id": job.id, "state": job.state.value}))
@@ -161,12 +193,22 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
             fire(JobEvent.RUN)
             if record.total_steps is not None:
                 progress.total_steps = record.total_steps
+            # A worker group starts at its checkpoint's step: what earlier attempts recorded
+            # past it is training done again (no step twice in the history, no gap).
+            progress.restarts.append((record.from_step, job.seq_base + (record.seq or 0)))
+            progress.metrics = [
+                m for m in progress.metrics if m.step is None or m.step <= record.from_step
+            ]
         elif isinstance(record, TunerRecord):
             progress.tuner = values
             reading.updates.append((EVENT_OF[record.kind], data))
         elif isinstance(record, StepRecord | EvalRecord):
             metric = Metric(
-                seq=record.seq or 0, kind=record.kind.value, step=record.step, at=at, values=values
+                seq=job.seq_base + (record.seq or 0),
+                kind=record.kind.value,
+                step=record.step,
+                at=at,
+                values=values,
             )
             progress.metrics.append(metric)
             names = STEP_FIELDS if isinstance(record, StepRecord) else EVAL_FIELDS
@@ -178,7 +220,7 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
             # Each layer's K-FAC intervals over time: kept as metrics, read back by kind.
             progress.metrics.append(
                 Metric(
-                    seq=record.seq or 0,
+                    seq=job.seq_base + (record.seq or 0),
                     kind=record.kind.value,
                     step=record.step,
                     at=at,
@@ -223,56 +265,6 @@ def ray_outcome(state: JobState, info: RayJobInfo) -> tuple[JobEvent, str | None
         )
     message = info.message.strip() or "the Ray Job failed without a message; see its logs"
     return JobEvent.FAIL, f"the Ray Job failed: {message[-4000:]}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Capacity:
-    """What admission control allows: at most ``max_running`` jobs in Ray at once (None: as
-    many as ``cpus`` hold, at least one CPU a job), and the CPUs of the admitted jobs (each
-    job's workers and its driver) within the cluster's ``cpus`` (None: unknown, not
-    counted)."""
-
-    cpus: float | None
-    max_running: int | None = None
-    driver_cpus: float = 0.25
-
-    @property
-    def limit(self) -> int:
-        if self.max_running is not None:
-            return self.max_running
-        if self.cpus is None:
-            return 1_000_000
-        return max(1, math.floor(self.cpus / (1 + self.driver_cpus)))
-
-
-def job_cpus(spec: Mapping[str, Any], driver_cpus: float) -> float:
-    """The CPUs a job holds in Ray: its workers' (a sweep's trials at once, each with the
-    job's workers) and its driver's."""
-    scaling = spec.get("scaling") or {}
-    workers = float(scaling.get("workers", 1)) * float(scaling.get("cpus_per_worker", 1))
-    sweep = spec.get("sweep") or {}
-    trials = float(sweep.get("concurrent", 1)) if sweep else 1.0
-    return workers * trials + driver_cpus
-
-
-def admit(queue: list[Job], running: list[Job], capacity: Capacity) -> list[Job]:
-    """The jobs of ``queue`` (first in line first) to send to Ray now, given the jobs
-    ``running`` there (pure). First come, first served: a job that does not fit holds the
-    ones behind it, so a large job is never starved by small ones. A job larger than the
-    cluster is admitted alone."""
-    used = sum(job_cpus(job.spec, capacity.driver_cpus) for job in running)
-    count = len(running)
-    admitted: list[Job] = []
-    for job in queue:
-        if count >= capacity.limit:
-            break
-        need = job_cpus(job.spec, capacity.driver_cpus)
-        if capacity.cpus is not None and count and used + need > capacity.cpus + 1e-9:
-            break
-        admitted.append(job)
-        used += need
-        count += 1
-    return admitted
 
 
 @dataclass
@@ -405,18 +397,22 @@ class Follower(threading.Thread):
         """Admission's limits (the cluster's CPUs are read once, when first needed)."""
         if self._capacity is None:
             try:
-                cpus = self.jobs.runner.cpus()
+                cpus, memory = self.jobs.runner.cpus(), self.jobs.runner.memory()
             except Exception as err:
-                self._trouble(None, "capacity", f"cannot read the cluster's CPUs: {err}")
+                self._trouble(None, "capacity", f"cannot read the cluster's resources: {err}")
                 return Capacity(cpus=None, max_running=self.max_running or 1)
             self._capacity = Capacity(
-                cpus=cpus, max_running=self.max_running, driver_cpus=self.driver_cpus
+                cpus=cpus,
+                memory_bytes=memory,
+                max_running=self.max_running,
+                driver_cpus=self.driver_cpus,
             )
             logger.info(
-                "admission: at most %d job(s) in Ray at once (cluster CPUs: %s; each job's "
-                "driver reserves %g CPU)",
+                "admission: at most %d job(s) in Ray at once (cluster CPUs: %s, memory: %s "
+                "bytes; each job's driver reserves %g CPU)",
                 self._capacity.limit,
                 cpus,
+                memory,
                 self.driver_cpus,
             )
         return self._capacity
@@ -454,7 +450,7 @@ class Follower(threading.Thread):
 
     def _follow(self, job: Job, statuses: dict[str, RayJobInfo]) -> Job:
         sid = job.submission_id or ""
-        job = self._read_progress(job)
+        job = self.read_progress(job)
         info = statuses.get(sid)
         if info is None:
             return job
@@ -495,7 +491,7 @@ class Follower(threading.Thread):
         if job.state is not JobState.QUEUED or job.submission_id is not None:
             return job
         try:
-            sid = self.jobs.runner.submit(job.id, job.spec)
+            sid = self.jobs.runner.submit(job.id, job.spec, resume=job.resumes)
         except Exception as err:
             tries = self._submit_failures.get(job.id, 0) + 1
             self._submit_failures[job.id] = tries
@@ -508,7 +504,8 @@ class Follower(threading.Thread):
         self.jobs.publish_state(job)  # its queue position is gone, the others' moved
         return job
 
-    def _read_progress(self, job: Job) -> Job:
+    def read_progress(self, job: Job) -> Job:
+        """Read and store the job's new progress records (and the state changes they mean)."""
         records, cursor = self.jobs.runner.progress(job.id, job.cursor)
         if not records and cursor == job.cursor:
             return job
@@ -541,4 +538,5 @@ class Follower(threading.Thread):
             return self.jobs.store.get(job.id)
         if moved.state.finished:
             self._forget(job.id)
+            self.jobs.keep_logs(moved)
         return moved

@@ -11,6 +11,12 @@ that starts RUNNING again, a CANCELLED job that SUCCEEDS) cannot be written::
        │                    └──────────▶ RECOVERING
        └─ cancel (any active state) ─▶ CANCELLING ──cancelled──▶ CANCELLED
           fail (any active state) ─▶ FAILED
+
+    a job in Ray (queued, profiling, running, recovering) ──interrupt──▶ INTERRUPTED
+    INTERRUPTED ──resume──▶ QUEUED (again, to go on from its latest checkpoint)
+
+INTERRUPTED is where a graceful stop of the service leaves a job whose Ray Job it stops with
+its embedded Ray head; the next service on the same database resumes it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class JobState(StrEnum):
     RUNNING = "RUNNING"
     RECOVERING = "RECOVERING"
     CANCELLING = "CANCELLING"
+    INTERRUPTED = "INTERRUPTED"  # stopped with the service; resumed when it starts again
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
@@ -43,6 +50,8 @@ class JobEvent(StrEnum):
     FAIL = "fail"  # the Ray Job failed, or a step of the service failed for this job
     CANCEL = "cancel"  # a user asked to cancel
     CANCELLED = "cancelled"  # Ray stopped the job (or it never started)
+    INTERRUPT = "interrupt"  # the service stopped, and its embedded Ray head with the job
+    RESUME = "resume"  # the service started again: the job waits for admission once more
 
 
 FINISHED = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
@@ -61,6 +70,9 @@ TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
     **{(state, JobEvent.FAIL): JobState.FAILED for state in ACTIVE},
     **{(state, JobEvent.CANCEL): JobState.CANCELLING for state in _WORKING},
     (JobState.CANCELLING, JobEvent.CANCELLED): JobState.CANCELLED,
+    **{(state, JobEvent.INTERRUPT): JobState.INTERRUPTED for state in _WORKING},
+    (JobState.INTERRUPTED, JobEvent.RESUME): JobState.QUEUED,
+    (JobState.INTERRUPTED, JobEvent.CANCEL): JobState.CANCELLING,
     # Ray has the last word: a job that ends on its own while the stop is on its way.
     (JobState.CANCELLING, JobEvent.SUCCEED): JobState.SUCCEEDED,
 }

@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from service.lifecycle import JobState
 from service.store import JobStore
+from service.worker_pool import WorkerPool
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
@@ -65,6 +66,30 @@ class ServiceMetrics:
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
         self.latency.labels(method, route, str(status)).observe(seconds)
 
-    def bind(self, store: JobStore) -> None:
-        """Report the jobs of ``store`` (once the lifespan has opened it)."""
+    def bind(self, store: JobStore, plans: WorkerPool | None = None) -> None:
+        """Report the jobs of ``store`` and the plans of ``plans`` (once the lifespan has
+        opened them)."""
         self.registry.register(_JobsCollector(store))
+        if plans is not None:
+            self.registry.register(_PlansCollector(plans))
+
+
+class _PlansCollector(Collector):
+    def __init__(self, plans: WorkerPool) -> None:
+        self.plans = plans
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        running = GaugeMetricFamily(
+            "kaisa_ray_plans_running", "Plans (POST /v1/plan) computing now, each in a process"
+        )
+        running.add_metric([], self.plans.running)
+        yield running
+        outcomes = CounterMetricFamily(
+            "kaisa_ray_plans",
+            "Plans asked for, by outcome: ok, refused (422), busy (429), timeout (504), "
+            "cancelled (the client went), stopped, error",
+            labels=["outcome"],
+        )
+        for outcome, count in sorted(self.plans.outcomes.items()):
+            outcomes.add_metric([outcome], count)
+        yield outcomes

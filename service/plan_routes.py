@@ -3,8 +3,12 @@ would choose there (``kaisa-ray plan`` over REST); ``GET /v1/plan/hardware`` lis
 
 The body is a JobSpec (``spec``) or a model with workers and a batch size, plus the hardware
 preset and the budgets to sweep. Only the presets shipped with kaisa-ray can be named: a
-client never makes the service read a file. Planning is pure computation on shapes (no Ray,
-no GPU, no job is created); it runs in the thread pool and is bounded by ``MAX_WORKERS``.
+client never makes the service read a file. The body, the model's ``params`` included, is
+checked here as a JobSpec's are (422, never 500). Planning is pure computation on shapes (no
+Ray, no GPU, no job is created) and can take minutes: it runs in a worker process of the
+service's plan pool (``service.worker_pool``), at most ``--max-plans`` at once (429 beyond),
+each for at most ``--plan-timeout-s`` (504), ended when its client goes, bounded by
+``MAX_WORKERS``.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, status
+from fastapi import APIRouter, Depends, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPBearer
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
 from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
 from kaisa_ray.errors import ConfigurationError
@@ -23,11 +27,12 @@ from kaisa_ray.train.planning import (
     PlanRequest,
     hardware_names,
     load_hardware,
-    plan_job,
     request_from_spec,
 )
-from kaisa_ray.train.spec import JobSpec
+from kaisa_ray.train.spec import JobSpec, ModelSpec
+from service.runtime import RuntimeDep
 from service.schemas import ErrorBody, ValidationErrorBody
+from service.worker_pool import PoolTimeoutError, WorkRefusedError
 
 MAX_WORKERS = 4096
 """The largest world size a plan is computed for over REST (a plan prices every rank)."""
@@ -129,12 +134,27 @@ def _request(body: PlanBody) -> PlanRequest:
         overrides["intervals"] = tuple(tuple(pair) for pair in body.intervals)
     if body.skip_layers is not None:
         overrides["skip_layers"] = tuple(body.skip_layers)
+    _params_fit_the_model(request.model, params)
     request = dataclasses.replace(request, **overrides)
     if request.workers > MAX_WORKERS:
         raise refused(
             f"workers={request.workers}: plans go up to {MAX_WORKERS} GPUs here", "workers"
         )
     return request
+
+
+def _params_fit_the_model(model: str, params: dict[str, Any]) -> None:
+    """The model and its ``params`` checked exactly as a JobSpec's ``model`` section is
+    (names, types and bounds against the constructor): 422 naming each problem."""
+    try:
+        ModelSpec(name=model, params=params)
+    except ValidationError as err:
+        problems = []
+        for item in err.errors():
+            loc = tuple(item.get("loc", ()))
+            where = ("model",) if loc[:1] == ("name",) else loc  # the body's own field names
+            problems.append({**item, "loc": ("body", *where)})
+        raise RequestValidationError(problems) from None
 
 
 router = APIRouter(
@@ -153,8 +173,9 @@ router = APIRouter(
         422: {"model": ValidationErrorBody, "description": "a bad body, or a job not to plan"},
         429: {
             "model": ErrorBody,
-            "description": "over the rate limit of POSTs per client: retry after Retry-After "
-            "seconds (the service's middleware applies it to every POST)",
+            "description": "over the rate limit of POSTs per client (the service's middleware "
+            "applies it to every POST), or --max-plans plans already running: retry after "
+            "Retry-After seconds",
             "headers": {
                 "Retry-After": {
                     "description": "seconds to wait before retrying",
@@ -162,15 +183,32 @@ router = APIRouter(
                 }
             },
         },
+        503: {"model": ErrorBody, "description": "the service is stopping"},
+        504: {
+            "model": ErrorBody,
+            "description": "the plan took longer than the service's --plan-timeout-s (plan it "
+            "with `kaisa-ray plan` instead)",
+        },
     },
 )
-def plan(body: PlanBody) -> PlanResult:
+async def plan(body: PlanBody, request: Request, runtime: RuntimeDep) -> PlanResult:
     """Price K-FAC for a job on GPUs of a hardware preset: memory and collectives per
     strategy, the time per step and its parts per candidate, the tuner's choice per budget."""
     try:
-        report = plan_job(_request(body)).to_json()
+        wanted = _request(body)
     except ConfigurationError as err:
         raise refused(str(err)) from err
+    task = {"kind": "plan", "request": dataclasses.asdict(wanted)}
+    try:
+        report = await runtime.plans.run(task, cancelled=request.is_disconnected)
+    except WorkRefusedError as err:
+        raise refused(str(err)) from err
+    except PoolTimeoutError as err:
+        raise PoolTimeoutError(
+            f"the plan of {wanted.model} on {wanted.workers} GPUs took too long: {err}. Plan "
+            "it on your own machine with `kaisa-ray plan` (no limit there), or ask for fewer "
+            "workers"
+        ) from err
     return PlanResult.model_validate(report)
 
 

@@ -15,6 +15,7 @@ A record that is not a mapping with a ``kind`` is dropped whole.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,20 @@ MAX_DEPTH = 8
 MAX_STRING = 64 * 1024
 COUNTERS = ("step", "total_steps", "from_step", "rank", "world", "seq", "attempts")
 """Fields that must be non-negative integers where present (the follower counts with them)."""
+
+
+# Terminal control sequences in text from a job's process (Ray colours its log prefixes, a
+# traceback may carry them): CSI (colours, cursor moves), OSC (titles, links: up to BEL or
+# ST), other two-byte escapes, and the C0 control characters but newline and tab.
+_CONTROL = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-_]|[\x00-\x08\x0b-\x1f\x7f]"
+)
+
+
+def plain_text(text: str) -> str:
+    """``text`` without terminal escapes and control characters: what a failure reason from
+    Ray may carry, shown raw by the API, the CLI and the dashboard."""
+    return _CONTROL.sub("", text)
 
 
 @dataclass

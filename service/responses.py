@@ -14,6 +14,7 @@ __all__ = [
     "SSE_EVENT",
     "TOO_MANY",
     "UNAUTHORIZED",
+    "UNWRITABLE",
     "error",
     "json_error",
 ]
@@ -74,6 +75,19 @@ TOO_MANY: dict[int | str, dict[str, Any]] = {
     429: {
         "model": ErrorBody,
         "description": "over the rate limit of POSTs per client: retry after Retry-After seconds",
+        "headers": {
+            "Retry-After": {
+                "description": "seconds to wait before retrying",
+                "schema": {"type": "integer"},
+            }
+        },
+    }
+}
+UNWRITABLE: dict[int | str, dict[str, Any]] = {
+    503: {
+        "model": ErrorBody,
+        "description": "the job database cannot be written now (another process's lock, a "
+        "full disk); nothing was changed: retry after Retry-After seconds",
         "headers": {
             "Retry-After": {
                 "description": "seconds to wait before retrying",

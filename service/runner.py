@@ -47,8 +47,9 @@ class RayJobInfo:
     message: str = ""
 
 
-def submission_id(job_id: str) -> str:
-    return f"kaisa-ray-{job_id}"
+def submission_id(job_id: str, resume: int = 0) -> str:
+    """The Ray Job of a job's first life, or of its ``resume``-th after graceful restarts."""
+    return f"kaisa-ray-{job_id}" + (f"-r{resume}" if resume else "")
 
 
 SPEC_NAMESPACE = "kaisa-ray"
@@ -75,8 +76,10 @@ def entrypoint(job_id: str, spec: dict[str, Any], storage_path: str | None) -> s
 class Runner(Protocol):
     """What the service needs from Ray."""
 
-    def submit(self, job_id: str, spec: dict[str, Any]) -> str:
-        """Start the job as a Ray Job; returns the submission id. Idempotent per job."""
+    def submit(self, job_id: str, spec: dict[str, Any], *, resume: int = 0) -> str:
+        """Start the job as a Ray Job; returns the submission id. Idempotent per job and
+        ``resume`` (its count of resumes: a resumed job is a new Ray Job of the same run,
+        which Ray Train continues from its latest checkpoint)."""
         ...
 
     def statuses(self, submission_ids: list[str]) -> dict[str, RayJobInfo]:
@@ -89,6 +92,11 @@ class Runner(Protocol):
 
     def cpus(self) -> float | None:
         """The cluster's CPUs (None: unknown), for admission control."""
+        ...
+
+    def memory(self) -> float | None:
+        """The cluster's memory for tasks and actors in bytes (Ray's ``memory`` resource;
+        None: unknown), for admission control."""
         ...
 
     def logs(self, submission_id: str) -> str: ...
@@ -154,11 +162,18 @@ class RayRunner:
         self._sink: Any = None
         _warm_train_coordinator()
 
-    def submit(self, job_id: str, spec: dict[str, Any]) -> str:
-        sid = submission_id(job_id)
+    def submit(self, job_id: str, spec: dict[str, Any], *, resume: int = 0) -> str:
+        sid = submission_id(job_id, resume)
         if self._known(sid):
             return sid  # submitted before (by an earlier life of this service)
         from ray.experimental.internal_kv import _internal_kv_put
+
+        if resume:
+            # The run's records start from 0 again: what a sink that outlived the stop holds
+            # of its earlier life must not be read as this one's.
+            import ray
+
+            ray.get(self._progress_sink().forget.remote(job_id), timeout=30)
 
         _internal_kv_put(
             spec_key(job_id),
@@ -202,18 +217,27 @@ class RayRunner:
         found = ray.cluster_resources().get("CPU")  # type: ignore[no-untyped-call]
         return float(found) if found is not None else None
 
+    def memory(self) -> float | None:
+        import ray
+
+        found = ray.cluster_resources().get("memory")  # type: ignore[no-untyped-call]
+        return float(found) if found is not None else None
+
     def logs(self, submission_id: str) -> str:
         return str(self._client.get_job_logs(submission_id))
 
     def progress(self, run: str, since: int) -> tuple[list[dict[str, Any]], int]:
         import ray
 
+        page: dict[str, Any] = ray.get(self._progress_sink().read.remote(run, since), timeout=30)
+        return list(page["records"]), int(page["next"])
+
+    def _progress_sink(self) -> Any:
         from kaisa_ray.train.progress import progress_sink
 
         if self._sink is None:
             self._sink = progress_sink()
-        page: dict[str, Any] = ray.get(self._sink.read.remote(run, since), timeout=30)
-        return list(page["records"]), int(page["next"])
+        return self._sink
 
     def reachable(self) -> bool:
         try:

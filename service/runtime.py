@@ -11,10 +11,12 @@ from fastapi import Depends, Request
 
 from service.head import RayHead
 from service.jobs import Follower, Jobs
+from service.limits import Pricer
 from service.metrics import ServiceMetrics
 from service.settings import Settings
 from service.store import JobStore
 from service.views import ViewCache
+from service.worker_pool import WorkerPool
 
 __all__ = ["Runtime", "RuntimeDep"]
 
@@ -29,6 +31,8 @@ class Runtime:
     follower: Follower
     metrics: ServiceMetrics
     views: ViewCache
+    plans: WorkerPool  # POST /v1/plan's workers
+    pricer: Pricer  # models' footprints, for the caps and admission (service.limits)
     head: RayHead | None = None
 
 

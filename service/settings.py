@@ -7,7 +7,7 @@ import ipaddress
 import os
 from pathlib import Path
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, ByteSize, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.errors import InsecureBindError
@@ -33,11 +33,18 @@ class Settings(BaseSettings):
     )
     storage_path: str | None = Field(
         default=None,
-        # KAISA_RAY_STORAGE is what `kaisa-ray train` reads: one name for both works.
+        # KAISA_RAY_STORAGE is what `kaisa-ray train` reads: one name for both works;
+        # the checkpoint root is the same setting by the name the operator looks for.
         validation_alias=AliasChoices(
-            "storage_path", "KAISA_RAY_STORAGE_PATH", "KAISA_RAY_STORAGE"
+            "storage_path",
+            "checkpoint_root",
+            "KAISA_RAY_STORAGE_PATH",
+            "KAISA_RAY_STORAGE",
+            "KAISA_RAY_CHECKPOINT_ROOT",
         ),
-        description="where jobs keep checkpoints, a directory or a URI (s3://bucket/prefix) "
+        description="the checkpoint root: where jobs keep checkpoints, a directory (on a disk "
+        "of its own, say, so that checkpoints never fill the database's) or a URI "
+        "(s3://bucket/prefix) "
         "[default: <data_dir>/runs with the embedded head; on a cluster, the jobs' own "
         "default, $KAISA_RAY_STORAGE on the cluster's nodes]; on a multi-node cluster, storage "
         "every node reaches",
@@ -53,12 +60,63 @@ class Settings(BaseSettings):
         description="allow a non-loopback host without a token (anyone who reaches the port "
         "can run jobs)",
     )
+    data_roots: list[Path] = Field(
+        default_factory=list,
+        max_length=64,
+        description="the folders under which a job may name dataset.data_dir (symlinks and "
+        ".. resolved) [default: the built-in datasets' own folders]",
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Host names answered without a token besides 127.0.0.1, ::1 and "
+        "localhost (a guard against DNS rebinding; with a token, any name is)",
+    )
     max_body_bytes: int = Field(default=64 * 1024, gt=0, le=16 * 2**20)
+    header_timeout_s: float = Field(
+        default=10,
+        gt=0,
+        le=600,
+        description="how long a connection may take to send a request's headers before it is "
+        "closed",
+    )
+    min_free_bytes: ByteSize = Field(
+        default=ByteSize(256 * 2**20),
+        ge=0,
+        description="/readyz answers 503 while a disk the service writes to (the data "
+        "directory's, the checkpoint root's) has less free space",
+    )
     max_workers: int = Field(
         default=64, gt=0, le=MAX_WORKERS, description="the most workers one job may ask for"
     )
     max_gpus_per_worker: float = Field(
         default=8, ge=0, le=16, description="the most GPUs one worker may ask for"
+    )
+    min_cpus_per_worker: float = Field(
+        default=0.5,
+        ge=0,
+        le=1024,
+        description="the fewest CPUs one worker may ask for (below it Ray packs any number of "
+        "workers on a node)",
+    )
+    max_model_bytes: ByteSize = Field(
+        default=ByteSize(16 * 2**30),
+        gt=0,
+        description="the most a job's model may hold per worker: its float32 parameters and "
+        "its activations at the job's batch size, computed on the meta device",
+    )
+    max_plans: int = Field(
+        default_factory=lambda: max(1, (os.cpu_count() or 2) // 2),
+        gt=0,
+        le=256,
+        description="plans (POST /v1/plan) computed at once, each in a process of its own; "
+        "more are answered 429 [default: half the machine's cores]",
+    )
+    plan_timeout_s: float = Field(
+        default=60,
+        gt=0,
+        le=3600,
+        description="how long one plan may compute before it is ended (504)",
     )
     max_running: int | None = Field(
         default=None,
@@ -119,7 +177,7 @@ class Settings(BaseSettings):
     @classmethod
     def _not_empty(cls, token: SecretStr | None) -> SecretStr | None:
         if token is not None and not token.get_secret_value():
-            return None
+            return None  # an empty variable is an unset one
         return token
 
     @model_validator(mode="after")
@@ -137,7 +195,10 @@ class Settings(BaseSettings):
                 raise ValueError(f"cannot read the token file {self.token_file}: {err}") from None
             if not line:
                 raise ValueError(f"the token file {self.token_file} is empty")
+            _check_token(line, f"the token in {self.token_file}")
             object.__setattr__(self, "token", SecretStr(line))
+        elif self.token is not None:
+            _check_token(self.token.get_secret_value(), "the token ($KAISA_RAY_TOKEN, --token)")
         if self.token is None and not self.insecure and not loopback(self.host):
             raise InsecureBindError(
                 f"refusing to serve on {self.host} without a token: anyone who reaches that "
@@ -145,6 +206,13 @@ class Settings(BaseSettings):
                 "--token-file), bind 127.0.0.1, or pass --insecure if the network is yours alone"
             )
         return self
+
+    @property
+    def roots(self) -> list[Path]:
+        """The data roots in force: the configured ones, or the datasets' own folders."""
+        from service.sandbox import default_data_roots
+
+        return list(self.data_roots) or default_data_roots()
 
     @property
     def secret(self) -> str | None:
@@ -163,6 +231,24 @@ class Settings(BaseSettings):
         if self.storage_path or self.ray_address:
             return self.storage_path
         return str(self.data_dir / "runs")
+
+
+MIN_TOKEN_LENGTH = 8
+
+
+def _check_token(token: str, where: str) -> None:
+    """A token a client can send and no one guesses: no whitespace (a bearer credential has
+    none, so a token with it, a lone space above all, could never be sent), not short."""
+    fix = "make one with: python3 -c 'import secrets; print(secrets.token_hex(16))'"
+    if any(c.isspace() for c in token):
+        raise ValueError(
+            f"{where} contains whitespace ({len(token)} characters, "
+            f"{sum(c.isspace() for c in token)} of them blank): a bearer token cannot; {fix}"
+        )
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ValueError(
+            f"{where} has {len(token)} characters; use at least {MIN_TOKEN_LENGTH}: {fix}"
+        )
 
 
 def loopback(host: str) -> bool:

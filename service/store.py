@@ -9,8 +9,6 @@ same database transaction as the new state: the history can never disagree with 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import secrets
 import threading
@@ -18,15 +16,13 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from alembic import command
-from alembic.config import Config
-from sqlalchemy import Engine, create_engine, delete, event, func, make_url, select, text
+from sqlalchemy import create_engine, delete, func, make_url, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.database import migrate, private_file, sole_writer, sqlite_file, sqlite_pragmas
 from service.errors import DatabaseInUseError, JobConflictError, JobNotFoundError
 from service.lifecycle import (
     ACTIVE,
@@ -36,9 +32,12 @@ from service.lifecycle import (
     JobState,
     transition,
 )
-from service.tables import JobRow, MetricRow, TransitionRow
+from service.records import plain_text
+from service.tables import HeartbeatRow, JobRow, MetricRow, TransitionRow
 
-MIGRATIONS = Path(__file__).with_name("migrations")
+# Where they were defined before service.database: tests and tools import them from here.
+__all__ = ["DatabaseInUseError", "Job", "JobStore", "Metric", "Progress", "Transition"]
+__all__ += ["migrate", "sole_writer", "sqlite_file"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +62,9 @@ class Job:
     sweep: dict[str, Any] | None  # a sweep job's plan, trials and best (see service.sweeps)
     cursor: int
     attempts: int
+    resumes: int = 0  # graceful restarts it was resumed after
+    seq_base: int = 0  # what its records' numbers in this life start at
+    resources: dict[str, Any] | None = None  # what admission counts (service.admission)
 
     @classmethod
     def of(cls, row: JobRow) -> Job:
@@ -85,6 +87,9 @@ class Job:
             sweep=row.sweep,
             cursor=row.cursor,
             attempts=row.attempts,
+            resumes=row.resumes or 0,
+            seq_base=row.seq_base or 0,
+            resources=row.resources,
         )
 
 
@@ -120,6 +125,10 @@ class Progress:
     sweep: dict[str, Any] | None = None  # the whole sweep view, merged (replaces the stored one)
     attempts: int | None = None
     events: list[JobEvent] = field(default_factory=list)  # state changes, in order
+    # Worker groups that started from a checkpoint at step ``from_step``, the start record
+    # numbered ``seq``: the records of earlier attempts past that step were of training it
+    # does again, and are dropped (the history goes on from the checkpoint, no step twice).
+    restarts: list[tuple[int, int]] = field(default_factory=list)  # (from_step, seq)
 
 
 def _move(session: Session, row: JobRow, event: JobEvent, reason: str | None) -> None:
@@ -127,6 +136,7 @@ def _move(session: Session, row: JobRow, event: JobEvent, reason: str | None) ->
     old = JobState(row.state)
     new = transition(old, event)
     now = time.time()
+    reason = plain_text(reason) if reason else reason  # Ray's messages carry colour codes
     row.state, row.updated_at = new.value, now
     if new in (JobState.PROFILING, JobState.RUNNING) and row.started_at is None:
         row.started_at = now
@@ -146,97 +156,6 @@ def _move(session: Session, row: JobRow, event: JobEvent, reason: str | None) ->
     )
 
 
-def _sqlite_pragmas(engine: Engine) -> None:
-    @event.listens_for(engine, "connect")
-    def _on_connect(connection: Any, _record: Any) -> None:
-        cursor = connection.cursor()
-        cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer
-        cursor.execute("PRAGMA busy_timeout=10000")
-        cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.close()
-
-
-def migrate(engine: Engine) -> None:
-    """Bring the database's schema to the newest migration (Alembic ``upgrade head``)."""
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as connection:
-        config.attributes["connection"] = connection
-        command.upgrade(config, "head")
-
-
-def sqlite_file(url: str) -> Path | None:
-    """The file a SQLite URL opens, resolved as SQLAlchemy resolves it (any driver:
-    ``sqlite:///``, ``sqlite+pysqlite:///``, ``sqlite+aiosqlite:///``; relative to the working
-    directory; symlinks followed); None for an in-memory database or another backend."""
-    parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite":
-        return None
-    database = parsed.database or ""
-    if database in ("", ":memory:") or parsed.query.get("mode") == "memory":
-        return None
-    if database.startswith("file:"):  # a SQLite URI filename (uri=true)
-        database = database.removeprefix("file:").split("?", 1)[0]
-        if not database or database == ":memory:":
-            return None
-    return Path(database).expanduser().resolve()
-
-
-@contextmanager
-def _flock(lock: Path, refusal: str) -> Iterator[None]:
-    """Hold an exclusive lock on ``lock`` while the block runs (the kernel drops it when the
-    process dies); another holder: ``DatabaseInUseError(refusal.format(pid=...))``."""
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with lock.open("a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            raise DatabaseInUseError(refusal.format(pid=holder)) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-@contextmanager
-def sole_writer(url: str, data_dir: Path | None = None) -> Iterator[None]:
-    """Hold exclusive locks on the service's data directory (``<data_dir>/service.lock``:
-    its embedded Ray head's ``head.json``, logs and runs) and beside a SQLite database
-    (``<file>.lock``, the file SQLAlchemy opens) while the block runs, so that a second
-    service on either refuses to start: the service is the database's only writer (its
-    follower submits each queued job once, and its read cache trusts that no one else
-    writes), and one data directory holds one service's cluster. The kernel drops the locks
-    when the process dies, so a killed service never blocks its restart. Other databases are
-    not locked: run one service per database."""
-    with contextlib.ExitStack() as stack:
-        if data_dir is not None:
-            where = Path(data_dir).expanduser().resolve()
-            stack.enter_context(
-                _flock(
-                    where / "service.lock",
-                    f"another kaisa-ray service (pid {{pid}}) uses the data directory {where}; "
-                    "stop it, or give this one its own --data-dir",
-                )
-            )
-        path = sqlite_file(url)
-        if path is not None:
-            stack.enter_context(
-                _flock(
-                    path.with_name(path.name + ".lock"),
-                    f"another kaisa-ray service (pid {{pid}}) uses the database {path}; stop "
-                    "it, or give this one its own --data-dir or --database-url",
-                )
-            )
-        yield
-
-
 def new_job_id() -> str:
     """Sortable by creation time (hex milliseconds), then random."""
     return f"{int(time.time() * 1000):011x}{secrets.token_hex(4)}"
@@ -248,14 +167,14 @@ class JobStore:
     def __init__(self, url: str) -> None:
         path = sqlite_file(url)
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_file(path)
         self.url = url
         sqlite = make_url(url).get_backend_name() == "sqlite"
         self.engine = create_engine(
             url, connect_args={"check_same_thread": False} if sqlite else {}
         )
         if sqlite:
-            _sqlite_pragmas(self.engine)
+            sqlite_pragmas(self.engine)
         migrate(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._write = threading.Lock()
@@ -295,6 +214,7 @@ class JobStore:
         *,
         idempotency_key: str | None = None,
         idempotency_ttl_s: float = 24 * 3600,
+        resources: Mapping[str, Any] | None = None,
     ) -> tuple[Job, bool]:
         """Store a new QUEUED job; returns it and True, or, when ``idempotency_key`` was
         used in the last ``idempotency_ttl_s`` for the same spec, that job and False (a
@@ -330,6 +250,9 @@ class JobStore:
                 latest={},
                 cursor=0,
                 attempts=0,
+                resumes=0,
+                seq_base=0,
+                resources=dict(resources) if resources is not None else None,
             )
             session.add(row)
             session.add(
@@ -468,6 +391,34 @@ class JobStore:
         with self._sessions() as session:
             return int(session.scalar(query) or 0) + 1
 
+    def interrupted(self) -> list[Job]:
+        """The jobs a graceful stop interrupted, oldest first (to resume)."""
+        query = (
+            select(JobRow)
+            .where(JobRow.state == JobState.INTERRUPTED.value)
+            .order_by(JobRow.created_at, JobRow.id)
+        )
+        with self._sessions() as session:
+            return [Job.of(r) for r in session.scalars(query).all()]
+
+    def resume(self, job_id: str, reason: str) -> Job:
+        """An INTERRUPTED job back in the queue (first in line: the oldest), to be submitted
+        again from its latest checkpoint: its submission forgotten, its progress cursor at the
+        start of a new life whose records are numbered after every record it has."""
+        with self._writing() as session:
+            row = self._row(session, job_id)
+            _move(session, row, JobEvent.RESUME, reason)
+            last = session.scalar(select(func.max(MetricRow.seq)).where(MetricRow.job_id == job_id))
+            row.seq_base = max(row.seq_base + row.cursor, (last or -1) + 1)
+            row.cursor = 0
+            row.submission_id = None
+            row.resumes = (row.resumes or 0) + 1
+            if row.sweep is not None or (row.spec or {}).get("sweep"):
+                # A sweep starts over (Ray Tune does not resume its trials here): its view of
+                # the trials is of the life that was stopped.
+                row.sweep, row.step, row.total_steps = None, 0, None
+            return Job.of(row)
+
     def set_submission(self, job_id: str, submission_id: str) -> Job:
         with self._writing() as session:
             row = self._row(session, job_id)
@@ -509,6 +460,12 @@ class JobStore:
             row = self._row(session, job_id)
             if progress.cursor < row.cursor:
                 return Job.of(row)  # an older read than what is stored: nothing new
+            for from_step, seq in progress.restarts:
+                session.execute(
+                    delete(MetricRow).where(
+                        MetricRow.job_id == job_id, MetricRow.step > from_step, MetricRow.seq < seq
+                    )
+                )
             known = set(
                 session.scalars(
                     select(MetricRow.seq).where(
@@ -567,9 +524,14 @@ class JobStore:
             ]
 
     def writable(self) -> bool:
-        """Readiness: a write transaction commits (it writes nothing lasting)."""
-        with self._write, self.engine.begin() as connection:
-            connection.execute(text("CREATE TEMPORARY TABLE IF NOT EXISTS _probe (x INTEGER)"))
-            connection.execute(text("INSERT INTO _probe VALUES (1)"))
-            connection.execute(text("DELETE FROM _probe"))
+        """Readiness: a real write to the database's file, committed (the heartbeat row: its
+        time and this process), as every write of a job is. A full disk, another process's
+        lock or a read-only file raise here as they would on a POST."""
+        # Not through _writing: no job changes, so what readers cached stays current.
+        with self._write, self._sessions.begin() as session:
+            beat = session.get(HeartbeatRow, 1)
+            if beat is None:
+                session.add(HeartbeatRow(id=1, at=time.time(), pid=os.getpid()))
+            else:
+                beat.at, beat.pid = time.time(), os.getpid()
         return True

@@ -34,6 +34,11 @@ class JobRow(Base):
     sweep: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # a sweep job's trials (0002)
     cursor: Mapped[int] = mapped_column(Integer, default=0)  # next progress-sink record to read
     attempts: Mapped[int] = mapped_column(Integer, default=0)  # worker-group starts seen
+    # 0003: how often a graceful restart resumed it; the number its records start at in this
+    # life (the progress sink numbers a resumed run from 0 again); what admission counts.
+    resumes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    seq_base: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    resources: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class TransitionRow(Base):
@@ -46,6 +51,16 @@ class TransitionRow(Base):
     event: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str | None] = mapped_column(Text)
     at: Mapped[float] = mapped_column(Float)
+
+
+class HeartbeatRow(Base):
+    """One row, written by every readiness check: a real write to the jobs' database."""
+
+    __tablename__ = "heartbeat"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    at: Mapped[float] = mapped_column(Float)
+    pid: Mapped[int] = mapped_column(Integer)
 
 
 class MetricRow(Base):

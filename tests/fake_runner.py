@@ -23,8 +23,10 @@ class FakeRunner:
         self.stop_takes_effect = True  # False: stop() is recorded, the Ray Job runs on
         self.up = True
         self.cluster_cpus: float | None = None  # None: admission counts jobs only
+        self.cluster_memory: float | None = None  # None: admission does not count memory
         self.fail_progress: dict[str, Exception] = {}  # job id -> raised by progress()
         self.address = "fake-cluster:6379"
+        self.latest: dict[str, str] = {}  # job id -> its last submission id (a resume's)
 
     # -- what the test does ----------------------------------------------------------------
 
@@ -34,17 +36,25 @@ class FakeRunner:
             for record in records:
                 log.append({"time": 1.8e9, **record, "seq": len(log)})
 
+    def sid(self, job_id: str) -> str:
+        """The job's Ray Job here: of its first life, or of its latest resume."""
+        return self.latest.get(job_id, submission_id(job_id))
+
     def finish(self, job_id: str, status: RayJobStatus, message: str = "") -> None:
         with self.lock:
-            self.status[submission_id(job_id)] = RayJobInfo(status, message)
+            self.status[self.sid(job_id)] = RayJobInfo(status, message)
 
     # -- Runner ----------------------------------------------------------------------------
 
-    def submit(self, job_id: str, spec: dict[str, Any]) -> str:
+    def submit(self, job_id: str, spec: dict[str, Any], *, resume: int = 0) -> str:
         if self.fail_submit is not None:
             raise self.fail_submit
-        sid = submission_id(job_id)
+        sid = submission_id(job_id, resume)
+        if resume:  # the run's records start again from 0, as in a new cluster's sink
+            with self.lock:
+                self.records.pop(job_id, None)
         with self.lock:
+            self.latest[job_id] = sid
             self.submitted[sid] = spec
             self.entrypoints[sid] = entrypoint(job_id, spec, None)
             self.status.setdefault(sid, RayJobInfo(RayJobStatus.RUNNING))
@@ -57,7 +67,7 @@ class FakeRunner:
     def vanish(self, job_id: str) -> None:
         """Ray forgets the job's Ray Job (its cluster was restarted)."""
         with self.lock:
-            self.status[submission_id(job_id)] = RayJobInfo(RayJobStatus.MISSING)
+            self.status[self.sid(job_id)] = RayJobInfo(RayJobStatus.MISSING)
 
     def stop(self, sid: str) -> None:
         with self.lock:
@@ -76,6 +86,9 @@ class FakeRunner:
 
     def cpus(self) -> float | None:
         return self.cluster_cpus
+
+    def memory(self) -> float | None:
+        return self.cluster_memory
 
     def progress(self, run: str, since: int) -> tuple[list[dict[str, Any]], int]:
         if run in self.fail_progress:

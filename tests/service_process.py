@@ -42,7 +42,7 @@ def reusable_port() -> int:
 class ServiceProcess:
     process: subprocess.Popen[bytes]
     url: str
-    token: str
+    token: str | None  # None: the loopback default, no token
     log: Path
 
     def client(self) -> ServiceClient:
@@ -69,7 +69,7 @@ class ServiceProcess:
 def start_service(
     data_dir: Path,
     *,
-    token: str,
+    token: str | None,
     ray_address: str | None = None,
     env: dict[str, str] | None = None,
     timeout_s: float = 120,
@@ -92,7 +92,10 @@ def start_service(
     data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir / log_name
     # The token in the environment, as the README says (a command line is visible to all).
-    child_env = {**os.environ, **(env or {}), "PATH": venv_path(), "KAISA_RAY_TOKEN": token}
+    child_env = {**os.environ, **(env or {}), "PATH": venv_path()}
+    child_env.pop("KAISA_RAY_TOKEN", None)
+    if token is not None:
+        child_env["KAISA_RAY_TOKEN"] = token
     child_env.pop("RAY_ADDRESS", None)
     with log.open("ab") as out:
         process = subprocess.Popen(command, env=child_env, stdout=out, stderr=subprocess.STDOUT)

@@ -103,7 +103,7 @@ def test_a_job_spec_is_planned_with_its_settings(client: TestClient) -> None:
         ),
         (
             {"model": "resnet50", "workers": 8, "batch_size": 32, "params": {"depth": 101}},
-            "model 'resnet50' does not take these params",
+            "params.depth: model 'resnet50' takes no parameter 'depth'",  # as a JobSpec's
         ),
         (
             {"model": "nope", "workers": 8, "batch_size": 32},

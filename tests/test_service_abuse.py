@@ -24,8 +24,8 @@ from pydantic import ValidationError
 from test_service_api import Service, spec, start
 
 from kaisa_ray.train.reference import DOC, render
+from service.admission import Capacity, admit
 from service.cli import main
-from service.jobs import Capacity, admit
 from service.lifecycle import JobState
 from service.runner import RayJobStatus, entrypoint, submission_id
 from service.settings import Settings

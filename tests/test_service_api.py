@@ -47,14 +47,18 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 T = TypeVar("T")
 
 
-def make_client(app: FastAPI, *, raise_server_exceptions: bool = True) -> TestClient:
+def make_client(
+    app: FastAPI, *, raise_server_exceptions: bool = True, base_url: str = "http://testserver"
+) -> TestClient:
     """Starlette's test client (imported here: with httpx rather than httpx2 its import warns
     that this is deprecated, which says nothing about the service)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
         from starlette.testclient import TestClient
 
-    return TestClient(app, headers=AUTH, raise_server_exceptions=raise_server_exceptions)
+    return TestClient(
+        app, headers=AUTH, raise_server_exceptions=raise_server_exceptions, base_url=base_url
+    )
 
 
 def spec(name: str = "job", **overrides: Any) -> dict[str, Any]:
@@ -118,7 +122,13 @@ class Service:
 
 
 def start(
-    tmp_path: Path, fake: FakeRunner, *, raise_server_exceptions: bool = True, **settings: Any
+    tmp_path: Path,
+    fake: FakeRunner,
+    *,
+    raise_server_exceptions: bool = True,
+    jobs_stop_with_service: bool | None = None,
+    base_url: str = "http://testserver",
+    **settings: Any,
 ) -> tuple[FastAPI, TestClient]:
     options: dict[str, Any] = {
         "data_dir": tmp_path,
@@ -130,8 +140,10 @@ def start(
         "post_burst": 10**6,
     }
     options.update(settings)
-    app = create_app(Settings(**options), runner=fake)
-    return app, make_client(app, raise_server_exceptions=raise_server_exceptions)
+    app = create_app(
+        Settings(**options), runner=fake, jobs_stop_with_service=jobs_stop_with_service
+    )
+    return app, make_client(app, raise_server_exceptions=raise_server_exceptions, base_url=base_url)
 
 
 @pytest.fixture
@@ -422,7 +434,9 @@ def test_health_and_readiness_need_no_token(service: Service) -> None:
 @pytest.mark.parametrize("token", [None, ""], ids=["none", "empty"])
 def test_without_a_configured_token_everything_is_open(tmp_path: Path, token: str | None) -> None:
     fake = FakeRunner()
-    _, client = start(tmp_path, fake, token=token)
+    # Addressed to loopback: without a token, only loopback names are answered
+    # (test_service_guards.py).
+    _, client = start(tmp_path, fake, token=token, base_url="http://127.0.0.1:8000")
     with client:
 
         def call(method: str, path: str, **kwargs: Any) -> int:
@@ -1336,17 +1350,20 @@ def test_health(service: Service) -> None:
     assert (response.status_code, response.json()) == (200, {"status": "ok", "checks": {}})
 
 
+DISKS_OK = {"data_dir": "ok", "checkpoint_root": "ok"}  # test_service_readiness.py
+
+
 def test_readiness_follows_ray(service: Service) -> None:
     ready = service.client.get("/readyz")
     assert (ready.status_code, ready.json()) == (
         200,
-        {"status": "ok", "checks": {"ray": "ok", "database": "ok"}},
+        {"status": "ok", "checks": {"ray": "ok", "database": "ok", **DISKS_OK}},
     )
     service.fake.up = False
     unready = service.client.get("/readyz")
     assert (unready.status_code, unready.json()) == (
         503,
-        {"status": "unavailable", "checks": {"ray": "unreachable", "database": "ok"}},
+        {"status": "unavailable", "checks": {"ray": "unreachable", "database": "ok", **DISKS_OK}},
     )
     assert service.client.get("/healthz").status_code == 200  # alive all the same
     service.fake.up = True
@@ -1472,17 +1489,17 @@ def test_an_internal_error_is_a_500_without_the_traceback(
 
 
 API_RESPONSES = {
-    ("POST", "/v1/jobs"): {"201", "401", "409", "413", "415", "422", "429"},
+    ("POST", "/v1/jobs"): {"201", "401", "409", "413", "415", "422", "429", "503"},
     ("GET", "/v1/jobs"): {"200", "401", "422"},
     ("GET", "/v1/jobs/{job_id}"): {"200", "401", "404", "422"},
-    ("DELETE", "/v1/jobs/{job_id}"): {"204", "401", "404", "409", "422"},
+    ("DELETE", "/v1/jobs/{job_id}"): {"204", "401", "404", "409", "422", "503"},
     ("GET", "/v1/jobs/{job_id}/metrics"): {"200", "401", "404", "422"},
     ("GET", "/v1/jobs/{job_id}/events"): {"200", "401", "404", "422"},
     ("GET", "/v1/jobs/{job_id}/logs"): {"200", "401", "404", "422", "503"},
-    ("POST", "/v1/jobs/{job_id}/cancel"): {"200", "401", "404", "409", "422", "429"},
+    ("POST", "/v1/jobs/{job_id}/cancel"): {"200", "401", "404", "409", "422", "429", "503"},
     ("GET", "/v1/events"): {"200", "401"},
     ("GET", "/v1/registry"): {"200", "401"},
-    ("POST", "/v1/plan"): {"200", "401", "413", "422", "429"},
+    ("POST", "/v1/plan"): {"200", "401", "413", "422", "429", "503", "504"},
     ("GET", "/v1/plan/hardware"): {"200", "401"},
 }
 SERVICE_RESPONSES = {

@@ -100,11 +100,25 @@ def test_every_active_job_can_fail(state: JobState) -> None:
     assert transition(state, JobEvent.FAIL) is JobState.FAILED
 
 
+def test_a_graceful_stop_interrupts_and_the_next_start_resumes() -> None:
+    for state in (JobState.QUEUED, JobState.PROFILING, JobState.RUNNING, JobState.RECOVERING):
+        assert transition(state, JobEvent.INTERRUPT) is JobState.INTERRUPTED
+    assert transition(JobState.INTERRUPTED, JobEvent.RESUME) is JobState.QUEUED
+    assert transition(JobState.INTERRUPTED, JobEvent.CANCEL) is JobState.CANCELLING
+    assert transition(JobState.INTERRUPTED, JobEvent.FAIL) is JobState.FAILED
+    assert not JobState.INTERRUPTED.finished  # it goes on
+    for event in (JobEvent.RUN, JobEvent.SUCCEED, JobEvent.INTERRUPT):
+        with pytest.raises(IllegalTransitionError, match="a INTERRUPTED job cannot"):
+            transition(JobState.INTERRUPTED, event)
+    with pytest.raises(IllegalTransitionError, match="a CANCELLING job cannot interrupt"):
+        transition(JobState.CANCELLING, JobEvent.INTERRUPT)
+
+
 def test_the_message_lists_what_the_state_allows() -> None:
     with pytest.raises(IllegalTransitionError) as caught:
         transition(JobState.QUEUED, JobEvent.CANCELLED)
     assert str(caught.value) == (
-        "a QUEUED job cannot cancelled; it can: cancel, fail, profile, run, succeed"
+        "a QUEUED job cannot cancelled; it can: cancel, fail, interrupt, profile, run, succeed"
     )
     with pytest.raises(IllegalTransitionError) as caught:
         transition(JobState.SUCCEEDED, JobEvent.RUN)

@@ -28,9 +28,10 @@ from sqlalchemy import (
     text,
 )
 
+from service.database import MIGRATIONS
 from service.errors import JobConflictError, JobNotFoundError
 from service.lifecycle import IllegalTransitionError, JobEvent, JobState
-from service.store import MIGRATIONS, Job, JobStore, Metric, Progress, Transition
+from service.store import Job, JobStore, Metric, Progress, Transition
 from service.tables import Base, JobRow, MetricRow, TransitionRow
 
 
@@ -94,7 +95,7 @@ def test_the_migrations_make_exactly_the_tables_schema(tmp_path: Path) -> None:
         with opened.engine.connect() as connection:
             context = MigrationContext.configure(connection, opts={"compare_type": True})
             assert compare_metadata(context, Base.metadata) == []
-            assert set(Base.metadata.tables) == {"jobs", "transitions", "metrics"}
+            assert set(Base.metadata.tables) == {"jobs", "transitions", "metrics", "heartbeat"}
             config = Config()
             config.set_main_option("script_location", str(MIGRATIONS))
             head = ScriptDirectory.from_config(config).get_current_head()
@@ -388,6 +389,7 @@ def test_page_filters_by_state(store: JobStore) -> None:
         JobState.RUNNING: 1,
         JobState.RECOVERING: 0,
         JobState.CANCELLING: 0,
+        JobState.INTERRUPTED: 0,
         JobState.SUCCEEDED: 1,
         JobState.FAILED: 1,
         JobState.CANCELLED: 0,

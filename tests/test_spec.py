@@ -175,3 +175,41 @@ def test_registries_build_what_a_spec_names() -> None:
     entry = dataset_entry(spec.dataset.name)
     assert sum(p.numel() for p in model.parameters()) > 0
     assert not entry.needs_files
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"dataset": {"name": "synthetic", "batch_size": True}}, "dataset.batch_size"),
+        ({"kfac": {"strategy": True}}, "kfac.strategy"),  # was read as the fraction 1.0
+        ({"memory_budget": False}, "memory_budget"),
+        ({"model": {"name": "mlp", "params": {"hidden": [True]}}}, "model.params.hidden"),
+        (
+            {"kfac": "auto", "sweep": {"space": {"optimizer.lr": {"choice": [0.1, True]}}}},
+            "sweep.space.optimizer.lr.choice",
+        ),
+    ],
+)
+def test_a_boolean_is_not_a_number(changes: dict[str, Any], field: str) -> None:
+    with pytest.raises(JobSpecError) as caught:
+        parse_job_spec(with_(**changes))
+    assert len(caught.value.problems) == 1, caught.value.problems
+    assert caught.value.problems[0].startswith(f"{field}: ")
+    assert "boolean where a number belongs" in caught.value.problems[0]
+    assert "(1, not true)" in caught.value.problems[0]
+    # Where a boolean belongs, it is one.
+    spec = parse_job_spec(with_(kfac={"strategy": "comm-opt", "pi_damping": False}))
+    assert isinstance(spec.kfac, KFACSpec)
+    assert spec.kfac.pi_damping is False
+
+
+def test_a_reversed_sweep_range_is_refused_with_the_order_to_write() -> None:
+    sweep = {"space": {"optimizer.lr": {"uniform": [1, 0.001]}}}
+    with pytest.raises(JobSpecError) as caught:
+        parse_job_spec(with_(kfac="auto", sweep=sweep))
+    [problem] = caught.value.problems
+    assert problem.startswith("sweep.space.optimizer.lr: ")
+    assert "[1, 0.001] of uniform is reversed" in problem
+    assert "[0.001, 1]" in problem
+    sweep["space"]["optimizer.lr"] = {"loguniform": [0.001, 1]}
+    assert parse_job_spec(with_(kfac="auto", sweep=sweep)).sweep is not None

@@ -159,7 +159,16 @@ def render() -> str:
         "fields are refused (with the closest known name); every number is bounded, and floats "
         "must be finite. Examples are from "
         "[examples/fashion_mnist.yaml](../examples/fashion_mnist.yaml). `model.params` are the "
-        "keyword arguments of the model's constructor, checked against its signature.",
+        "keyword arguments of the model's constructor, checked against its signature; a "
+        "boolean is refused where a number belongs.",
+        "",
+        "On the job service (`kaisa-ray serve`), a job is also held to the service's own caps, "
+        "and a sweep's every trial with its search space applied: workers and GPUs per job, "
+        "CPUs per worker at least, the model's parameters and activations (computed on the "
+        "meta device), and its predicted memory within the cluster's; and "
+        "`dataset.data_dir` must be under the service's data roots (`--data-root`). "
+        "[docs/service.md](service.md#caps-that-hold-on-every-path) lists them. "
+        "`kaisa-ray train` and `ray job submit` apply only the bounds below.",
         "",
         "| field | type | bounds | default | example | notes |",
         "| --- | --- | --- | --- | --- | --- |",

@@ -55,8 +55,10 @@ from kaisa_ray.enums import (
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.intervals import DEFAULT_TARGET_ANGLE, check_rungs
 from kaisa_ray.strategy import resolve_grad_worker_fraction
+from kaisa_ray.train.data_roots import check_root
 from kaisa_ray.train.records import Direction, SweepMetric
 from kaisa_ray.train.registry import dataset_entry, dataset_names, model_factory, model_names
+from kaisa_ray.train.strict_numbers import NoBooleanNumbers
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -137,9 +139,10 @@ Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 Big = 1e12
 
 
-class _Strict(BaseModel):
-    # Floats must be finite: JSON's Infinity and NaN, and 1e309 (which parses as infinity),
-    # are refused rather than stored and shown back as null.
+class _Strict(NoBooleanNumbers):
+    # Numbers are numbers (``true`` is refused where a number belongs). Floats must be
+    # finite: JSON's Infinity and NaN, and 1e309 (which parses as infinity), are refused
+    # rather than stored and shown back as null.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
@@ -234,11 +237,14 @@ def constructor_params(name: str) -> type[BaseModel]:
         kind = hints.get(parameter.name, _UNTYPED)
         default = ... if parameter.default is inspect.Parameter.empty else parameter.default
         fields[parameter.name] = (kind, default)
-    return create_model(
-        f"{name}_params",
-        __config__=ConfigDict(extra="forbid", allow_inf_nan=False, strict=False),
-        **fields,
-    )
+    return create_model(f"{name}_params", __base__=_Params, **fields)
+
+
+class _Params(NoBooleanNumbers):
+    """The base of a model's constructor check: its keywords only, finite, no boolean
+    where a number belongs."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=False)
 
 
 class DatasetSpec(_Strict):
@@ -263,8 +269,12 @@ class DatasetSpec(_Strict):
                 f"unknown dataset {self.name!r}; choose one of {', '.join(dataset_names())}, "
                 "or register your own under the 'kaisa_ray.datasets' entry point"
             ) from None
+        directory = self.data_dir or entry.default_dir
+        if directory is not None and (self.data_dir is not None or entry.needs_files):
+            # A service's data roots, before anything looks at the folder: a refusal must not
+            # tell whether it exists (kaisa_ray.train.data_roots).
+            check_root(directory)
         if entry.needs_files:
-            directory = self.data_dir or entry.default_dir
             if directory is None:
                 raise ValueError(f"dataset {self.name!r} needs data_dir: {entry.install_hint}")
             if not directory.is_dir():
@@ -590,7 +600,12 @@ class Distribution(_Strict):
                 f"{', '.join(given) or 'none'}), e.g. {{loguniform: [0.001, 0.1]}}"
             )
         if self.kind != "choice":
-            low, high = self.ends
+            low, high = getattr(self, self.kind)  # as written: [low, high]
+            if low > high:
+                raise ValueError(
+                    f"the range [{low:g}, {high:g}] of {self.kind} is reversed: write it as "
+                    f"[low, high], [{high:g}, {low:g}]"
+                )
             if not low < high:
                 raise ValueError(
                     f"the range [{low:g}, {high:g}] of {self.kind} is empty: its low end must be "

@@ -1,0 +1,136 @@
+"""A graceful restart that resumes: what the service does with its jobs when it stops its
+embedded Ray head, and when it starts again on the same database.
+
+On a graceful stop (SIGTERM, Ctrl-C) with the embedded head, the head and every Ray Job on
+it stop with the service. First the training stops (``stop_training``: the jobs' drivers,
+Ray Train's controllers and workers on the head are killed; the progress sink and the job
+server go on), so
+that no checkpoint can be taken after the service's last read of the progress: the
+checkpoint a job resumes from is one whose records the service has. Each job that was in
+Ray is then INTERRUPTED, not FAILED: its last progress is read and its log copied
+(``service.job_logs``). A job being cancelled is CANCELLED (its Ray Job stops anyway); a job
+still waiting for admission stays QUEUED.
+
+On the next start with the same database, every INTERRUPTED job goes back to the head of the
+queue (``JobStore.resume``) and, once admitted, is submitted again as a new Ray Job of the
+same run: Ray Train finds the run's checkpoints in its storage under the run's name (the job
+id) and ``ray.train.get_checkpoint()`` gives the worker group the latest one. The records of
+the new life are numbered after the old ones, and its start record drops what the old life
+recorded past the checkpoint's step (``service.jobs.interpret``): the history goes on from the
+checkpoint with no step twice and none missing.
+
+A resume does not count against the job's ``max_failures``: that is the job's tolerance for
+its own workers failing (Ray Train counts it within one Ray Job), and a restart of the service
+is the operator's doing, not the job's; counting it would fail every ``max_failures: 0`` job
+(the default) on each upgrade of the service. A service on a cluster of its own
+(``--ray-address``) stops nothing in Ray: its jobs run on and it follows them again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from service.head import RayHead, descendants
+from service.jobs import Follower, Jobs
+from service.lifecycle import JobEvent, JobState
+from service.store import Job
+
+__all__ = ["interrupt", "resume", "stop_training"]
+
+logger = logging.getLogger(__name__)
+
+INTERRUPTED = (
+    "the service stopped (a graceful stop: SIGTERM or Ctrl-C) and its embedded Ray head with "
+    "it, at step {step}; the job resumes from its latest checkpoint when the service starts "
+    "again on this database"
+)
+RESUMED = "the service started again: resumed from the run's latest checkpoint"
+
+
+TRAINING = ("ray::TrainController", "ray::RayTrainWorker", "ray::ImplicitFunc")
+"""Ray's titles of the processes that train (Ray Train's controller, which takes the
+checkpoints, and workers; Ray Tune's trials). Not every ``ray::`` process: the dashboard's
+and runtime-env agents are ``ray::`` too, and the raylet (and every actor with it, the
+progress sink among them) dies with them."""
+JOB_DRIVERS = ("kaisa-ray train", "kaisa-ray sweep")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def stop_training(head: RayHead) -> int:
+    """Kill the jobs' drivers and the processes that train on the embedded head (``TRAINING``:
+    Ray names each ``ray::<its actor>``): no training step, record or checkpoint after this,
+    while the progress sink and the job server still answer. Returns how many were killed."""
+    killed = 0
+    for pid in descendants(head.pid):
+        line = _cmdline(pid)
+        if line.startswith(TRAINING) or any(driver in line for driver in JOB_DRIVERS):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+    if killed:
+        time.sleep(SETTLE_S)  # what the killed sent before they died reaches the sink
+    return killed
+
+
+SETTLE_S = 0.5
+
+
+def interrupt(
+    jobs: Jobs, follower: Follower, stop: Callable[[], object] | None = None
+) -> list[Job]:
+    """Before the embedded head stops: the training stopped (``stop``: ``stop_training``
+    of the head), then every job in Ray INTERRUPTED (its progress read and its log kept
+    first), every job being cancelled CANCELLED. Returns the interrupted jobs. The follower
+    has stopped: nothing else moves the jobs meanwhile."""
+    if stop is not None and any(j.submission_id for j in jobs.store.active()):
+        stop()
+    interrupted = []
+    for job in jobs.store.active():
+        if job.submission_id is None:
+            continue  # never reached Ray: still in the queue next time
+        try:
+            job = follower.read_progress(job)
+        except Exception as err:  # the last records are lost; the checkpoint is not
+            logger.warning("job %s: its last progress could not be read: %s", job.id, err)
+        jobs.keep_logs(job)
+        if job.state is JobState.CANCELLING:
+            jobs.apply(job.id, JobEvent.CANCELLED)
+            continue
+        try:
+            moved = jobs.apply(job.id, JobEvent.INTERRUPT, INTERRUPTED.format(step=job.step))
+        except Exception as err:  # a database that cannot be written: the next start fails it
+            logger.warning("job %s: could not record its interruption: %s", job.id, err)
+            continue
+        interrupted.append(moved)
+    if interrupted:
+        logger.info(
+            "interrupted %d job(s); they resume when the service starts again: %s",
+            len(interrupted),
+            ", ".join(j.id for j in interrupted),
+        )
+    return interrupted
+
+
+def resume(jobs: Jobs) -> list[Job]:
+    """At start-up: every INTERRUPTED job back in the queue, oldest first, to go on from its
+    latest checkpoint."""
+    resumed = []
+    for job in jobs.store.interrupted():
+        moved = jobs.store.resume(job.id, RESUMED)
+        jobs.publish_state(moved)
+        resumed.append(moved)
+    if resumed:
+        logger.info("resuming %d interrupted job(s): %s", len(resumed), resumed[0].id)
+    return resumed
