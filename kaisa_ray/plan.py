@@ -437,14 +437,16 @@ class Plan:
     grad_worker_fraction: float
     options: Options
     layers: tuple[PlannedLayer, ...]
-    schedule: Schedule
+    assignment: Assignment
     _rows: dict[int, tuple[Collective, ...]] = field(
         default_factory=dict, init=False, compare=False, repr=False
     )
 
-    @property
-    def assignment(self) -> Assignment:
-        return self.schedule.assignment
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """Every collective, bucket by bucket (built when first asked for: the memory needs
+        only the assignment)."""
+        return schedule(self.layers, self.assignment, self.options)
 
     @functools.cached_property
     def ranks(self) -> Sequence[RankPlan]:
@@ -485,14 +487,33 @@ class Plan:
         """The gradient broadcasts within receiver group ``row`` (its ranks all take part)."""
         found = self._rows.get(row)
         if found is None:
-            found = self._rows[row] = tuple(
-                b.collective for b in self.schedule.gradient_buckets_of_row(row)
-            )
+            first = tuple(b.collective for b in self.schedule.gradient_row)
+            if row == 0:
+                found = first
+            else:  # the first row's, moved (as Schedule.gradient_buckets_of_row moves buckets)
+                columns = self.assignment.columns
+                group = tuple(range(row * columns, (row + 1) * columns))
+                found = tuple(
+                    Collective(
+                        purpose=c.purpose,
+                        op=c.op,
+                        group=group,
+                        src=None if c.src is None else c.src + row * columns,
+                        nbytes=c.nbytes,
+                    )
+                    for c in first
+                )
+            self._rows[row] = found
         return found
 
     def column_memory(self, column: int) -> dict[str, int]:
         """Bytes of K-FAC state on every rank of ``column`` (``memory_for_rank``)."""
         return _memory(self._every_rank, self._decompositions.get(column, 0))
+
+    def most_memory(self) -> dict[str, int]:
+        """The memory of the rank that holds the most K-FAC state (the lowest such rank)."""
+        held = self._decompositions
+        return self.column_memory(max(self.representatives, key=lambda c: held.get(c, 0)))
 
     @functools.cached_property
     def _by_column(self) -> dict[int, tuple[Collective, ...]]:
@@ -598,6 +619,7 @@ def memory_for_rank(
     return _memory(_every_rank_bytes(layers, options), held)
 
 
+@functools.lru_cache(maxsize=4096)  # the same layers in every plan of a job
 def decomposition_bytes(layer: PlannedLayer, options: Options) -> int:
     """Bytes of one layer's decompositions, held by each of its gradient workers."""
     a_parts, g_parts, table = decomposition_parts(layer, options)
@@ -727,5 +749,5 @@ def build_plan(
         grad_worker_fraction=fraction,
         options=options,
         layers=tuple(layers),
-        schedule=schedule(layers, assignment, options),
+        assignment=assignment,
     )

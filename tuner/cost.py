@@ -363,8 +363,8 @@ def _priced(
 
 
 def _state_bytes(strategy: Plan) -> int:
-    """The most K-FAC state bytes any rank holds (its column's: ``Plan.representatives``)."""
-    return max(strategy.column_memory(column)["total"] for column in strategy.representatives)
+    """The most K-FAC state bytes any rank holds."""
+    return strategy.most_memory()["total"]
 
 
 def _gib(n: float) -> str:

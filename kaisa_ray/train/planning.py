@@ -254,10 +254,7 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
     strategies = []
     for fraction in valid_fractions(world):
         strategy = plan(list(job.layers), world, fraction, compute_method=job.compute_method)
-        worst = max(
-            (strategy.column_memory(column) for column in strategy.representatives),
-            key=lambda memory: memory["total"],
-        )
+        worst = strategy.most_memory()
         candidates = []
         for candidate in prices(profile, strategy, request.intervals):  # as choose() prices
             table.append(candidate)
