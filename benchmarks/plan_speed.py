@@ -7,15 +7,17 @@ Two figures per model and world size, each measured in a fresh process of the tr
 - **the planner**: ``plan_job`` for the model on the ``a100-80gb-hdr`` preset at the default
   intervals and budget, with the model's shapes already built (``kaisa_ray.train.shapes``: one
   meta forward pass, the same for any world size): every strategy's assignment, schedule,
-  memory, collectives and priced candidates, the tuner's choice. Wall and CPU seconds, the
-  median of ``--repeats`` runs (one for the old code where it is slow);
+  memory, collectives and priced candidates, the tuner's choice. The median of ``--repeats``
+  runs (one for the old code where it is slow);
 - **the command end to end**: ``kaisa-ray plan --model M --workers W --batch B`` as a user
-  runs it, wall seconds of the whole process: Python, imports (torch among them), the
-  shapes, the planner and the printing.
+  runs it, the whole process: Python, imports (torch among them), the shapes, the planner
+  and the printing.
 
-Where the old code runs past ``--timeout`` seconds it is stopped and the cell says so; world
-sizes above the first it did not finish are not run on it (every part of it grew with W or
-W²). The shapes' own time is printed once per model.
+Times are seconds of CPU (a process's own, from ``resource``), the wall clock beside them: on
+this shared machine the load moves the wall clock by several times. Where the old code runs
+past ``--cpu-limit`` seconds of CPU it is stopped (``RLIMIT_CPU``) and the cell says so;
+world sizes above the first it did not finish are not run on it (every part of it grew with
+W or W²). The shapes' own time is printed once per model.
 
     git worktree add --detach /tmp/kaisa-before a85ad65
     python benchmarks/plan_speed.py --before /tmp/kaisa-before --write
@@ -31,6 +33,8 @@ import argparse
 import datetime
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
 import time
@@ -49,12 +53,12 @@ import json, statistics, sys, time
 from kaisa_ray.train import planning
 from kaisa_ray.train.shapes import workload
 model, batch, world, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-began = time.perf_counter()
+began = time.process_time()
 job = workload(model, batch_size=batch)
-first = time.perf_counter() - began
-began = time.perf_counter()
+first = time.process_time() - began
+began = time.process_time()
 job = workload(model, batch_size=batch)
-again = time.perf_counter() - began
+again = time.process_time() - began
 planning.workload = lambda *args, **kwargs: job  # the shapes, built: the planner alone
 request = planning.PlanRequest(
     model=model, batch_size=batch, workers=world, hardware="a100-80gb-hdr"
@@ -75,7 +79,7 @@ CLI = "import sys; from service.cli import main; sys.argv[0] = 'kaisa-ray'; sys.
 
 @dataclass(frozen=True, kw_only=True)
 class Result:
-    wall_s: float | None = None  # None: stopped at the timeout (or not run)
+    wall_s: float | None = None  # None: stopped at the limit (the note says which)
     cpu_s: float | None = None
     shapes_first_s: float | None = None
     shapes_s: float | None = None
@@ -88,8 +92,17 @@ def _env(tree: Path) -> dict[str, str]:
     return env
 
 
-def planner(tree: Path, model: str, world: int, repeats: int, timeout: float) -> Result:
-    command = [sys.executable, "-c", CHILD, model, str(MODELS[model]), str(world), str(repeats)]
+def _run(command: list[str], tree: Path, cpu_limit: float) -> tuple[str, float, float] | str:
+    """Run ``command`` in ``tree`` with at most ``cpu_limit`` seconds of CPU (then SIGXCPU;
+    CPU, not wall: on this shared machine the load moves the wall clock by several times).
+    Its stdout, wall and CPU seconds; or why it stopped."""
+    limit = int(cpu_limit)
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_CPU, (limit, limit + 5))
+
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    began = time.perf_counter()
     try:
         done = subprocess.run(
             command,
@@ -97,14 +110,28 @@ def planner(tree: Path, model: str, world: int, repeats: int, timeout: float) ->
             env=_env(tree),
             capture_output=True,
             text=True,
-            timeout=timeout,
+            timeout=20 * cpu_limit,  # a safety net only
+            preexec_fn=limited,
             check=False,
         )
     except subprocess.TimeoutExpired:
-        return Result(note=f"did not finish in {timeout:.0f} s")
+        return f"stopped after {20 * cpu_limit:.0f} s of wall time"
+    wall = time.perf_counter() - began
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - used.ru_utime) + (after.ru_stime - used.ru_stime)
+    if done.returncode == -signal.SIGXCPU or (done.returncode < 0 and cpu >= limit):
+        return f"did not finish in {limit} s of CPU"
     if done.returncode != 0:
-        raise RuntimeError(f"the planner failed in {tree}:\n{done.stderr[-3000:]}")
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{command[3:]} failed in {tree}:\n{done.stderr[-3000:]}")
+    return done.stdout, wall, cpu
+
+
+def planner(tree: Path, model: str, world: int, repeats: int, cpu_limit: float) -> Result:
+    command = [sys.executable, "-c", CHILD, model, str(MODELS[model]), str(world), str(repeats)]
+    ran = _run(command, tree, cpu_limit)
+    if isinstance(ran, str):
+        return Result(note=ran)
+    found = json.loads(ran[0].strip().splitlines()[-1])
     return Result(
         wall_s=found["wall_s"],
         cpu_s=found["cpu_s"],
@@ -113,27 +140,22 @@ def planner(tree: Path, model: str, world: int, repeats: int, timeout: float) ->
     )
 
 
-def end_to_end(tree: Path, model: str, world: int, timeout: float) -> Result:
+def end_to_end(tree: Path, model: str, world: int, cpu_limit: float) -> Result:
     command = [sys.executable, "-c", CLI, "plan", "--model", model, "--workers", str(world)]
     command += ["--batch", str(MODELS[model])]
-    began = time.perf_counter()
-    try:
-        done = subprocess.run(
-            command, cwd=tree, env=_env(tree), capture_output=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired:
-        return Result(note=f"did not finish in {timeout:.0f} s")
-    if done.returncode != 0:
-        raise RuntimeError(f"kaisa-ray plan failed in {tree}:\n{done.stderr[-3000:]!r}")
-    return Result(wall_s=time.perf_counter() - began)
+    ran = _run(command, tree, cpu_limit)
+    if isinstance(ran, str):
+        return Result(note=ran)
+    return Result(wall_s=ran[1], cpu_s=ran[2])
 
 
-def _seconds(result: Result | None) -> str:
+def _seconds(result: Result | None, cpu: bool = True) -> str:
     if result is None:
         return "not run"
-    if result.wall_s is None:
+    value = result.cpu_s if cpu else result.wall_s
+    if value is None:
         return result.note
-    return f"{result.wall_s:.3f}" if result.wall_s < 10 else f"{result.wall_s:.1f}"
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}"
 
 
 def _load() -> str:
@@ -143,7 +165,9 @@ def _load() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, help="a worktree of the commit to compare with")
-    parser.add_argument("--timeout", type=float, default=240.0, help="seconds, the old code")
+    parser.add_argument(
+        "--cpu-limit", type=float, default=240.0, help="CPU seconds the old code may take"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of the planner per cell")
     parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS))
     parser.add_argument("--no-cli", action="store_true", help="skip the end-to-end runs")
@@ -160,79 +184,83 @@ def main() -> None:
             check=True,
         ).stdout.strip()
     rows, shapes = [], {}
-    worst_after = 0.0
+    slowest = 0.0
     for model in MODELS:
         gave_up = False
         for world in args.worlds:
             load = _load()
-            after = planner(ROOT, model, world, args.repeats, timeout=600)
+            after = planner(ROOT, model, world, args.repeats, cpu_limit=600)
+            if after.wall_s is None or after.cpu_s is None:
+                raise RuntimeError(f"the planner {after.note} at {world} GPUs ({model})")
             shapes[model] = after
             before: Result | None = None
             if args.before is not None and not gave_up:
                 repeats = args.repeats if world <= 64 else 1
-                before = planner(args.before, model, world, repeats, args.timeout)
-                gave_up = before.wall_s is None
+                before = planner(args.before, model, world, repeats, args.cpu_limit)
+                gave_up = before.cpu_s is None
             cli_after = cli_before = None
             if not args.no_cli:
-                cli_after = end_to_end(ROOT, model, world, timeout=600)
-                if args.before is not None and world <= 64:
-                    cli_before = end_to_end(args.before, model, world, args.timeout)
-            if after.wall_s is None or after.cpu_s is None:
-                raise RuntimeError(f"the planner {after.note} at {world} GPUs ({model})")
-            worst_after = max(worst_after, after.wall_s)
-            ratio = (
-                f"{before.wall_s / after.wall_s:,.0f}x"
-                if before is not None and before.wall_s is not None
-                else "-"
-            )
+                cli_after = end_to_end(ROOT, model, world, cpu_limit=600)
+                if before is not None and before.cpu_s is not None:
+                    cli_before = end_to_end(args.before, model, world, args.cpu_limit)
+            slowest = max(slowest, after.cpu_s, after.wall_s)
+            ratio = "-"
+            if before is not None and before.cpu_s is not None:
+                ratio = f"{before.cpu_s / after.cpu_s:,.0f}x"
             rows.append(
                 [
                     model,
                     f"{world:,}",
                     _seconds(before),
                     _seconds(after),
-                    f"{after.cpu_s:.3f}",
+                    _seconds(after, cpu=False),
                     ratio,
                     _seconds(cli_before) if cli_before is not None else "-",
                     _seconds(cli_after) if cli_after is not None else "-",
+                    _seconds(cli_after, cpu=False) if cli_after is not None else "-",
                     load,
                 ]
             )
             print(" | ".join(rows[-1]), flush=True)
     shape_lines = [
-        f"{model}: {r.shapes_first_s:.2f} s the first time in a process (torch's lazy imports "
-        f"among it), {r.shapes_s:.2f} s after"
+        f"{model} {r.shapes_first_s:.2f} s the first time in a process (torch imports its "
+        f"compiler stack for the meta kernels), {r.shapes_s:.2f} s after"
         for model, r in shapes.items()
         if r.shapes_first_s is not None and r.shapes_s is not None
     ]
     header = (
         f"Measured {started:%Y-%m-%d %H:%M} UTC on {machine()}; after: commit {git_commit()}"
         + (f", before: commit {before_commit}" if before_commit else "")
-        + f". The planner: `plan_job` with the model's shapes built (wall, median of "
-        f"{args.repeats} runs; the old code's from 1024 GPUs on, one run, stopped after "
-        f"{args.timeout:.0f} s and not run at larger sizes once stopped). End to end: "
-        "`kaisa-ray plan --model M --workers W --batch B` in a fresh process, wall (run on the "
-        "old code up to 64 GPUs). Load: the 1-minute load average when the cell began."
+        + ". Seconds of CPU unless marked wall (the load on this shared machine moves the wall "
+        "clock by several times; CPU is what one idle core would take). The planner: "
+        f"`plan_job` on the a100-80gb-hdr preset with the model's shapes built, the median of "
+        f"{args.repeats} runs (the old code: one run from 1024 GPUs on, stopped at "
+        f"{args.cpu_limit:.0f} s of CPU, and not run at larger sizes once stopped). End to "
+        "end: `kaisa-ray plan --model M --workers W --batch B` in a fresh process (Python, the "
+        "imports, the shapes, the planner, the printing), one run. Load: the 1-minute load "
+        "average when the cell began."
     )
     text = table(
         header,
         [
             "model",
             "GPUs",
-            "planner before (s)",
-            "planner after (s)",
-            "after, CPU (s)",
+            "planner before",
+            "planner after",
+            "after, wall",
             "speed-up",
-            "end to end before (s)",
-            "end to end after (s)",
+            "end to end before",
+            "end to end after",
+            "after, wall",
             "load",
         ],
         rows,
     )
-    text += "\n\nThe model's shapes (one meta forward pass, the same at every world size): " + (
-        "; ".join(shape_lines) + "."
+    text += (
+        "\n\nThe model's shapes (one meta forward pass, the same at every world size; CPU): "
+        + "; ".join(shape_lines)
+        + f". The slowest planner after: {slowest:.3f} s."
     )
-    text += f"\n\nThe slowest planner after: {worst_after:.3f} s."
     print(text)
     if args.write:
         write_block("plan-speed", text)
