@@ -90,14 +90,13 @@ class RankClasses:
             [*self.placed.values(), *([0.0] if world > len(self.placed) else [])]
         )
 
-        # Classes of rows: residues of the row number modulo the period in rows, then merged
-        # where their gradient broadcasts cost the same.
-        residues = min(self.rows, period // math.gcd(self.columns, period))
-        self._residues = period // math.gcd(self.columns, period)
+        # Classes of rows: rows this many apart are a whole number of periods apart, so cost
+        # the same; of the first of them, those whose gradient broadcasts cost the same merge.
+        self._apart = period // math.gcd(self.columns, period)
         by_prices: dict[tuple[float, ...], int] = {}
-        self.row_class: list[int] = []  # by residue
+        self.row_class: list[int] = []  # by row number modulo ``_apart``
         self.row_prices: list[list[float]] = []  # by class
-        for row in range(residues):
+        for row in range(min(self.rows, self._apart)):
             prices = self._prices(strategy.row_calls(row))
             key = tuple(prices)
             if key not in by_prices:
@@ -134,7 +133,7 @@ class RankClasses:
         return prices
 
     def class_of_row(self, row: int) -> int:
-        return self.row_class[row % self._residues]
+        return self.row_class[row % self._apart]
 
     def _lowest_of_each_class(self) -> list[tuple[int, int, int]]:
         """``(rank, column, row class)`` of every placed rank and of the lowest rank of every
