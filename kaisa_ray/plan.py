@@ -21,14 +21,21 @@ Collectives (payload = bytes of the tensor each participant passes):
 With per-layer intervals (``kaisa_ray.intervals``) a step updates only some layers' factors and
 decompositions: ``Plan.calls_at`` gives its collectives, the same bucketing over those layers
 (``Schedule.restricted``); with every layer, the step types' calls above.
+
+Nothing here is built rank by rank: a rank's plan is its column's and its row's (``Plan``), the
+gradient broadcasts are the first row's moved row by row (``Schedule``), and the assignment
+finds the least-loaded column and rank with heaps. A plan of 65,536 ranks costs about what
+one of 64 does (``benchmarks/plan_speed.py``); the runtime still gets every bucket it runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 import torch
 from torch import nn
@@ -122,6 +129,12 @@ class Options:
 STEP_SCALAR_BYTES = 16
 
 
+@functools.lru_cache(maxsize=4)
+def _everyone(world_size: int) -> tuple[int, ...]:
+    """The group of all ranks (one tuple shared by the plans of a world size)."""
+    return tuple(range(world_size))
+
+
 @functools.cache
 def _elem(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
@@ -154,20 +167,22 @@ def decomposition_parts(
     )
 
 
-BucketKey = tuple[tuple[int, ...], int | None, torch.dtype]  # (group, source rank, dtype)
+BucketKey = tuple[int, int | None, torch.dtype]  # (group's index in ``groups``, source, dtype)
 
 
 def _fill(
     items: Iterable[tuple[BucketKey, Piece]],
     *,
+    groups: Mapping[int, tuple[int, ...]],
     purpose: Purpose,
     op: str,
     cap_bytes: int,
 ) -> list[Bucket]:
     """Greedy bucketing in order; a bucket holds one (group, src, dtype) key, up to the cap.
 
-    Keys are whole groups, never group sizes: two different groups of the same size never
-    share a bucket (the reference's hang).
+    Keys are whole groups (by index: hashing a group of 65,536 ranks per piece was most of
+    a plan's time), never group sizes: two different groups of the same size never share a
+    bucket (the reference's hang).
     """
     open_buckets: dict[BucketKey, list[Piece]] = {}
     order: list[tuple[BucketKey, list[Piece]]] = []
@@ -184,7 +199,14 @@ def _fill(
             order.append((key, current))
         current.append(piece)
     return [
-        Bucket(purpose=purpose, op=op, group=key[0], src=key[1], dtype=key[2], pieces=tuple(pieces))
+        Bucket(
+            purpose=purpose,
+            op=op,
+            group=groups[key[0]],
+            src=key[1],
+            dtype=key[2],
+            pieces=tuple(pieces),
+        )
         for key, pieces in order
     ]
 
@@ -195,18 +217,46 @@ STALENESS_VALUES = 3  # per layer: the change of A, of G, and the angle (kaisa_r
 
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
-    """Every collective of every step type, for all ranks; the runtime executes this."""
+    """Every collective of every step type, for all ranks; the runtime executes this.
+
+    The gradient broadcasts are held as the first row's (``gradient_row``): every row buckets
+    its layers alike, each from the row's own worker of the layer's column, so row ``i``'s
+    buckets are the first row's moved by ``i`` rows. ``gradient_buckets`` lists them all (built
+    when first asked for: 32,768 rows of them at 65,536 ranks and f = 1/2).
+    """
 
     assignment: Assignment
     factor_buckets: tuple[Bucket, ...]
     decomposition_buckets: tuple[Bucket, ...]
-    gradient_buckets: tuple[Bucket, ...]
+    gradient_row: tuple[Bucket, ...]
     staleness_buckets: tuple[Bucket, ...] = ()
     layers: tuple[PlannedLayer, ...] = ()
     options: Options = field(default_factory=Options)
     _subsets: dict[tuple[frozenset[str], frozenset[str]], Schedule] = field(
         default_factory=dict, compare=False, repr=False
     )
+
+    @functools.cached_property
+    def gradient_buckets(self) -> tuple[Bucket, ...]:
+        """Every row's gradient broadcasts, row by row (each row's in the first row's order)."""
+        return tuple(
+            bucket
+            for row in range(self.assignment.grad_workers)
+            for bucket in self.gradient_buckets_of_row(row)
+        )
+
+    def gradient_buckets_of_row(self, row: int) -> tuple[Bucket, ...]:
+        """The gradient broadcasts within receiver group ``row``."""
+        if row == 0:
+            return self.gradient_row
+        columns = self.assignment.columns
+        group = tuple(range(row * columns, (row + 1) * columns))
+        return tuple(
+            dataclasses.replace(
+                bucket, group=group, src=None if bucket.src is None else bucket.src + row * columns
+            )
+            for bucket in self.gradient_row
+        )
 
     def for_rank(self, buckets: Sequence[Bucket], rank: int) -> list[Bucket]:
         return [b for b in buckets if rank in b.members]
@@ -242,7 +292,7 @@ class Schedule:
                         self.options,
                     )
                 ),
-                gradient_buckets=self.gradient_buckets,
+                gradient_row=self.gradient_row,
                 staleness_buckets=self.staleness_buckets,
                 layers=self.layers,
                 options=self.options,
@@ -256,16 +306,19 @@ def _factor_buckets(
 ) -> list[Bucket]:
     if assignment.world_size == 1:
         return []
-    world = tuple(range(assignment.world_size))
     items: list[tuple[BucketKey, Piece]] = []
     for layer in reversed(layers):  # backward order: buckets fill as backprop proceeds
         for part, dim in (("a", layer.a_dim), ("g", layer.g_dim)):
             numel = factor_numel(dim, layer.groups, options.symmetry_aware)
             items.append(
-                ((world, None, layer.factor_dtype), Piece(layer=layer.name, part=part, numel=numel))
+                ((0, None, layer.factor_dtype), Piece(layer=layer.name, part=part, numel=numel))
             )
     return _fill(
-        items, purpose=Purpose.FACTORS, op="all_reduce", cap_bytes=options.bucket_cap_bytes
+        items,
+        groups={0: _everyone(assignment.world_size)},
+        purpose=Purpose.FACTORS,
+        op="all_reduce",
+        cap_bytes=options.bucket_cap_bytes,
     )
 
 
@@ -275,50 +328,69 @@ def _decomposition_buckets(
     if not assignment.broadcasts_decompositions:
         return []
     items: list[tuple[BucketKey, Piece]] = []
+    groups: dict[int, tuple[int, ...]] = {}
     for layer in layers:
         place = assignment.placements[layer.name]
+        column = assignment.column_of(layer.name)
+        groups[column] = place.workers
         a_parts, g_parts, _ = decomposition_parts(layer, options)
-        items += [((place.workers, place.a_rank, layer.inv_dtype), p) for p in a_parts]
-        items += [((place.workers, place.g_rank, layer.inv_dtype), p) for p in g_parts]
+        items += [((column, place.a_rank, layer.inv_dtype), p) for p in a_parts]
+        items += [((column, place.g_rank, layer.inv_dtype), p) for p in g_parts]
     return _fill(
-        items, purpose=Purpose.DECOMPOSITIONS, op="broadcast", cap_bytes=options.bucket_cap_bytes
+        items,
+        groups=groups,
+        purpose=Purpose.DECOMPOSITIONS,
+        op="broadcast",
+        cap_bytes=options.bucket_cap_bytes,
+    )
+
+
+def _gradient_row(
+    layers: Sequence[PlannedLayer], assignment: Assignment, options: Options
+) -> list[Bucket]:
+    """The first row's gradient broadcasts: each layer's from the row's worker of its column
+    (the row's rank in that column: the column's index, in the first row)."""
+    if not assignment.broadcasts_gradients:
+        return []
+    items = [
+        (
+            (0, assignment.column_of(layer.name), layer.grad_dtype),
+            Piece(layer=layer.name, part="grad", numel=layer.groups * layer.g_dim * layer.a_dim),
+        )
+        for layer in layers
+    ]
+    return _fill(
+        items,
+        groups={0: assignment.receiver_group_of(0)},
+        purpose=Purpose.GRADIENTS,
+        op="broadcast",
+        cap_bytes=options.bucket_cap_bytes,
     )
 
 
 def schedule(layers: Sequence[PlannedLayer], assignment: Assignment, options: Options) -> Schedule:
     """Build the communication schedule of a strategy (no process group needed)."""
-    world = tuple(range(assignment.world_size))
-    cap = options.bucket_cap_bytes
-    items: list[tuple[BucketKey, Piece]]
-    gradient_buckets: list[Bucket] = []
-    if assignment.broadcasts_gradients:
-        items = []
-        for row in assignment.receiver_groups():
-            for layer in layers:
-                src = assignment.grad_source(layer.name, row[0])
-                numel = layer.groups * layer.g_dim * layer.a_dim
-                items.append(
-                    (
-                        (row, src, layer.grad_dtype),
-                        Piece(layer=layer.name, part="grad", numel=numel),
-                    )
-                )
-        gradient_buckets = _fill(items, purpose=Purpose.GRADIENTS, op="broadcast", cap_bytes=cap)
     staleness_buckets: list[Bucket] = []
     if options.staleness_probes > 0 and assignment.world_size > 1:
         items = [
             (
-                (world, None, STALENESS_DTYPE),
+                (0, None, STALENESS_DTYPE),
                 Piece(layer=layer.name, part="staleness", numel=STALENESS_VALUES),
             )
             for layer in layers
         ]
-        staleness_buckets = _fill(items, purpose=Purpose.STALENESS, op="all_reduce", cap_bytes=cap)
+        staleness_buckets = _fill(
+            items,
+            groups={0: _everyone(assignment.world_size)},
+            purpose=Purpose.STALENESS,
+            op="all_reduce",
+            cap_bytes=options.bucket_cap_bytes,
+        )
     return Schedule(
         assignment=assignment,
         factor_buckets=tuple(_factor_buckets(layers, assignment, options)),
         decomposition_buckets=tuple(_decomposition_buckets(layers, assignment, options)),
-        gradient_buckets=tuple(gradient_buckets),
+        gradient_row=tuple(_gradient_row(layers, assignment, options)),
         staleness_buckets=tuple(staleness_buckets),
         layers=tuple(layers),
         options=options,
@@ -348,18 +420,142 @@ class RankPlan:
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """Memory and communication of one strategy, per rank and step type."""
+    """Memory and communication of one strategy, per rank and step type.
+
+    A rank's plan is made of what every rank does, what its column does and what its row
+    does (rank = row · columns + column, ``kaisa_ray.assignment``):
+
+    - memory: the factors and buffers (every rank) and the decompositions of the layers
+      placed on its column (``column_memory``);
+    - ``calls[PLAIN]``: its row's gradient broadcasts (``row_calls``);
+    - ``calls[FACTOR_UPDATE]``: the factor all-reduces (``factor_calls``), then its row's;
+    - ``calls[INVERSE_UPDATE]``: the factor all-reduces, its column's decomposition
+      broadcasts (``column_calls``), its row's gradient broadcasts, the staleness all-reduce
+      (``staleness_calls``).
+
+    So a plan of 65,536 ranks is not 65,536 objects: ``ranks`` builds a rank's plan when asked
+    for it, and ``representatives`` names the few ranks that stand for all the others.
+    """
 
     world_size: int
     grad_worker_fraction: float
     options: Options
     layers: tuple[PlannedLayer, ...]
-    schedule: Schedule
-    ranks: tuple[RankPlan, ...] = field(default=())
+    assignment: Assignment
+    _rows: dict[int, tuple[Collective, ...]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
-    @property
-    def assignment(self) -> Assignment:
-        return self.schedule.assignment
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """Every collective, bucket by bucket (built when first asked for: the memory needs
+        only the assignment)."""
+        return schedule(self.layers, self.assignment, self.options)
+
+    @functools.cached_property
+    def ranks(self) -> Sequence[RankPlan]:
+        """Every rank's plan, by rank (each built when first asked for)."""
+        return _Ranks(self)
+
+    @functools.cached_property
+    def loaded_columns(self) -> tuple[int, ...]:
+        """The columns that some layer is placed on, lowest first."""
+        return tuple(sorted({self.assignment.column_of(layer.name) for layer in self.layers}))
+
+    @functools.cached_property
+    def representatives(self) -> tuple[int, ...]:
+        """Ranks that stand for all: every rank has the memory and, on every step type, the
+        calls (purposes, ops, bytes, in order) of the representative of its column, a rank no
+        higher than itself (only the gradient broadcasts' group and source move with the row).
+        They are the first row's ranks of the loaded columns and of the first column without
+        layers, if any (all such columns hold and send the same)."""
+        loaded = set(self.loaded_columns)
+        empty = next((c for c in range(self.assignment.columns) if c not in loaded), None)
+        return tuple(sorted(loaded | ({empty} if empty is not None else set())))
+
+    @functools.cached_property
+    def factor_calls(self) -> tuple[Collective, ...]:
+        """The factor all-reduces of a factor-update step (every rank takes part)."""
+        return tuple(b.collective for b in self.schedule.factor_buckets)
+
+    @functools.cached_property
+    def staleness_calls(self) -> tuple[Collective, ...]:
+        """The staleness all-reduce of a decomposition step (every rank), if measured."""
+        return tuple(b.collective for b in self.schedule.staleness_buckets)
+
+    def column_calls(self, column: int) -> tuple[Collective, ...]:
+        """The decomposition broadcasts within ``column`` (its ranks all take part)."""
+        return self._by_column.get(column, ())
+
+    def row_calls(self, row: int) -> tuple[Collective, ...]:
+        """The gradient broadcasts within receiver group ``row`` (its ranks all take part)."""
+        found = self._rows.get(row)
+        if found is None:
+            first = tuple(b.collective for b in self.schedule.gradient_row)
+            if row == 0:
+                found = first
+            else:  # the first row's, moved (as Schedule.gradient_buckets_of_row moves buckets)
+                columns = self.assignment.columns
+                group = tuple(range(row * columns, (row + 1) * columns))
+                found = tuple(
+                    Collective(
+                        purpose=c.purpose,
+                        op=c.op,
+                        group=group,
+                        src=None if c.src is None else c.src + row * columns,
+                        nbytes=c.nbytes,
+                    )
+                    for c in first
+                )
+            self._rows[row] = found
+        return found
+
+    def column_memory(self, column: int) -> dict[str, int]:
+        """Bytes of K-FAC state on every rank of ``column`` (``memory_for_rank``)."""
+        return _memory(self._every_rank, self._decompositions.get(column, 0))
+
+    def most_memory(self) -> dict[str, int]:
+        """The memory of the rank that holds the most K-FAC state (the lowest such rank)."""
+        held = self._decompositions
+        return self.column_memory(max(self.representatives, key=lambda c: held.get(c, 0)))
+
+    @functools.cached_property
+    def _by_column(self) -> dict[int, tuple[Collective, ...]]:
+        found: dict[int, list[Collective]] = {}
+        for bucket in self.schedule.decomposition_buckets:
+            found.setdefault(bucket.group[0], []).append(bucket.collective)  # its column
+        return {column: tuple(calls) for column, calls in found.items()}
+
+    @functools.cached_property
+    def _every_rank(self) -> tuple[int, int]:
+        return _every_rank_bytes(self.layers, self.options)
+
+    @functools.cached_property
+    def _decompositions(self) -> dict[int, int]:
+        """Bytes of decompositions on the ranks of each loaded column."""
+        found: dict[int, int] = {}
+        for layer in self.layers:
+            column = self.assignment.column_of(layer.name)
+            found[column] = found.get(column, 0) + decomposition_bytes(layer, self.options)
+        return found
+
+    def rank_plan(self, rank: int) -> RankPlan:
+        """``rank``'s plan, composed of its column's and its row's (see the class)."""
+        row, column = divmod(rank, self.assignment.columns)
+        gradients = self.row_calls(row)
+        factors = self.factor_calls
+        return RankPlan(
+            rank=rank,
+            memory=self.column_memory(column),
+            calls={
+                StepType.PLAIN: gradients,
+                StepType.FACTOR_UPDATE: factors + gradients,
+                StepType.INVERSE_UPDATE: factors
+                + self.column_calls(column)
+                + gradients
+                + self.staleness_calls,
+            },
+        )
 
     def calls_at(
         self, rank: int, factor_layers: Collection[str], decomposition_layers: Collection[str]
@@ -383,23 +579,71 @@ class Plan:
         )
 
 
+class _Ranks(Sequence[RankPlan]):
+    """``Plan.ranks``: rank ``r``'s ``RankPlan``, built on first access and kept."""
+
+    def __init__(self, owner: Plan) -> None:
+        self._plan = owner
+        self._built: dict[int, RankPlan] = {}
+
+    def __len__(self) -> int:
+        return self._plan.world_size
+
+    @overload
+    def __getitem__(self, index: int) -> RankPlan: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[RankPlan, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> RankPlan | tuple[RankPlan, ...]:
+        if isinstance(index, slice):
+            return tuple(self[r] for r in range(self._plan.world_size)[index])
+        rank = range(self._plan.world_size)[index]  # negative indices; IndexError past the end
+        found = self._built.get(rank)
+        if found is None:
+            found = self._built[rank] = self._plan.rank_plan(rank)
+        return found
+
+    def __iter__(self) -> Iterator[RankPlan]:
+        return (self[r] for r in range(self._plan.world_size))
+
+
 def memory_for_rank(
     layers: Sequence[PlannedLayer], assignment: Assignment, options: Options, rank: int
 ) -> dict[str, int]:
     """Bytes of K-FAC state on ``rank``: the factors (every rank), the decompositions (the
     layer's gradient workers) and the buffers: a batch-factor buffer per factor, with
     staleness measured each factor's sketch (``n × staleness_probes``, every rank), and the
-    step's two device scalars (the skipped-step count and the KL clip's scale)."""
-    factors = decompositions = sketches = 0
+    step's two device scalars (the skipped-step count and the KL clip's scale).
+    ``Plan.column_memory`` gives the same per column, from the same parts."""
+    held = sum(
+        decomposition_bytes(layer, options)
+        for layer in layers
+        if assignment.is_grad_worker(layer.name, rank)
+    )
+    return _memory(_every_rank_bytes(layers, options), held)
+
+
+@functools.lru_cache(maxsize=4096)  # the same layers in every plan of a job
+def decomposition_bytes(layer: PlannedLayer, options: Options) -> int:
+    """Bytes of one layer's decompositions, held by each of its gradient workers."""
+    a_parts, g_parts, table = decomposition_parts(layer, options)
+    return _elem(layer.inv_dtype) * (sum(p.numel for p in a_parts + g_parts) + table)
+
+
+def _every_rank_bytes(layers: Sequence[PlannedLayer], options: Options) -> tuple[int, int]:
+    """Bytes every rank holds: the factors, and the buffers (a batch-factor buffer per factor,
+    with staleness measured each factor's sketch, and the step's two device scalars)."""
+    factors = sketches = 0
     for layer in layers:
         elem = _elem(layer.factor_dtype)
         factors += elem * layer.groups * (layer.a_dim**2 + layer.g_dim**2)
         sketches += elem * layer.groups * (layer.a_dim + layer.g_dim) * options.staleness_probes
-        if assignment.is_grad_worker(layer.name, rank):
-            a_parts, g_parts, table = decomposition_parts(layer, options)
-            numel = sum(p.numel for p in a_parts + g_parts) + table
-            decompositions += _elem(layer.inv_dtype) * numel
-    buffers = factors + sketches + STEP_SCALAR_BYTES
+    return factors, factors + sketches + STEP_SCALAR_BYTES
+
+
+def _memory(every_rank: tuple[int, int], decompositions: int) -> dict[str, int]:
+    factors, buffers = every_rank
     memory = {"factors": factors, "decompositions": decompositions, "buffers": buffers}
     memory["total"] = sum(memory.values())
     return memory
@@ -407,17 +651,20 @@ def memory_for_rank(
 
 def _calls(sched: Schedule, rank: int, *, staleness: bool) -> tuple[Collective, ...]:
     """One step's collectives on ``rank`` in the order the preconditioner issues them:
-    factors, decompositions, gradients, then (on steps with decompositions) staleness."""
+    factors, decompositions, gradients, then (on steps with decompositions) staleness. Of the
+    gradient broadcasts only its own row's can include it (no need to list every row's)."""
     buckets = [
         *sched.factor_buckets,
         *sched.decomposition_buckets,
-        *sched.gradient_buckets,
+        *sched.gradient_buckets_of_row(rank // sched.assignment.columns),
         *(sched.staleness_buckets if staleness else ()),
     ]
     return tuple(b.collective for b in sched.for_rank(buckets, rank))
 
 
 def calls_for_rank(sched: Schedule, rank: int) -> dict[StepType, tuple[Collective, ...]]:
+    """``rank``'s collectives per step type, taken bucket by bucket from the schedule (what
+    ``Plan.rank_plan`` composes from its column and row; the tests hold one to the other)."""
     none = sched.restricted((), ())
     factors_only = sched.restricted([layer.name for layer in sched.layers], ())
     return {
@@ -502,20 +749,10 @@ def build_plan(
         strategy=options.assignment_strategy,
         colocate_factors=options.colocate_factors,
     )
-    sched = schedule(layers, assignment, options)
-    ranks = tuple(
-        RankPlan(
-            rank=r,
-            memory=memory_for_rank(layers, assignment, options, r),
-            calls=calls_for_rank(sched, r),
-        )
-        for r in range(world_size)
-    )
     return Plan(
         world_size=world_size,
         grad_worker_fraction=fraction,
         options=options,
         layers=tuple(layers),
-        schedule=sched,
-        ranks=ranks,
+        assignment=assignment,
     )

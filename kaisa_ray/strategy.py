@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from fractions import Fraction
 
 from kaisa_ray.enums import DistributedStrategy, parse_enum
@@ -11,7 +12,9 @@ from kaisa_ray.errors import ConfigurationError
 
 def valid_fractions(world_size: int) -> list[float]:
     """Every f with f·W a divisor of W, smallest first (MEM-OPT ... COMM-OPT)."""
-    return [d / world_size for d in range(1, world_size + 1) if world_size % d == 0]
+    small = [d for d in range(1, math.isqrt(world_size) + 1) if world_size % d == 0]
+    large = [world_size // d for d in reversed(small) if d * d != world_size]
+    return [d / world_size for d in small + large]
 
 
 def resolve_grad_worker_fraction(

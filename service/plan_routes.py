@@ -34,8 +34,10 @@ from service.runtime import RuntimeDep
 from service.schemas import ErrorBody, ValidationErrorBody
 from service.worker_pool import PoolTimeoutError, WorkRefusedError
 
-MAX_WORKERS = 4096
-"""The largest world size a plan is computed for over REST (a plan prices every rank)."""
+MAX_WORKERS = 65536
+"""The largest world size a plan is computed for over REST, as for ``kaisa-ray plan``: a plan
+prices the grid's columns and classes of rows, not every rank (at 65,536 GPUs about 0.3 s of
+CPU besides the model's shapes; ``benchmarks/plan_speed.py``)."""
 
 Interval = tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]]
 

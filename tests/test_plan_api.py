@@ -126,6 +126,27 @@ def test_bad_fields_are_named(client: TestClient) -> None:
     assert any(p["field"].startswith("spec.") for p in bad_spec["problems"])
 
 
+def test_a_plan_goes_up_to_65536_gpus_as_on_the_command_line(client: TestClient) -> None:
+    body = {"model": "lenet", "workers": 65536, "batch_size": 64, "intervals": [[10, 100]]}
+    report = post(client, body)
+    assert (
+        report
+        == plan_job(
+            PlanRequest(
+                model="lenet",
+                batch_size=64,
+                workers=65536,
+                hardware="a100-80gb-hdr",
+                intervals=((10, 100),),
+            )
+        ).to_json()
+    )
+    assert len(report["strategies"]) == 17  # f = 2^k / 65536
+    assert report["inputs"]["nodes"] == 8192
+    found = post(client, {**body, "workers": 65537}, 422)
+    assert [p["field"] for p in found["problems"]] == ["workers"]
+
+
 def test_the_token_is_required(client: TestClient) -> None:
     response = anonymous(client, "POST", "/v1/plan", json={"model": "lenet"})
     assert response.status_code == 401

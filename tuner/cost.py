@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,9 +42,10 @@ from kaisa_ray.assignment import LayerShape
 from kaisa_ray.enums import ComputeMethod
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.intervals import LayerCost, check_rungs
-from kaisa_ray.plan import Plan, StepType, plan
+from kaisa_ray.plan import Plan, plan
 from kaisa_ray.staleness import PROBES
 from kaisa_ray.strategy import valid_fractions
+from tuner.rank_classes import LayerSeconds, RankClasses
 
 DEFAULT_INTERVALS: tuple[tuple[int, int], ...] = ((1, 10), (5, 50), (10, 100))
 PREDICTED, MEASURED = "predicted", "measured"
@@ -116,7 +117,16 @@ class CollectivePricer(Protocol):
     """Seconds of one collective by its ranks and size (``tuner.topology.Topology``: the
     group's span over nodes decides the link)."""
 
+    @property
+    def period(self) -> int:
+        """A group moved by a multiple of this many ranks costs the same."""
+        ...
+
     def seconds(self, op: str, group: tuple[int, ...], nbytes: int) -> float: ...
+
+    def pricer(self, op: str, group: tuple[int, ...]) -> Callable[[int], float]:
+        """``seconds(op, group, ·)`` (for many calls over one group)."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +167,18 @@ class Profile:
         if self.topology is not None:
             return self.topology.seconds(op, group, nbytes)
         return (self.allreduce if op == "all_reduce" else self.broadcast).seconds(nbytes)
+
+    def collective_pricer(self, op: str, group: tuple[int, ...]) -> Callable[[int], float]:
+        """``collective_seconds(op, group, ·)``: the group's link found once."""
+        if self.topology is not None:
+            return self.topology.pricer(op, group)
+        return (self.allreduce if op == "all_reduce" else self.broadcast).seconds
+
+    @property
+    def collective_period(self) -> int:
+        """A group moved by a multiple of this many ranks costs the same (without a
+        topology, any group costs the same)."""
+        return 1 if self.topology is None else self.topology.period
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,25 +267,10 @@ def layer_costs(profile: Profile, strategy: Plan) -> dict[str, LayerCost]:
     (and the staleness all-reduce) of an inverse-update step in proportion to each layer's
     decomposition time. At a rung every layer shares, their sum is the candidate's
     interval-dependent time per step."""
-    assignment = strategy.assignment
-    per_rank = [0.0] * len(strategy.ranks)
-    own: dict[str, float] = {}
-    for layer in profile.layers:
-        place = assignment.placements[layer.name]
-        a = layer.groups * profile.decomposition.seconds(layer.a_dim)
-        g = layer.groups * profile.decomposition.seconds(layer.g_dim)
-        per_rank[place.a_rank] += a
-        per_rank[place.g_rank] += g
-        own[layer.name] = a + g
-    decompositions = max(_uncontended(per_rank, profile.contention), default=0.0)
-    factor_comm = inverse_comm = 0.0
-    for rank_plan in strategy.ranks:
-        plain, factor, inverse = (
-            sum(profile.collective_seconds(c.op, c.group, c.nbytes) for c in rank_plan.calls[t])
-            for t in (StepType.PLAIN, StepType.FACTOR_UPDATE, StepType.INVERSE_UPDATE)
-        )
-        factor_comm = max(factor_comm, factor - plain)
-        inverse_comm = max(inverse_comm, inverse - factor)
+    classes = rank_classes(profile, strategy)
+    own = {layer.name: layer.a_s + layer.g_s for layer in _layer_seconds(profile)}
+    decompositions = classes.decompositions_max
+    _, factor_comm, inverse_comm = classes.communication_max()
     weights = {
         layer.name: layer.groups * (layer.a_dim**2 + layer.g_dim**2) for layer in profile.layers
     }
@@ -282,22 +289,34 @@ def every_step_seconds(profile: Profile, strategy: Plan) -> float:
     """K-FAC's seconds per step that no interval changes, on the slowest rank: preconditioning
     and the collectives of a plain step (the gradient broadcasts of f < 1)."""
     breakdown = _priced(profile, strategy, 1, 1).breakdown
-    plain = max(
-        sum(profile.collective_seconds(c.op, c.group, c.nbytes) for c in r.calls[StepType.PLAIN])
-        for r in strategy.ranks
-    )
+    plain, _, _ = rank_classes(profile, strategy).communication_max()
     return breakdown["precondition"] + plain
 
 
-def _uncontended(work: list[float], contention: float) -> list[float]:
-    """Per-rank seconds of work priced as if every rank did it at once, repriced for how
-    many ranks actually do: with shared cores, work that only some ranks do runs faster."""
-    busiest = max(work, default=0.0)
-    if contention <= 1.0 or busiest <= 0.0:
-        return work
-    busy = sum(work) / (len(work) * busiest)  # 1 when every rank does as much as the busiest
-    scale = (1.0 + (contention - 1.0) * busy) / contention
-    return [seconds * scale for seconds in work]
+def _layer_seconds(profile: Profile) -> list[LayerSeconds]:
+    """Each layer's decompositions (one update) and preconditioning (one step), in seconds."""
+    return [
+        LayerSeconds(
+            name=layer.name,
+            a_s=layer.groups * profile.decomposition.seconds(layer.a_dim),
+            g_s=layer.groups * profile.decomposition.seconds(layer.g_dim),
+            precondition_s=precondition_flops(layer, profile.compute_method)
+            * profile.precondition_s_per_flop,
+        )
+        for layer in profile.layers
+    ]
+
+
+def rank_classes(profile: Profile, strategy: Plan) -> RankClasses:
+    """``strategy``'s ranks priced on ``profile``, a class of ranks at a time: what every
+    candidate of the plan is priced from (``price`` builds it for one)."""
+    return RankClasses(
+        strategy,
+        _layer_seconds(profile),
+        pricer=profile.collective_pricer,
+        period=profile.collective_period,
+        contention=profile.contention,
+    )
 
 
 def price(
@@ -308,45 +327,28 @@ def price(
     return _priced(profile, strategy, factor_update_steps, inv_update_steps)
 
 
-def _priced(profile: Profile, strategy: Plan, fus: int, ius: int) -> Candidate:
-    assignment = strategy.assignment
-    worst: tuple[float, dict[str, float]] | None = None
-    world = len(strategy.ranks)
-    decompositions = [0.0] * world
-    precondition = [0.0] * world
-    for rank_plan in strategy.ranks:
-        rank = rank_plan.rank
-        for layer in profile.layers:
-            place = assignment.placements[layer.name]
-            if place.a_rank == rank:
-                decompositions[rank] += layer.groups * profile.decomposition.seconds(layer.a_dim)
-            if place.g_rank == rank:
-                decompositions[rank] += layer.groups * profile.decomposition.seconds(layer.g_dim)
-            if assignment.is_grad_worker(layer.name, rank):
-                flops = precondition_flops(layer, profile.compute_method)
-                precondition[rank] += flops * profile.precondition_s_per_flop
-    decompositions = _uncontended(decompositions, profile.contention)
-    precondition = _uncontended(precondition, profile.contention)
-    for rank_plan in strategy.ranks:
-        rank = rank_plan.rank
-        plain, factor, inverse = (
-            sum(
-                profile.collective_seconds(c.op, c.group, c.nbytes)
-                for c in rank_plan.calls[step_type]
-            )
-            for step_type in (StepType.PLAIN, StepType.FACTOR_UPDATE, StepType.INVERSE_UPDATE)
-        )
-        breakdown = {
-            "factors": profile.factor_s / fus,
-            "decompositions": decompositions[rank] / ius,
-            "precondition": precondition[rank],
-            "communication": plain + (factor - plain) / fus + (inverse - factor) / ius,
-        }
-        total = profile.step_s + sum(breakdown.values())
-        if worst is None or total > worst[0]:
-            worst = (total, breakdown)
-    assert worst is not None
-    state = max(r.memory["total"] for r in strategy.ranks)
+def prices(
+    profile: Profile, strategy: Plan, intervals: Sequence[tuple[int, int]]
+) -> list[Candidate]:
+    """``price`` at every interval pair, the plan's ranks priced once for all of them."""
+    classes = rank_classes(profile, strategy)
+    return [_priced(profile, strategy, fus, ius, classes) for fus, ius in intervals]
+
+
+def _priced(
+    profile: Profile,
+    strategy: Plan,
+    fus: int,
+    ius: int,
+    classes: RankClasses | None = None,
+) -> Candidate:
+    """The candidate of ``strategy`` at ``fus``/``ius``, on its slowest rank (seconds per step:
+    the module docstring), from its ``rank_classes`` (built here if not given)."""
+    classes = classes or rank_classes(profile, strategy)
+    total, breakdown = classes.slowest(
+        step_s=profile.step_s, factor_s=profile.factor_s, fus=fus, ius=ius
+    )
+    state = _state_bytes(strategy)
     return Candidate(
         grad_worker_fraction=strategy.grad_worker_fraction,
         factor_update_steps=fus,
@@ -355,9 +357,14 @@ def _priced(profile: Profile, strategy: Plan, fus: int, ius: int) -> Candidate:
         + profile.transient_bytes(strategy.grad_worker_fraction)
         + state,
         kfac_state_bytes=state,
-        step_s=worst[0],
-        breakdown=worst[1],
+        step_s=total,
+        breakdown=breakdown,
     )
+
+
+def _state_bytes(strategy: Plan) -> int:
+    """The most K-FAC state bytes any rank holds."""
+    return strategy.most_memory()["total"]
 
 
 def _gib(n: float) -> str:
@@ -403,8 +410,9 @@ def choose(
     plans = {}
     for fraction in valid_fractions(profile.world_size):
         strategy = plans[fraction] = _plan(profile, fraction, adaptive)
+        classes = rank_classes(profile, strategy)
         for fus, ius in intervals:
-            candidate = _priced(profile, strategy, fus, ius)
+            candidate = _priced(profile, strategy, fus, ius, classes)
             reason = None
             if budget_bytes is not None and candidate.memory_bytes > budget_bytes:
                 reason = (
@@ -480,10 +488,9 @@ def _mem_opt_state(
     layers: Sequence[LayerShape], world: int, compute_method: str, probes: int = 0
 ) -> int:
     """The worst rank's K-FAC state bytes under MEM-OPT (the least memory of any f)."""
-    ranks = plan(
-        list(layers), world, 1 / world, compute_method=compute_method, staleness_probes=probes
-    ).ranks
-    return max(r.memory["total"] for r in ranks)
+    return _state_bytes(
+        plan(list(layers), world, 1 / world, compute_method=compute_method, staleness_probes=probes)
+    )
 
 
 def _what_would_fit(

@@ -22,7 +22,7 @@ independently; the cost model adds up the calls each rank makes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tuner.hardware import Hardware, LinkLevel
@@ -38,6 +38,9 @@ class Topology:
     _cache: dict[tuple[str, tuple[int, ...], int], float] = field(
         default_factory=dict, compare=False, repr=False
     )
+    _spans: dict[tuple[int, ...], tuple[int, int]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:
@@ -51,20 +54,51 @@ class Topology:
             inter_node=hardware.inter_node,
         )
 
+    @property
+    def period(self) -> int:
+        """Moving every rank of a group by a multiple of this many ranks (whole nodes) leaves
+        the group's price unchanged."""
+        return self.gpus_per_node
+
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
 
     def span(self, group: Sequence[int]) -> tuple[int, int]:
         """``(nodes, most ranks on one node)`` of a group."""
+        if isinstance(group, tuple):
+            found = self._spans.get(group)
+            if found is None:
+                found = self._spans[group] = self._span(group)
+            return found
+        return self._span(group)
+
+    def _span(self, group: Sequence[int]) -> tuple[int, int]:
+        size, p = self.gpus_per_node, len(group)
+        if p > 1 and group[1] > group[0]:
+            # Evenly spaced ranks (a row, a column, all of them): by formula, not rank by rank.
+            first, step = group[0], group[1] - group[0]
+            if tuple(group) == tuple(range(first, first + step * p, step)):
+                if step >= size:
+                    return p, 1
+                if step == 1:
+                    last = first + p - 1
+                    nodes = last // size - first // size + 1
+                    if nodes == 1:
+                        return 1, p
+                    return nodes, max(
+                        size - first % size, last % size + 1, size if nodes > 2 else 0
+                    )
         counts: dict[int, int] = {}
         for rank in group:
-            node = self.node_of(rank)
+            node = rank // size
             counts[node] = counts.get(node, 0) + 1
         return len(counts), max(counts.values(), default=0)
 
     def bandwidth(self, op: str, group: Sequence[int]) -> float:
         """Bus bandwidth (bytes/s) a collective over ``group`` gets."""
-        nodes, per_node = self.span(group)
+        return self._bandwidth(op, *self.span(group))
+
+    def _bandwidth(self, op: str, nodes: int, per_node: int) -> float:
         intra = (
             self.intra_node.allreduce_busbw
             if op == "all_reduce"
@@ -80,18 +114,48 @@ class Topology:
         share = min(per_node, self.gpus_per_node) / self.gpus_per_node
         return min(inter.value * share, intra.value)
 
+    def pricer(self, op: str, group: tuple[int, ...]) -> Callable[[int], float]:
+        """``seconds(op, group, ·)``, the group's link found once: for pricing many calls over
+        one group."""
+        p = len(group)
+        if p <= 1:
+            return _free
+        nodes, per_node = self.span(group)
+        level = self.intra_node if nodes <= 1 else self.inter_node
+        return _Link(
+            all_reduce=op == "all_reduce",
+            ranks=p,
+            latency_s=level.latency_s.value,
+            bytes_per_s=self._bandwidth(op, nodes, per_node),
+        ).seconds
+
     def seconds(self, op: str, group: tuple[int, ...], nbytes: int) -> float:
         """Seconds of one ``op`` (``all_reduce`` or ``broadcast``) of ``nbytes`` over ``group``."""
-        p = len(group)
-        if p <= 1 or nbytes <= 0:
+        if len(group) <= 1 or nbytes <= 0:
             return 0.0
         key = (op, group, nbytes)
         cached = self._cache.get(key)
-        if cached is not None:
-            return cached
-        nodes, _ = self.span(group)
-        level = self.intra_node if nodes <= 1 else self.inter_node
-        on_bus = 2.0 * (p - 1) / p * nbytes if op == "all_reduce" else float(nbytes)
-        seconds = level.latency_s.value + on_bus / self.bandwidth(op, group)
-        self._cache[key] = seconds
-        return seconds
+        if cached is None:
+            cached = self._cache[key] = self.pricer(op, group)(nbytes)
+        return cached
+
+
+def _free(nbytes: int) -> float:
+    return 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Link:
+    """One group's link: ``latency + bytes_on_the_bus / bandwidth`` (the module docstring)."""
+
+    all_reduce: bool
+    ranks: int
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, nbytes: int) -> float:
+        if nbytes <= 0:
+            return 0.0
+        p = self.ranks
+        on_bus = 2.0 * (p - 1) / p * nbytes if self.all_reduce else float(nbytes)
+        return self.latency_s + on_bus / self.bytes_per_s

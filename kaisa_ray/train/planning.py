@@ -31,7 +31,7 @@ import yaml
 
 from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.plan import Plan, StepType, plan
+from kaisa_ray.plan import Plan, plan
 from kaisa_ray.strategy import valid_fractions
 from kaisa_ray.train.shapes import PLANNING, workload
 from tuner.cost import (
@@ -40,7 +40,7 @@ from tuner.cost import (
     NoFeasibleCandidateError,
     Profile,
     choose,
-    price,
+    prices,
 )
 from tuner.forecast import Basis, Workload, forecast_profile
 from tuner.hardware import Hardware, hardware_from_dict
@@ -201,19 +201,23 @@ class PlanReport:
 
 def _collectives(strategy: Plan, topology: Topology) -> dict[str, Any]:
     """Per purpose, the busiest rank's calls and bytes on the step type that makes them, and
-    whether they cross nodes."""
+    whether they cross nodes. Each purpose's calls are one part of a rank's plan
+    (``kaisa_ray.plan.Plan``): the factor all-reduces are every rank's, the decomposition
+    broadcasts its column's, the gradient broadcasts its row's (the same bytes in every row);
+    the busiest rank is the lowest with the most bytes, as a pass over every rank finds it."""
+    parts = {
+        "factors": [strategy.factor_calls],
+        "decompositions": [strategy.column_calls(column) for column in strategy.representatives],
+        "gradients": [strategy.row_calls(0)],
+    }
     out: dict[str, Any] = {}
-    for purpose, step_type in (
-        ("factors", StepType.FACTOR_UPDATE),
-        ("decompositions", StepType.INVERSE_UPDATE),
-        ("gradients", StepType.PLAIN),
-    ):
+    for purpose, candidates in parts.items():
         best: tuple[int, int, int] = (0, 0, 0)  # bytes, calls, nodes spanned
-        for rank in strategy.ranks:
-            calls = [c for c in rank.calls[step_type] if c.purpose.value == purpose]
+        for calls in candidates:  # in rank order
             nbytes = sum(c.nbytes for c in calls)
             if nbytes > best[0]:
-                spans = max((topology.span(c.group)[0] for c in calls), default=0)
+                groups = {id(c.group): c.group for c in calls}.values()  # one tuple per group
+                spans = max((topology.span(group)[0] for group in groups), default=0)
                 best = (nbytes, len(calls), spans)
         out[purpose] = {"bytes": best[0], "calls": best[1], "nodes_spanned": best[2]}
     return out
@@ -271,10 +275,9 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
     strategies = []
     for fraction in valid_fractions(world):
         strategy = plan(list(job.layers), world, fraction, compute_method=job.compute_method)
-        worst = max(strategy.ranks, key=lambda r: r.memory["total"])
+        worst = strategy.most_memory()
         candidates = []
-        for fus, ius in request.intervals:
-            candidate = price(profile, strategy, fus, ius)  # as choose() prices it
+        for candidate in prices(profile, strategy, request.intervals):  # as choose() prices
             table.append(candidate)
             candidates.append(_candidate_json(candidate, profile))
         strategies.append(
@@ -282,7 +285,7 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
                 "strategy": strategy_name(fraction, world),
                 "grad_worker_fraction": fraction,
                 "grad_workers": round(fraction * world),
-                "memory": dict(worst.memory),
+                "memory": worst,
                 "collectives": _collectives(strategy, topology),
                 "candidates": candidates,
             }
