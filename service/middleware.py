@@ -438,7 +438,7 @@ def _depth(value: Any, limit: int) -> int:
     return deepest
 
 
-class _TooDeepError(yaml.YAMLError):  # type: ignore[misc]
+class _TooDeepError(yaml.YAMLError, KaisaRayError):  # type: ignore[misc]
     """A YAML body nested deeper than the loader's ``max_depth``."""
 
 

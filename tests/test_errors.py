@@ -33,7 +33,14 @@ from service.errors import (
     ServiceError,
 )
 from service.lifecycle import IllegalTransitionError, JobEvent, JobState
-from service.middleware import _TooLargeError
+from service.middleware import _TooDeepError, _TooLargeError
+from service.worker_pool import (
+    PoolBusyError,
+    PoolCancelledError,
+    PoolStoppedError,
+    PoolTimeoutError,
+    WorkRefusedError,
+)
 from tuner.cost import NoFeasibleCandidateError
 from tuner.hardware import HardwareProfileError
 
@@ -60,6 +67,12 @@ EXAMPLES: list[BaseException] = [
     IllegalTransitionError(JobState.SUCCEEDED, JobEvent.RUN),
     ServiceClientError("409: the job already finished", 409),
     _TooLargeError(1024),
+    _TooDeepError("nested deeper than 32 levels"),
+    PoolBusyError("40 plans are running; try again in 5 s", 5),
+    PoolTimeoutError("the plan took over 60 s; run kaisa-ray plan instead"),
+    PoolCancelledError("the client went away"),
+    PoolStoppedError("the service is stopping"),
+    WorkRefusedError("params.hidden: -1 must be positive"),
 ]
 
 

@@ -326,9 +326,8 @@ class KFACSpec(_Strict):
     kl_clip: Annotated[float, Field(gt=0, le=1e6)] | None = 0.001
     # Under pi_damping the damped inverses are exactly the eigen method's preconditioner
     # (tests/test_curvature_options.py) at two matmuls a step instead of four, and every
-    # winning row of the batch-size study and the transformer ran it. Its memory is the
-    # smaller too since 2026-11-26 (its temporaries were three times the eigen method's
-    # before: LeNet on 2 workers plans 20.17 / 20.39 MiB at f=1/2 / 1 against 20.56 / 20.80).
+    # winning row of the batch-size study and the transformer ran it. Its temporaries are
+    # two factor-sized tensors, fewer than the eigen method's (README: Curvature).
     compute_method: ComputeMethod = ComputeMethod.INVERSE
     kfac_approx: KFACApprox = KFACApprox.REDUCE
     # The curvature that does real work (benchmarks/batch_size_study.py): the Fisher's own
