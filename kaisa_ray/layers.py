@@ -68,6 +68,10 @@ def _covariance_features_first(
     """
     k, d, n = rows.shape
     factor = scale * scale / count
+    if rows.device.type == "cpu" and not rows.is_contiguous():
+        # oneDNN's bfloat16 products (matmul_precision 'medium') take only a contiguous first
+        # operand; the copy is n·d against the product's n·d² (on CUDA, cuBLAS takes views)
+        rows = rows.contiguous()
     if bias and n < d:
         rows = torch.cat([rows, rows.new_ones((k, 1, n))], dim=1)
         bias = False
