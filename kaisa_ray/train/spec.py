@@ -327,7 +327,7 @@ class KFACSpec(_Strict):
     # Under pi_damping the damped inverses are exactly the eigen method's preconditioner
     # (tests/test_curvature_options.py) at two matmuls a step instead of four, and every
     # winning row of the batch-size study and the transformer ran it. Its temporaries are
-    # two factor-sized tensors, fewer than the eigen method's (README: Curvature).
+    # two factor-sized tensors, fewer than the eigen method's (docs/curvature.md).
     compute_method: ComputeMethod = ComputeMethod.INVERSE
     kfac_approx: KFACApprox = KFACApprox.REDUCE
     # The curvature that does real work (benchmarks/batch_size_study.py): the Fisher's own
