@@ -50,8 +50,8 @@ RESOURCE_FIELDS = (
 """The swept fields that change what a trial holds in Ray."""
 
 PRICED_IN_PROCESS = frozenset({"lenet", "mlp", "resnet20"})
-"""Built-in models whose every constructor argument is bounded: built and run on the meta
-device in milliseconds (mlp at 3 x 65536 wide: 6 ms here; resnet20: 0.2 s)."""
+"""Built-in models whose every constructor argument is bounded, so that building and running
+them on the meta device is cheap at any size: priced in the service's own process."""
 
 
 def _human(size: float) -> str:

@@ -144,7 +144,7 @@ def test_plan_memory_per_rank_equals_the_shapes(name: str, world: int) -> None:
 
 
 def test_the_figures_the_readme_states() -> None:
-    """The README's table of fp32 K-FAC state per rank comes from these numbers."""
+    """docs/planning.md's table of fp32 K-FAC state per rank comes from these numbers."""
     resnet = sum(FLOAT32 * (a * a + g * g) for a, g in resnet50_shapes().values())
     bert = sum(FLOAT32 * (a * a + g * g) for a, g in bert_large_shapes().values())
     assert round(resnet / 2**20, 1) == 586.9

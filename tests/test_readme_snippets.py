@@ -1,4 +1,5 @@
-"""The README's Python examples, run as written on a small model (no Ray, no data files)."""
+"""The Python examples of the README and docs/, run as written on a small model (no Ray, no
+data files)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,16 @@ from kaisa_ray import KFACPreconditioner, QuadraticModelStep
 ROOT = Path(__file__).resolve().parents[1]
 
 
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
 def python_block(containing: str) -> str:
-    blocks: list[str] = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    """The one Python block of the README and docs/ that contains ``containing``."""
+    blocks: list[str] = [
+        block
+        for page in PAGES
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    ]
     (found,) = [b for b in blocks if containing in b]
     return found
 
@@ -34,7 +43,7 @@ def model() -> nn.Module:
 
 
 def test_the_quadratic_model_loop_takes_each_steps_own_gradient() -> None:
-    """The README's ``QuadraticModelStep`` loop, run as written, ends where a loop that
+    """docs/curvature.md's ``QuadraticModelStep`` loop, run as written, ends where a loop that
     clears the gradients before every backward ends: each step sees its own gradient (a
     loop without ``zero_grad`` adds every earlier step's into it)."""
     block = python_block("QuadraticModelStep(model")

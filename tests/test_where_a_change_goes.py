@@ -1,5 +1,5 @@
-"""The README's "Where a change goes", done: a new model and a new REST endpoint, each in the
-files the README names and nowhere else (a new record kind is checked by
+"""docs/layout.md's "Where a change goes", done: a new model and a new REST endpoint, each in
+the files that page names and nowhere else (a new record kind is checked by
 ``test_definitions.py``: its enum member, its class and the union must agree)."""
 
 from __future__ import annotations

@@ -306,12 +306,12 @@ class KFACSpec(_Strict):
     gradient worker fraction on the job's own workers, under ``memory_budget`` (and
     ``max_overhead``, K-FAC's predicted time over the plain step's, if given), and picks one
     pair of factor and inverse intervals from the ladder ``intervals`` (else its own) for the
-    whole run, the fastest per step. With ``adapt: true`` (opt-in: on the benchmarked jobs it
-    took 0.94-1.03x the default pick's time, docs/adaptive-intervals.md) each layer's
-    intervals instead adapt during training to how stale its curvature is: they move along the
-    ladder (nested pairs) shorter when the angle between its gradient preconditioned with the
-    stale and the fresh curvature exceeds ``staleness_target`` degrees, longer when it is well
-    within it. ``factor_update_steps`` and ``inv_update_steps`` are ignored either way.
+    whole run, the fastest per step. With ``adapt: true`` (opt-in; what it costs, and what it
+    saved where it was measured: docs/adaptive-intervals.md) each layer's intervals instead
+    adapt during training to how stale its curvature is: they move along the ladder (nested
+    pairs) shorter when the angle between its gradient preconditioned with the stale and the
+    fresh curvature exceeds ``staleness_target`` degrees, longer when it is well within it.
+    ``factor_update_steps`` and ``inv_update_steps`` are ignored either way.
     ``verify: K`` measures the K best predicted candidates in short trials and takes the
     fastest measured one that fits (fixed intervals only). ``measure_staleness`` measures and
     reports the staleness with fixed intervals too."""
@@ -327,7 +327,7 @@ class KFACSpec(_Strict):
     # Under pi_damping the damped inverses are exactly the eigen method's preconditioner
     # (tests/test_curvature_options.py) at two matmuls a step instead of four, and every
     # winning row of the batch-size study and the transformer ran it. Its temporaries are
-    # two factor-sized tensors, fewer than the eigen method's (README: Curvature).
+    # two factor-sized tensors, fewer than the eigen method's (docs/curvature.md).
     compute_method: ComputeMethod = ComputeMethod.INVERSE
     kfac_approx: KFACApprox = KFACApprox.REDUCE
     # The curvature that does real work (benchmarks/batch_size_study.py): the Fisher's own
@@ -376,12 +376,11 @@ class KFACSpec(_Strict):
             description=(
                 "With ``update: quadratic-model``: the floor of its adapted damping "
                 "(kfac-jax's ``min_damping``; the default is lowered to ``damping`` where that "
-                "is lower). On small, noisy batches the Levenberg-Marquardt rule lowers the "
-                "damping until the step fits its own sample: without a floor LeNet at batch "
-                "128 never reached 88% and the char-transformer at 64 sequences a step "
-                "diverged; at 1e-3 both train, and at batch 2048 and 8192 the steps are the "
-                "same as without it. The library's ``QuadraticModelStep`` keeps kfac-jax's "
-                "1e-8."
+                "is lower). The Levenberg-Marquardt rule judges each step on the sample it "
+                "was fitted to, so on small, noisy batches it can lower the damping until the "
+                "step fits that sample and not the data; the floor bounds it (what it changes, "
+                "measured: docs/curvature.md). The library's ``QuadraticModelStep`` keeps "
+                "kfac-jax's 1e-8."
             ),
         ),
     ] = JOBSPEC_MIN_DAMPING
