@@ -35,6 +35,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kaisa_ray.train.head import descendants, running
+
 logger = logging.getLogger(__name__)
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -107,7 +109,7 @@ class RayHead:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and _running(self.pid):
+        while time.monotonic() < deadline and running(self.pid):
             time.sleep(0.1)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
@@ -140,39 +142,6 @@ class RayHead:
             return cls(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             return None
-
-
-def descendants(pid: int) -> list[int]:
-    """The ids of every process below ``pid`` now (from /proc: each process's parent)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # it ended meanwhile
-            continue
-        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(parent, []).append(int(entry.name))
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
-
-
-def _running(pid: int) -> bool:
-    try:
-        reaped, _ = os.waitpid(pid, os.WNOHANG)  # our own child: reap it
-        return reaped == 0
-    except ChildProcessError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
 
 
 def start_head(

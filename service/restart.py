@@ -36,7 +36,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from service.head import RayHead, descendants
+from kaisa_ray.train.head import descendants
+from service.head import RayHead
 from service.jobs import Follower, Jobs
 from service.lifecycle import JobEvent, JobState
 from service.store import Job

@@ -11,32 +11,11 @@ from typing import Any, ClassVar
 import pytest
 import torch
 import torch.nn.functional as F
+from models import repeated_shapes
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kaisa_ray import KFACPreconditioner, batching
-
-
-def repeated_shapes() -> nn.Sequential:
-    """Three Linear layers of one shape, two convolutions of one shape, and odd ones."""
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(4, 4, 3, padding=1, bias=False),
-        nn.ReLU(),
-        nn.Conv2d(4, 4, 3, padding=1, bias=False),
-        nn.Flatten(),
-        nn.Linear(4 * 6 * 6, 12),
-        nn.Tanh(),
-        nn.Linear(12, 12),
-        nn.Tanh(),
-        nn.Linear(12, 12),
-        nn.Tanh(),
-        nn.Linear(12, 12),
-        nn.Tanh(),
-        nn.Linear(12, 5),
-    )
 
 
 def batches(count: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from harness import run_distributed
 from kfac_workers import equivalence_worker, reference_params
+from models import repeated_shapes
 from torch import nn
 
 from kaisa_ray import KFACPreconditioner
@@ -161,23 +162,7 @@ def test_cuda_profile_of_the_example_model_prices_exactly_the_plans_state() -> N
 
 
 def repeated_cnn() -> nn.Module:
-    """Layers of repeated shapes: three 12x12 Linear layers, two 4-channel convolutions."""
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(4, 4, 3, padding=1, bias=False),
-        nn.ReLU(),
-        nn.Conv2d(4, 4, 3, padding=1, bias=False),
-        nn.Flatten(),
-        nn.Linear(4 * 6 * 6, 12),
-        nn.Tanh(),
-        nn.Linear(12, 12),
-        nn.Tanh(),
-        nn.Linear(12, 12),
-        nn.Tanh(),
-        nn.Linear(12, 5),
-    ).cuda()
+    return repeated_shapes("cuda")
 
 
 def _train_cuda(model: nn.Module, preconditioner: KFACPreconditioner, steps: int) -> None:

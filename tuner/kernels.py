@@ -22,8 +22,6 @@ assignment: per layer, per group and per factor size, not from generic matmul cu
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -33,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa_ray import KFACPreconditioner, batching
+from tuner.measure import median_seconds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,24 +76,6 @@ class KernelProfile:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median wall seconds of ``run`` (after one warm-up), the device synchronised around."""
-    run()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure_kernels(

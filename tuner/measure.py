@@ -24,19 +24,21 @@ DEFAULT_MESSAGE_BYTES = (4 * 2**10, 256 * 2**10, 4 * 2**20, 16 * 2**20)
 DEFAULT_DIMS = (64, 128, 256, 512)
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for ``device`` (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+def median_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median wall seconds of ``run`` after a warm-up call, the device synchronised around."""
     run()  # warm-up: first calls pay for allocation and kernel selection
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -45,7 +47,7 @@ def _slowest_median(run: Callable[[], object], device: torch.device, repeats: in
     """The slowest rank's median seconds of the collective ``run``, after a barrier: every
     rank waits for the slowest, so that is what a collective costs; collective."""
     dist.barrier()
-    local = _median_seconds(run, device, repeats)
+    local = median_seconds(run, device, repeats)
     worst = torch.tensor([local], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst.item())
@@ -111,7 +113,7 @@ def fit_decomposition(
                 return torch.linalg.eigh(f)
             return torch.cholesky_inverse(torch.linalg.cholesky(f))
 
-        seconds.append(_median_seconds(decompose, device, repeats))
+        seconds.append(median_seconds(decompose, device, repeats))
     return CubicFit.fit(list(dims), seconds)
 
 
@@ -125,7 +127,7 @@ def precondition_rate(device: torch.device, a_dim: int, g_dim: int, repeats: int
     qa = torch.randn(a_dim, a_dim, generator=generator).to(device)
     qg = torch.randn(g_dim, g_dim, generator=generator).to(device)
     grad = torch.randn(g_dim, a_dim, generator=generator).to(device)
-    seconds = _median_seconds(lambda: qg.T @ grad @ qa, device, repeats)
+    seconds = median_seconds(lambda: qg.T @ grad @ qa, device, repeats)
     flops = 2.0 * g_dim * a_dim * (a_dim + g_dim)
     return seconds / flops
 
@@ -147,9 +149,9 @@ def compute_contention(device: torch.device, size: int = 256, repeats: int = 7) 
         return [a @ a for _ in range(8)]
 
     dist.barrier()
-    solo = _median_seconds(work, device, repeats) if dist.get_rank() == 0 else 0.0
+    solo = median_seconds(work, device, repeats) if dist.get_rank() == 0 else 0.0
     dist.barrier()  # the others wait here while rank 0 computes alone
-    together = _median_seconds(work, device, repeats)
+    together = median_seconds(work, device, repeats)
     mine = torch.tensor([together, solo], dtype=torch.float64, device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)

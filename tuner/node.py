@@ -19,8 +19,6 @@ import functools
 import os
 import platform
 import socket
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,27 +29,11 @@ import torch.multiprocessing as mp
 from kaisa_ray.enums import Precision
 from kaisa_ray.errors import ConfigurationError
 from tuner.hardware import hardware_from_dict
+from tuner.measure import median_seconds
 
 MATMUL_SIZES = (64, 128, 256, 512, 1024, 4096)
 EIGH_SIZES = (64, 256, 512, 1024, 2048, 4096)
 QUICK_SIZES = (32, 64, 128)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median(run: Callable[[], object], device: torch.device, repeats: int) -> float:
-    run()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _device_name(device: torch.device) -> str:
@@ -128,7 +110,7 @@ def _training_rate(
 
     for _ in range(3):
         step()
-    return 32 / _median(step, device, repeats)
+    return 32 / median_seconds(step, device, repeats)
 
 
 def measure(
@@ -179,14 +161,14 @@ def measure(
     gpu_entry["memory_bytes"] = _measured(total, "total device memory as torch reports it", where)
 
     tiny = torch.ones(8, device=target)
-    per_op = _median(lambda: [tiny.add_(1) for _ in range(100)], target, repeats) / 100
+    per_op = median_seconds(lambda: [tiny.add_(1) for _ in range(100)], target, repeats) / 100
     gpu_entry["kernel_latency_s"] = _measured(per_op, "median time of a tiny operation", where)
 
     rates: dict[str, list[dict[str, Any]]] = {Precision.FP32.value: []}
     generator = torch.Generator().manual_seed(0)
     for n in QUICK_SIZES if quick else MATMUL_SIZES:
         a = torch.randn(n, n, generator=generator).to(target)
-        seconds = _median(functools.partial(torch.matmul, a, a), target, repeats)
+        seconds = median_seconds(functools.partial(torch.matmul, a, a), target, repeats)
         rates[Precision.FP32.value].append(
             {"n": n, **_measured(2 * n**3 / seconds, f"float32 {n}x{n} matmul", where)}
         )
@@ -197,7 +179,7 @@ def measure(
             (Precision.FP16.value, torch.float16),
         ):
             a = torch.randn(n, n, generator=generator).to(target, dtype)
-            seconds = _median(functools.partial(torch.matmul, a, a), target, repeats)
+            seconds = median_seconds(functools.partial(torch.matmul, a, a), target, repeats)
             entry = _measured(2 * n**3 / seconds, f"{precision} {n}x{n} matmul", where)
             rates[precision] = [{"n": n, **entry}]
     gpu_entry["matmul_flops_per_s"] = {**gpu_entry.get("matmul_flops_per_s", {}), **rates}
@@ -208,7 +190,9 @@ def measure(
     for n in QUICK_SIZES if quick else EIGH_SIZES:
         x = torch.randn(n, n, generator=generator)
         spd = (x @ x.T / n + torch.eye(n)).to(target)
-        seconds = _median(functools.partial(torch.linalg.eigh, spd), target, max(2, repeats // 2))
+        seconds = median_seconds(
+            functools.partial(torch.linalg.eigh, spd), target, max(2, repeats // 2)
+        )
         eigh.append(
             {"n": n, **_measured(seconds, f"torch.linalg.eigh of a float32 {n}x{n}", where)}
         )

@@ -100,7 +100,7 @@ class Head:
 
     def running(self) -> bool:
         """The head's ``ray start`` process still runs."""
-        return _running(self.pid)
+        return running(self.pid)
 
     def up(self) -> bool:
         """The head has started (``ray start`` wrote its address) and its dashboard answers."""
@@ -125,14 +125,14 @@ class Head:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and _running(self.pid):
+        while time.monotonic() < deadline and running(self.pid):
             time.sleep(0.05)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
         for pid in family:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        _running(self.pid)  # reap it, if it is our child
+        running(self.pid)  # reap it, if it is our child
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def to_json(self) -> str:
@@ -164,7 +164,8 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """Whether process ``pid`` is alive (reaping it if it is our own exited child)."""
     try:
         reaped, _ = os.waitpid(pid, os.WNOHANG)  # our own child: reap it
         return reaped == 0

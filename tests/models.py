@@ -1,0 +1,29 @@
+"""Small models the core's tests share."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def repeated_shapes(device: str = "cpu") -> nn.Sequential:
+    """Layers of repeated shapes, for the batched paths: three Linear(12, 12) layers, two
+    bias-free 4-channel convolutions, and odd ones (input 2×6×6, five classes)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1, bias=False),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1, bias=False),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 12),
+        nn.Tanh(),
+        nn.Linear(12, 12),
+        nn.Tanh(),
+        nn.Linear(12, 12),
+        nn.Tanh(),
+        nn.Linear(12, 12),
+        nn.Tanh(),
+        nn.Linear(12, 5),
+    ).to(device)
