@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from fake_runner import FakeRunner
 from polling import wait_for
+from slow_plugin import slow_plugin  # noqa: F401 (a fixture)
 from test_service_api import Service, spec, start
 
 from service.admission import PROCESS_BYTES
@@ -174,29 +175,30 @@ def test_admission_counts_memory_and_refuses_a_job_larger_than_the_cluster(
 
 # -- /v1/plan: bounded ------------------------------------------------------------------------
 
-BERT_4096 = {"model": "bert-large", "workers": 4096, "batch_size": 8}
+SLOW_PLAN = {"model": "slow-mlp", "params": {"seconds": 600}, "workers": 2, "batch_size": 8}
 
 
+@pytest.mark.usefixtures("slow_plugin")
 def test_plans_are_bounded_in_number_and_time_and_never_hold_the_service(
     tmp_path: Path,
 ) -> None:
-    """One plan at a time (--max-plans 1), each for at most 3 s: BERT-Large on 4096 GPUs
-    (minutes of planning) ends with 504 naming the limit and the CLI; a second plan while
-    it runs is refused at once with 429 and Retry-After; the job list answers throughout;
-    the worker that ran over is gone."""
+    """One plan at a time (--max-plans 1), each for at most 3 s: a plan of a plugin model
+    that takes minutes to build ends with 504 naming the limit and the CLI; a second plan
+    while it runs is refused at once with 429 and Retry-After; the job list answers
+    throughout; the worker that ran over is gone."""
     fake = FakeRunner()
     app, client = start(tmp_path, fake, max_plans=1, plan_timeout_s=3)
     with client:
         answers: dict[str, Any] = {}
 
         def slow_plan() -> None:
-            answers["slow"] = client.post("/v1/plan", json=BERT_4096)
+            answers["slow"] = client.post("/v1/plan", json=SLOW_PLAN)
 
         runner = threading.Thread(target=slow_plan)
         runner.start()
         plans = app.state.runtime.plans
         wait_for(lambda: plans.running == 1, "the plan to start", timeout_s=60)
-        busy = client.post("/v1/plan", json=BERT_4096)
+        busy = client.post("/v1/plan", json=SLOW_PLAN)
         assert busy.status_code == 429, busy.text
         assert 1 <= int(busy.headers["Retry-After"]) <= 3
         assert "1 plans already running" in busy.json()["detail"]
