@@ -30,6 +30,12 @@ The same tuning effort for every optimizer, at every batch size (seed 0):
 - then the best point of each optimizer runs with seeds 0, 1 and 2, interleaved seed by seed,
   and the table reports medians.
 
+The peers a user would try instead, from heavyball 3.2.1 (the ``peers`` extra), at its
+defaults but the lr and no weight decay, eager (heavyball's ``torch.compile`` of the step
+off), tuned exactly as AdamW (5 lrs a factor 2 apart, heavyball's default in the middle):
+"SOAP", "Muon" (heavyball's ``MuonAdamW``: Muon for the weights of 2 or more dimensions, the
+convolutions' and the classifier's included, AdamW for the biases) and "PSGD Kron".
+
 K-FAC is the project's default curvature (Fisher-scale factors, debiased running averages,
 π-damping, damping 0.1, K-FAC-reduce, COMM-OPT) on SGD with Nesterov momentum 0.9, factors
 every 5 steps and eigendecompositions every 50 at global batches 128 and 512, every step and
@@ -87,7 +93,20 @@ QM = "K-FAC (quadratic model)"
 # batches the Levenberg-Marquardt rule otherwise lowers λ until the step fits its sample.
 QM_FLOOR = "K-FAC (quadratic model, λ ≥ 1e-3)"
 MIN_DAMPING = 1e-3
-OPTIMIZERS = ("SGD", "AdamW", "K-FAC", "K-FAC (lr)", "AdamW + K-FAC", DAMPED, QM, QM_FLOOR)
+# The peers a user would try instead (heavyball, the ``peers`` extra; kfac: off), each on a
+# grid of 5 lrs a factor 2 apart around heavyball's default, as AdamW's.
+PEERS = {"SOAP": "soap", "Muon": "muon", "PSGD Kron": "psgd-kron"}
+OPTIMIZERS = (
+    "SGD",
+    "AdamW",
+    "K-FAC",
+    "K-FAC (lr)",
+    "AdamW + K-FAC",
+    DAMPED,
+    QM,
+    QM_FLOOR,
+    *PEERS,
+)
 GRIDS: dict[str, list[float]] = {
     "SGD": [0.0125, 0.025, 0.05, 0.1, 0.2],
     "AdamW": [5e-4, 1e-3, 2e-3, 4e-3, 8e-3],
@@ -100,6 +119,9 @@ GRIDS: dict[str, list[float]] = {
     # λ₀, adapts by the Levenberg-Marquardt rule, so it runs at the JobSpec's 0.1, untuned.
     QM: [0.1],
     QM_FLOOR: [0.1],
+    "SOAP": [7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2],  # heavyball's default 3e-3 in the middle
+    "Muon": [6.25e-4, 1.25e-3, 2.5e-3, 5e-3, 1e-2],  # 2.5e-3
+    "PSGD Kron": [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3],  # 1e-3
 }
 # "K-FAC (lr)": the same curvature on SGD's own lr grid with the JobSpec's KL clip, as the
 # one-process ablation (optimizers_fashion_mnist.py --ablation) ran it, and the inverse method:
@@ -152,6 +174,8 @@ def spec(
         opt = {"name": "sgd"}  # unused: K-FAC takes the step
     elif optimizer in ("AdamW", "AdamW + K-FAC", DAMPED):
         opt = {"name": "adamw", "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
+    elif optimizer in PEERS:
+        opt = {"name": PEERS[optimizer], "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
     else:  # SGD's lr; under the "K-FAC" form 1, the clip being the step size
         sgd_lr = 1.0 if optimizer == "K-FAC" else step_size
         opt = {"name": "sgd", "lr": sgd_lr, "momentum": 0.9, "schedule": schedule}

@@ -21,6 +21,12 @@ and μ from the quadratic model, one damping from 0.1 adapted), no optimizer and
 it runs untuned, its finals only. "K-FAC (quadratic model, λ ≥ 1e-3)" is the same with the
 adapted damping floored at 1e-3 (``kfac.min_damping``), also finals only.
 
+The peers a user would try instead, from heavyball 3.2.1 (the ``peers`` extra), at its
+defaults but the lr (tuned as AdamW's, 4 points a factor 2 apart around heavyball's default)
+and no weight decay, eager (heavyball's ``torch.compile`` of the step off): SOAP, Muon (its
+``MuonAdamW``: Muon for every parameter of 2 or more dimensions, the embeddings and the head
+included, AdamW for the rest) and PSGD Kron.
+
 Run ``python benchmarks/transformer_fortunes.py`` (``--quick`` for a smoke run); ``--write``
 stores the table.
 """
@@ -64,7 +70,13 @@ GRIDS = {
     # adapts, so it runs untuned at the JobSpec's 0.1 (the step sizes here are that damping).
     QM: [0.1],
     QM_FLOOR: [0.1],
+    # The peers a user would try instead (heavyball, the ``peers`` extra; kfac: off): 4 lrs a
+    # factor 2 apart around heavyball's default, as AdamW's.
+    "SOAP": [1.5e-3, 3e-3, 6e-3, 1.2e-2],
+    "Muon": [1.25e-3, 2.5e-3, 5e-3, 1e-2],
+    "PSGD Kron": [5e-4, 1e-3, 2e-3, 4e-3],
 }
+PEERS = {"SOAP": "soap", "Muon": "muon", "PSGD Kron": "psgd-kron"}
 KFAC: dict[str, Any] = {
     "strategy": "comm-opt",
     "compute_method": "inverse",  # under π-damping: the eigen method's preconditioner, cheaper
@@ -86,12 +98,12 @@ def spec(optimizer: str, lr: float, seed: int, max_steps: int) -> dict[str, Any]
             if optimizer in (QM, QM_FLOOR)
             else "kfac"
             if "K-FAC" in optimizer
-            else "adamw"
+            else PEERS.get(optimizer, "adamw")
         ),
         "model": {"name": "char-transformer"},
         "dataset": {"name": "fortunes", "batch_size": PER_WORKER},
         "optimizer": {
-            "name": "adamw",
+            "name": PEERS.get(optimizer, "adamw"),
             "lr": lr,
             "weight_decay": 0.0,
             "schedule": {"kind": "constant", "warmup_steps": 50},

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.intervals import AdaptiveIntervals
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.train.spec import KFACSpec, OptimizerSpec, ScheduleSpec
@@ -33,7 +34,32 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[nn.Parameter]) -> torc
         )
     if spec.name == "adam":
         return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    if spec.name in PEERS:
+        return _peer(spec, params)
     return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+
+
+PEERS = {"soap": "SOAP", "muon": "MuonAdamW", "psgd-kron": "PSGDKron"}
+"""heavyball's class for each peer optimizer name (``spec.PEER_OPTIMIZERS``)."""
+
+
+def _peer(spec: OptimizerSpec, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """A peer from heavyball, eager: heavyball compiles its step with ``torch.compile`` by
+    default, which on CPU costs seconds per worker before the first step and fails for PSGD
+    Kron with torch's inductor (``benchmarks/step_cost.py`` measures both where it works)."""
+    try:
+        import heavyball
+        import heavyball.utils
+    except ImportError as err:
+        raise ConfigurationError(
+            f"optimizer {spec.name} comes from heavyball, which is not installed: pip install "
+            "'kaisa-ray[peers]'"
+        ) from err
+    heavyball.utils.compile_mode = None
+    optimizer: torch.optim.Optimizer = getattr(heavyball, PEERS[spec.name])(
+        list(params), lr=spec.lr, weight_decay=spec.weight_decay
+    )
+    return optimizer
 
 
 def lr_factor(schedule: ScheduleSpec, total_steps: int) -> Callable[[int], float]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import importlib.util
 import inspect
 import json
 import types
@@ -292,8 +293,15 @@ class ScheduleSpec(_Strict):
     gamma: Annotated[float, Field(gt=0, le=1)] = 0.1
 
 
+PEER_OPTIMIZERS = ("soap", "muon", "psgd-kron")
+"""Optimizers that precondition the gradient themselves, from heavyball (the ``peers``
+extra), for comparing K-FAC with what a user would try instead: SOAP, Muon (with AdamW for
+the parameters of fewer than 2 dimensions) and PSGD Kron, at heavyball's defaults but
+``lr`` and ``weight_decay``. They run with ``kfac: off``."""
+
+
 class OptimizerSpec(_Strict):
-    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    name: Literal["sgd", "adam", "adamw", "soap", "muon", "psgd-kron"] = "sgd"
     lr: Annotated[float, Field(gt=0, le=1e4)] = 0.05
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
     nesterov: bool = True
@@ -699,6 +707,23 @@ class JobSpec(_Strict):
                 resolve_grad_worker_fraction(self.kfac.strategy, self.scaling.workers)
             except ConfigurationError as exc:
                 raise ValueError(f"kfac.strategy does not fit scaling.workers: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _peer_optimizer_fits(self) -> JobSpec:
+        name = self.optimizer.name
+        if name not in PEER_OPTIMIZERS:
+            return self
+        if self.kfac != "off":
+            raise ValueError(
+                f"optimizer {name} preconditions the gradient itself: set kfac: off (K-FAC "
+                "runs on sgd, adam or adamw)"
+            )
+        if importlib.util.find_spec("heavyball") is None:
+            raise ValueError(
+                f"optimizer {name} comes from heavyball, which is not installed: pip install "
+                "'kaisa-ray[peers]' where the job's workers run"
+            )
         return self
 
     @model_validator(mode="after")
