@@ -17,6 +17,8 @@ import torch
 if TYPE_CHECKING:
     from ray_head import RayHead
 
+HEAD = pytest.StashKey["RayHead"]()
+
 
 # Modules of many processes (gloo process groups spawned per test): ``slow``, not ``ray``.
 MANY_PROCESSES = {
@@ -69,15 +71,32 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
-def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
+def ray_head(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RayHead]:
     """One real Ray head (job server, token auth) for the run; this process is connected."""
     import ray
     from ray_head import start_head
 
     head = start_head(tmp_path_factory.mktemp("ray"), token=os.environ["RAY_AUTH_TOKEN"])
+    request.config.stash[HEAD] = head
     try:
         ray.init(address=head.gcs_address, include_dashboard=False, log_to_driver=False)
         yield head
     finally:
         ray.shutdown()
         head.stop()
+        del request.config.stash[HEAD]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_ray_job_outlives_its_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The Ray Jobs a module leaves unfinished on the shared head (a failed test's job of
+    100,000 steps) are stopped when it ends, so that they do not train on, and slow down,
+    the modules after it."""
+    yield
+    head = request.config.stash.get(HEAD, None)
+    if head is not None and head.alive():
+        from ray_head import stop_unfinished_jobs
+
+        stop_unfinished_jobs(head)

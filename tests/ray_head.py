@@ -12,7 +12,7 @@ from pathlib import Path
 from service.head import RAY, RayHead, free_port
 from service.head import start_head as _start_head
 
-__all__ = ["RAY", "TEST_ENV", "RayHead", "free_port", "start_head"]
+__all__ = ["RAY", "TEST_ENV", "RayHead", "free_port", "start_head", "stop_unfinished_jobs"]
 
 # ENVIRONMENT.md: fast, reliable Ray in tests.
 TEST_ENV = {
@@ -27,3 +27,18 @@ def start_head(log_dir: Path, *, token: str | None = None, num_cpus: int = 4) ->
     return _start_head(
         log_dir, token=token, num_cpus=num_cpus, object_store_bytes=100 * 2**20, env=TEST_ENV
     )
+
+
+def stop_unfinished_jobs(head: RayHead) -> list[str]:
+    """Stops every Ray Job on ``head`` that has not finished: what a failed test left behind
+    (a job of 100,000 steps whose cancel never came) must not train on under the next
+    modules that share the head. Returns their submission ids."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(head.dashboard_url)
+    stopped = []
+    for job in client.list_jobs():
+        if job.submission_id is not None and not job.status.is_terminal():
+            client.stop_job(job.submission_id)
+            stopped.append(job.submission_id)
+    return stopped
