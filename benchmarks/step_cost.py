@@ -63,30 +63,52 @@ def chosen(entries: list[Entry], batch: int) -> dict[str, tuple[float, float | N
     return out
 
 
+COMPILED = " (compiled)"
+"""A peer's row with heavyball's ``torch.compile`` of its step on (its default; the jobs run
+it eager): compiled before the rounds (``WARMUP_STEPS``), so its rows time the compiled step
+alone, not the seconds of compiling that a job would also pay."""
+COMPILE_MODE = "max-autotune-no-cudagraphs"  # heavyball 3.2.1's default
+WARMUP_STEPS = 3
+
+
 def worker(
     rank: int, store: str, out: str, jobs: list[dict[str, Any]], rounds: int, steps: int
 ) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORKERS)
+    compiled = [bool(job.pop("compiled", False)) for job in jobs]
     built = [
         Training.build(parse_job_spec(job), rank=rank, world=WORKERS, device=torch.device("cpu"))
         for job in jobs
     ]
     criterion = nn.CrossEntropyLoss()
     times: list[list[float]] = [[] for _ in jobs]
+
+    def step_once(index: int, training: Training) -> float:
+        if any(compiled):
+            import heavyball.utils
+
+            heavyball.utils.compile_mode = COMPILE_MODE if compiled[index] else None
+        step = training.step + 1
+        x, y = training.shard.batch(step)
+        dist.barrier()
+        tick = time.perf_counter()
+        training.optimizer.zero_grad(set_to_none=True)
+        loss = criterion(training.net(x), y)
+        training.update(loss, x, y)  # the optimizer's step, or K-FAC's own
+        training.step = step
+        return (time.perf_counter() - tick) * 1000
+
+    for index, training in enumerate(built):
+        if compiled[index]:
+            training.net.train()
+            for _ in range(WARMUP_STEPS):
+                step_once(index, training)
     for _ in range(rounds):
         for index, training in enumerate(built):
             training.net.train()
             for _ in range(steps):
-                step = training.step + 1
-                x, y = training.shard.batch(step)
-                dist.barrier()
-                tick = time.perf_counter()
-                training.optimizer.zero_grad(set_to_none=True)
-                loss = criterion(training.net(x), y)
-                training.update(loss, x, y)  # the optimizer's step, or K-FAC's own
-                training.step = step
-                times[index].append((time.perf_counter() - tick) * 1000)
+                times[index].append(step_once(index, training))
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
@@ -112,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=50, help="steps of a job per round")
     parser.add_argument("--quick", action="store_true", help="batch 128, 1 round of 10 steps")
+    parser.add_argument(
+        "--no-compiled", dest="compiled", action="store_false", help="no compiled peer rows"
+    )
     parser.add_argument("--write", action="store_true", help="store the table")
     parser.add_argument("--out", type=Path, default=RESULTS / "step_cost.json")
     args = parser.parse_args(argv)
@@ -129,9 +154,16 @@ def main(argv: list[str] | None = None) -> int:
         if not points:
             print(f"batch {batch}: no finals in {args.json}; skipped", file=sys.stderr)
             continue
+        for peer in ("SOAP", "Muon"):  # PSGD Kron's step does not compile on CPU
+            if peer in points and args.compiled:
+                points[peer + COMPILED] = points[peer]
         names = list(points)
         lr = partial(tuned_lr, entries, batch)
-        jobs = [spec(batch, name, points[name][0], 0, 100_000, lr=lr) for name in names]
+        jobs = [
+            spec(batch, name.removesuffix(COMPILED), points[name][0], 0, 100_000, lr=lr)
+            | ({"compiled": True} if name.endswith(COMPILED) else {})
+            for name in names
+        ]
         times = measure(jobs, args.rounds, args.steps)
         ms = {name: statistics.mean(t) for name, t in zip(names, times, strict=True)}
         wall: dict[str, float | None] = {}
@@ -144,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             med = points[name][1]
             w = wall[name]
             ratio = "-"
-            if best is not None and w is not None and "K-FAC" in name:
+            if best is not None and w is not None and name not in first_order:
                 ratio = f"{w / (wall[best] or 1):.2f}x {best}"
             rows.append(
                 [
@@ -179,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             "step ÷ SGD's",
             "steps to 88% (median)",
             "steps x ms/step (s)",
-            "K-FAC ÷ best first-order",
+            "time ÷ best first-order's",
         ],
         rows,
     )
