@@ -26,6 +26,7 @@ from service.head import RayHead, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
+BERT_4096 = {"model": "bert-large", "workers": 4096, "batch_size": 8}
 SLOW_PLAN = {"model": "slow-mlp", "params": {"seconds": 600}, "workers": 2, "batch_size": 8}
 HEADER_TIMEOUT_S = 2
 
@@ -123,6 +124,17 @@ def test_a_plan_whose_client_goes_away_is_ended(service: ServiceProcess) -> None
     wait_for(lambda: plans_metric(service, "kaisa_ray_plans_running") == 0, "the plan's end", 30)
     assert plans_metric(service, 'kaisa_ray_plans_total{outcome="cancelled"}') == 1
     wait_for(lambda: worker not in plan_workers(service), "its worker to be killed", 30)
+
+
+def test_bert_large_on_4096_gpus_is_answered_within_the_limit(service: ServiceProcess) -> None:
+    """The plan that used to starve the service (minutes of pure Python at 4096 GPUs) is
+    priced in seconds now: 200 within the service's default time limit."""
+    began = time.monotonic()
+    answer = httpx.post(f"{service.url}/v1/plan", json=BERT_4096, timeout=300)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["inputs"]["workers"] == 4096
+    print(f"BERT-Large on 4096 GPUs planned in {time.monotonic() - began:.1f} s")
+    wait_for(lambda: plans_metric(service, "kaisa_ray_plans_running") == 0, "the plan's end", 30)
 
 
 def test_40_plans_at_once_never_slow_the_job_list_and_sigterm_ends_the_service_at_once(
