@@ -382,6 +382,25 @@ COLUMNS = [
 ]
 
 
+def row_of(result: dict[str, Any], memory: bool = False) -> list[str]:
+    """A table row (``COLUMNS``, then peak MiB with ``memory``) from a JSON row of
+    ``tabulate``: the stored results print as they were measured."""
+    found = result["phases"]
+    row = [
+        result["config"],
+        result["version"],
+        f"{result['summary']['mean']:.2f}",
+        f"{result['ratio']:.2f}x",
+        *(
+            f"{found[k]:.2f}" if k in found else "-"
+            for k in ("precondition", "products", "factors", "decompositions")
+        ),
+    ]
+    if memory:
+        row.append(f"{result['peak_mib'] or 0.0:.0f}")
+    return row
+
+
 def tabulate(
     configs: Sequence[Config], measured: Measured, versions: Sequence[str], memory: bool = False
 ) -> tuple[list[list[str]], list[dict[str, Any]]]:
@@ -404,29 +423,16 @@ def tabulate(
                 found = phases(summary, plain[base_key])
                 found["products"] = statistics.median(measured.products[key])
             ratio = summary["mean"] / plain[base_key]
-            row = [
-                config.label,
-                version,
-                f"{summary['mean']:.2f}",
-                f"{ratio:.2f}x",
-                *(
-                    f"{found[k]:.2f}" if k in found else "-"
-                    for k in ("precondition", "products", "factors", "decompositions")
-                ),
-            ]
-            if memory:
-                row.append(f"{measured.peak_mib.get(key, 0.0):.0f}")
-            rows.append(row)
-            results.append(
-                {
-                    "config": config.label,
-                    "version": version,
-                    "summary": summary,
-                    "phases": found,
-                    "ratio": ratio,
-                    "peak_mib": measured.peak_mib.get(key),
-                }
-            )
+            result = {
+                "config": config.label,
+                "version": version,
+                "summary": summary,
+                "phases": found,
+                "ratio": ratio,
+                "peak_mib": measured.peak_mib.get(key),
+            }
+            rows.append(row_of(result, memory))
+            results.append(result)
     return rows, results
 
 

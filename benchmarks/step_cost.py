@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--write", action="store_true", help="store the table")
     parser.add_argument("--out", type=Path, default=RESULTS / "step_cost.json")
+    parser.add_argument(
+        "--block", default="step-cost", help="the benchmarks/README.md block --write replaces"
+    )
     args = parser.parse_args(argv)
     if not args.json.exists():
         parser.error(f"{args.json} does not exist: run batch_size_study.py first (or give --json)")
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.write:
         args.out.write_text(json.dumps({"header": header, "rows": results}, indent=1))
-        write_block("step-cost", text)
+        write_block(args.block, text)
     return 0
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from phases import COLUMNS, JOBSPEC_CURVATURE, Config, run_rounds, tabulate
+from phases import COLUMNS, JOBSPEC_CURVATURE, Config, row_of, run_rounds, tabulate
 from report import git_commit, machine, table, write_block
 
 HERE = Path(__file__).resolve().parent
@@ -67,7 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one round of 10 steps, LeNet")
     parser.add_argument("--write", action="store_true")
+    parser.add_argument(
+        "--report", action="store_true", help="run nothing: the table from results/step_phases.json"
+    )
     args = parser.parse_args(argv)
+    if args.report:
+        stored = json.loads((RESULTS / "step_phases.json").read_text())
+        text = table(stored["header"], COLUMNS, [row_of(r) for r in stored["rows"]])
+        print(text)
+        if args.write:
+            write_block("step-phases", text)
+        return 0
     configs = CONFIGS
     if args.quick:
         args.rounds = 1
