@@ -308,6 +308,9 @@ def plot(entries: list[Entry], steps_path: Path, curve_path: Path) -> None:
         DAMPED: "tab:red",
         QM: "tab:brown",
         QM_FLOOR: "tab:pink",
+        "SOAP": "tab:olive",
+        "Muon": "tab:cyan",
+        "PSGD Kron": "black",
     }
     finals = [e for e in entries if e.phase == "final"]
     fig, ax = plt.subplots(figsize=(7, 5))
