@@ -175,6 +175,9 @@ def main() -> None:
         default="both",
         help="only the tuning grid (steps: any machine) or only the finals (seconds: a quiet one)",
     )
+    parser.add_argument(
+        "--optimizers", nargs="+", choices=list(GRIDS), default=list(GRIDS), metavar="NAME"
+    )
     parser.add_argument("--quick", action="store_true", help="1 seed, 2 lrs, 40 steps")
     parser.add_argument("--write", action="store_true", help="store the table")
     parser.add_argument(
@@ -182,9 +185,10 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, default=RESULTS / "transformer_fortunes.json")
     args = parser.parse_args()
-    grids, seeds, max_steps = GRIDS, SEEDS, MAX_STEPS
+    grids = {o: GRIDS[o] for o in args.optimizers}
+    seeds, max_steps = SEEDS, MAX_STEPS
     if args.quick:
-        grids = {o: g[1:3] or g for o, g in GRIDS.items()}
+        grids = {o: g[1:3] or g for o, g in grids.items()}
         seeds, max_steps = (0,), 40
         args.json = Path(tempfile.mkdtemp()) / "quick.json"
     phases = ("tune", "final") if args.phase == "both" else (args.phase,)
