@@ -50,6 +50,14 @@ def _covariance(
     return _covariance_features_first(rows.transpose(-1, -2), scale, count, False, into)
 
 
+def _bfloat16_product(rows: torch.Tensor) -> bool:
+    """Whether a product of ``rows`` runs in bfloat16 on CPU: bfloat16 rows, or float32
+    ones at matmul precision 'medium'."""
+    if rows.dtype == torch.bfloat16:
+        return True
+    return rows.dtype == torch.float32 and torch.get_float32_matmul_precision() == "medium"
+
+
 def _covariance_features_first(
     rows: torch.Tensor,
     scale: float,
@@ -68,9 +76,9 @@ def _covariance_features_first(
     """
     k, d, n = rows.shape
     factor = scale * scale / count
-    if rows.device.type == "cpu" and not rows.is_contiguous():
-        # oneDNN's bfloat16 products (matmul_precision 'medium') take only a contiguous first
-        # operand; the copy is n·d against the product's n·d² (on CUDA, cuBLAS takes views)
+    if rows.device.type == "cpu" and not rows.is_contiguous() and _bfloat16_product(rows):
+        # oneDNN's bfloat16 products take only a contiguous first operand; in float32 the
+        # transposed view is faster than a copy (on CUDA, cuBLAS takes views either way)
         rows = rows.contiguous()
     if bias and n < d:
         rows = torch.cat([rows, rows.new_ones((k, 1, n))], dim=1)
