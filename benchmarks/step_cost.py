@@ -135,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=50, help="steps of a job per round")
     parser.add_argument("--quick", action="store_true", help="batch 128, 1 round of 10 steps")
     parser.add_argument(
+        "--transformer",
+        action="store_true",
+        help="the transformer benchmark's finals instead of the study's",
+    )
+    parser.add_argument(
         "--no-compiled", dest="compiled", action="store_false", help="no compiled peer rows"
     )
     parser.add_argument("--write", action="store_true", help="store the table")
@@ -145,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.json.exists():
         parser.error(f"{args.json} does not exist: run batch_size_study.py first (or give --json)")
+    if args.transformer:
+        return transformer(args)
     entries = Study(args.json, Path(), {}, resume=True).entries
     batches = args.batches or sorted({int(e.group) for e in entries if e.phase == "final"})
     if args.quick:
@@ -215,6 +222,76 @@ def main(argv: list[str] | None = None) -> int:
             "steps to 88% (median)",
             "steps x ms/step (s)",
             "time ÷ best first-order's",
+        ],
+        rows,
+    )
+    print(text)
+    if args.write:
+        args.out.write_text(json.dumps({"header": header, "rows": results}, indent=1))
+        write_block(args.block, text)
+    return 0
+
+
+def transformer(args: argparse.Namespace) -> int:
+    """The transformer benchmark's tuned jobs (its finals), stepped as the study's are:
+    validation loss 2.0 in its median steps × the mean step in the same rounds."""
+    import transformer_fortunes as lm
+
+    path = lm.RESULTS / "transformer_fortunes.json"
+    study = Study(path, Path(), {}, resume=True)
+    points: dict[str, tuple[float, float | None]] = {}
+    for name in lm.GRIDS:
+        finals = study.finals("lm", name)
+        if finals:
+            points[name] = (finals[0].step_size, median_or_none([e.run.steps for e in finals]))
+    for peer in ("SOAP", "Muon"):
+        if peer in points and args.compiled:
+            points[peer + COMPILED] = points[peer]
+    names = list(points)
+    jobs = [
+        lm.spec(name.removesuffix(COMPILED), points[name][0], 0, 100_000)
+        | ({"compiled": True} if name.endswith(COMPILED) else {})
+        for name in names
+    ]
+    load_before = os.getloadavg()
+    times = measure(jobs, args.rounds, args.steps)
+    ms = {name: statistics.mean(t) for name, t in zip(names, times, strict=True)}
+    wall = {n: None if points[n][1] is None else points[n][1] * ms[n] / 1000 for n in names}
+    rows, results = [], []
+    for name in names:
+        med, w = points[name][1], wall[name]
+        rows.append(
+            [
+                name,
+                f"{points[name][0]:g}",
+                f"{ms[name]:.1f}",
+                f"{ms[name] / ms['AdamW']:.2f}x",
+                "-" if med is None else f"{med:.0f}",
+                "-" if w is None else f"{w:.1f}",
+                "-" if w is None or wall["AdamW"] is None else f"{w / wall['AdamW']:.2f}x",
+            ]
+        )
+        results.append(
+            {"optimizer": name, "step_size": points[name][0], "ms_per_step": ms[name],
+             "median_steps": med, "seconds": w}
+        )  # fmt: skip
+    started = datetime.datetime.now(datetime.UTC)
+    header = (
+        f"Measured {started:%Y-%m-%d} at commit {git_commit()} on {machine()} (load average "
+        f"before: {', '.join(f'{v:.2f}' for v in load_before)}); {WORKERS} gloo processes, one "
+        f"thread each, {args.rounds} interleaved rounds of {args.steps} steps per job; steps to "
+        f"validation loss {lm.TARGET} from the transformer benchmark's finals ({path.name})."
+    )
+    text = table(
+        header,
+        [
+            "optimizer",
+            "lr",
+            "ms/step (mean)",
+            "step ÷ AdamW's",
+            f"steps to {lm.TARGET} (median)",
+            "steps x ms/step (s)",
+            "time ÷ AdamW's",
         ],
         rows,
     )

@@ -68,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one round of 10 steps, LeNet")
     parser.add_argument("--write", action="store_true")
     parser.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=sorted({c.workload for c in CONFIGS}),
+        help="only these workloads (default: all)",
+    )
+    parser.add_argument(
         "--report", action="store_true", help="run nothing: the table from results/step_phases.json"
     )
     args = parser.parse_args(argv)
@@ -78,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.write:
             write_block("step-phases", text)
         return 0
-    configs = CONFIGS
+    configs = [c for c in CONFIGS if args.workloads is None or c.workload in args.workloads]
     if args.quick:
         args.rounds = 1
         configs = [
