@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,56 @@ def measure(jobs: list[dict[str, Any]], rounds: int, steps: int) -> list[list[fl
     return times
 
 
+Points = dict[str, tuple[float, float | None]]  # optimizer: (step size, median steps)
+
+
+def priced(
+    points: Points, build: Callable[[str, float], dict[str, Any]], args: argparse.Namespace
+) -> tuple[Points, dict[str, float], dict[str, float | None]]:
+    """Each point's job (``build(optimizer, step size)``) stepped in the interleaved rounds,
+    with compiled rows for SOAP and Muon (PSGD Kron's step does not compile on CPU) unless
+    ``--no-compiled``: the rows' points, their mean ms a step, and median steps × that in s."""
+    points = dict(points)
+    for peer in ("SOAP", "Muon"):
+        if peer in points and args.compiled:
+            points[peer + COMPILED] = points[peer]
+    names = list(points)
+    jobs = [
+        build(name.removesuffix(COMPILED), points[name][0])
+        | ({"compiled": True} if name.endswith(COMPILED) else {})
+        for name in names
+    ]
+    times = measure(jobs, args.rounds, args.steps)
+    ms = {name: statistics.mean(t) for name, t in zip(names, times, strict=True)}
+    wall = {n: None if points[n][1] is None else points[n][1] * ms[n] / 1000 for n in names}
+    return points, ms, wall
+
+
+def finish(
+    args: argparse.Namespace,
+    load_before: tuple[float, float, float],
+    target: str,
+    columns: list[str],
+    rows: list[list[str]],
+    results: list[dict[str, Any]],
+) -> int:
+    """The table under a header that says where and how it was measured; with ``--write``,
+    the JSON and the README block."""
+    started = datetime.datetime.now(datetime.UTC)
+    header = (
+        f"Measured {started:%Y-%m-%d} at commit {git_commit()} on {machine()} (load average "
+        f"before: {', '.join(f'{v:.2f}' for v in load_before)}); {WORKERS} gloo processes, one "
+        f"thread each, {args.rounds} interleaved rounds of {args.steps} steps per job; steps to "
+        f"{target}."
+    )
+    text = table(header, columns, rows)
+    print(text)
+    if args.write:
+        args.out.write_text(json.dumps({"header": header, "rows": results}, indent=1))
+        write_block(args.block, text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=RESULTS / "batch_size_study.json")
@@ -164,22 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         if not points:
             print(f"batch {batch}: no finals in {args.json}; skipped", file=sys.stderr)
             continue
-        for peer in ("SOAP", "Muon"):  # PSGD Kron's step does not compile on CPU
-            if peer in points and args.compiled:
-                points[peer + COMPILED] = points[peer]
-        names = list(points)
         lr = partial(tuned_lr, entries, batch)
-        jobs = [
-            spec(batch, name.removesuffix(COMPILED), points[name][0], 0, 100_000, lr=lr)
-            | ({"compiled": True} if name.endswith(COMPILED) else {})
-            for name in names
-        ]
-        times = measure(jobs, args.rounds, args.steps)
-        ms = {name: statistics.mean(t) for name, t in zip(names, times, strict=True)}
-        wall: dict[str, float | None] = {}
-        for name in names:
-            med = points[name][1]
-            wall[name] = None if med is None else med * ms[name] / 1000
+        build = partial(spec, batch, seed=0, max_steps=100_000, lr=lr)
+        points, ms, wall = priced(points, build, args)
+        names = list(points)
         first_order = [n for n in ("SGD", "AdamW") if wall.get(n) is not None]
         best = min(first_order, key=lambda n: wall[n] or 0.0) if first_order else None
         for name in names:
@@ -204,15 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                 {"batch": batch, "optimizer": name, "step_size": points[name][0],
                  "ms_per_step": ms[name], "median_steps": med, "seconds": w}
             )  # fmt: skip
-    started = datetime.datetime.now(datetime.UTC)
-    header = (
-        f"Measured {started:%Y-%m-%d} at commit {git_commit()} on {machine()} (load average "
-        f"before: {', '.join(f'{v:.2f}' for v in load_before)}); {WORKERS} gloo processes, one "
-        f"thread each, {args.rounds} interleaved rounds of {args.steps} steps per job; steps to "
-        f"88% from the study's finals ({args.json.name})."
-    )
-    text = table(
-        header,
+    return finish(
+        args,
+        load_before,
+        f"88% from the study's finals ({args.json.name})",
         [
             "global batch",
             "optimizer",
@@ -224,12 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             "time ÷ best first-order's",
         ],
         rows,
+        results,
     )
-    print(text)
-    if args.write:
-        args.out.write_text(json.dumps({"header": header, "rows": results}, indent=1))
-        write_block(args.block, text)
-    return 0
 
 
 def transformer(args: argparse.Namespace) -> int:
@@ -239,24 +269,14 @@ def transformer(args: argparse.Namespace) -> int:
 
     path = lm.RESULTS / "transformer_fortunes.json"
     study = Study(path, Path(), {}, resume=True)
-    points: dict[str, tuple[float, float | None]] = {}
+    points: Points = {}
     for name in lm.GRIDS:
         finals = study.finals("lm", name)
         if finals:
             points[name] = (finals[0].step_size, median_or_none([e.run.steps for e in finals]))
-    for peer in ("SOAP", "Muon"):
-        if peer in points and args.compiled:
-            points[peer + COMPILED] = points[peer]
-    names = list(points)
-    jobs = [
-        lm.spec(name.removesuffix(COMPILED), points[name][0], 0, 100_000)
-        | ({"compiled": True} if name.endswith(COMPILED) else {})
-        for name in names
-    ]
     load_before = os.getloadavg()
-    times = measure(jobs, args.rounds, args.steps)
-    ms = {name: statistics.mean(t) for name, t in zip(names, times, strict=True)}
-    wall = {n: None if points[n][1] is None else points[n][1] * ms[n] / 1000 for n in names}
+    points, ms, wall = priced(points, partial(lm.spec, seed=0, max_steps=100_000), args)
+    names = list(points)
     rows, results = [], []
     for name in names:
         med, w = points[name][1], wall[name]
@@ -275,15 +295,10 @@ def transformer(args: argparse.Namespace) -> int:
             {"optimizer": name, "step_size": points[name][0], "ms_per_step": ms[name],
              "median_steps": med, "seconds": w}
         )  # fmt: skip
-    started = datetime.datetime.now(datetime.UTC)
-    header = (
-        f"Measured {started:%Y-%m-%d} at commit {git_commit()} on {machine()} (load average "
-        f"before: {', '.join(f'{v:.2f}' for v in load_before)}); {WORKERS} gloo processes, one "
-        f"thread each, {args.rounds} interleaved rounds of {args.steps} steps per job; steps to "
-        f"validation loss {lm.TARGET} from the transformer benchmark's finals ({path.name})."
-    )
-    text = table(
-        header,
+    return finish(
+        args,
+        load_before,
+        f"validation loss {lm.TARGET} from the transformer benchmark's finals ({path.name})",
         [
             "optimizer",
             "lr",
@@ -294,12 +309,8 @@ def transformer(args: argparse.Namespace) -> int:
             "time ÷ AdamW's",
         ],
         rows,
+        results,
     )
-    print(text)
-    if args.write:
-        args.out.write_text(json.dumps({"header": header, "rows": results}, indent=1))
-        write_block(args.block, text)
-    return 0
 
 
 if __name__ == "__main__":
