@@ -35,11 +35,10 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kaisa_ray.train.head import descendants, running
+from kaisa_ray.train.head import RAY as RAY  # re-exported: the tests start heads with it
+from kaisa_ray.train.head import descendants, ray_start_command, running
 
 logger = logging.getLogger(__name__)
-
-RAY = str(Path(sys.executable).with_name("ray"))
 
 
 def venv_path() -> str:
@@ -165,24 +164,7 @@ def start_head(
     # makes its temp directory world-writable (chmod 0777), so it lives in a folder of its
     # own that only this user can enter (mkdtemp's 0700), removed when the head stops.
     temp_dir = os.path.join(tempfile.mkdtemp(prefix="kaisa-ray-", dir="/tmp"), "ray")
-    command = [
-        RAY,
-        "start",
-        "--head",
-        "--block",
-        f"--temp-dir={temp_dir}",
-        f"--port={gcs}",
-        "--include-dashboard=true",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dashboard}",
-        f"--dashboard-agent-listen-port={free_port()}",
-        f"--ray-client-server-port={free_port()}",
-        "--disable-usage-stats",
-    ]
-    if num_cpus is not None:
-        command.append(f"--num-cpus={num_cpus}")
-    if object_store_bytes is not None:
-        command.append(f"--object-store-memory={object_store_bytes}")
+    command = ray_start_command(temp_dir, gcs, dashboard, num_cpus, object_store_bytes)
     with log.open("wb") as out:
         process = subprocess.Popen(
             command, env=head_env, stdout=out, stderr=subprocess.STDOUT, process_group=0

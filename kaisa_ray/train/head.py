@@ -191,6 +191,38 @@ TRANSIENT = ("timed out during startup", "address already in use", "Address alre
 overloaded machine), or a port chosen free taken by someone else before Ray bound it."""
 
 
+def ray_start_command(
+    temp_dir: str,
+    gcs: int,
+    dashboard: int,
+    num_cpus: float | None = None,
+    object_store_bytes: int | None = None,
+) -> list[str]:
+    """``ray start --head --block`` on the given ports (the dashboard agent's and the client
+    server's: free ones), in ``temp_dir``, dashboard on loopback only."""
+    command = [
+        RAY,
+        "start",
+        "--head",
+        "--block",
+        f"--temp-dir={temp_dir}",
+        f"--port={gcs}",
+        # The dashboard: the job server, and the State API that Ray Train's placement-group
+        # cleaner asks whether a run's controller still lives.
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--ray-client-server-port={free_port()}",
+        "--disable-usage-stats",
+    ]
+    if num_cpus is not None:
+        command.append(f"--num-cpus={num_cpus:g}")
+    if object_store_bytes is not None:
+        command.append(f"--object-store-memory={object_store_bytes}")
+    return command
+
+
 def start_head(
     *,
     env: Mapping[str, str] | None = None,
@@ -249,26 +281,7 @@ def _start_once(
     head_env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"  # every process of this head: this head
     temp_dir = tempfile.mkdtemp(prefix=HEAD_PREFIX, dir=temp_root)
     log = Path(temp_dir) / "ray-start.log"
-    command = [
-        RAY,
-        "start",
-        "--head",
-        "--block",
-        f"--temp-dir={temp_dir}",
-        f"--port={gcs}",
-        # The dashboard: the job server, and the State API that Ray Train's placement-group
-        # cleaner asks whether a run's controller still lives.
-        "--include-dashboard=true",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dashboard}",
-        f"--dashboard-agent-listen-port={free_port()}",
-        f"--ray-client-server-port={free_port()}",
-        "--disable-usage-stats",
-    ]
-    if num_cpus is not None:
-        command.append(f"--num-cpus={num_cpus:g}")
-    if object_store_bytes is not None:
-        command.append(f"--object-store-memory={object_store_bytes}")
+    command = ray_start_command(temp_dir, gcs, dashboard, num_cpus, object_store_bytes)
     with log.open("wb") as out:
         process = subprocess.Popen(
             command,
