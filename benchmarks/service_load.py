@@ -66,7 +66,8 @@ import httpx
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.head import RayHead, free_port, venv_path
+from kaisa_ray.train.head import free_port
+from service.head import RayHead, venv_path
 from service.settings import Settings
 
 HERE = Path(__file__).resolve().parent

@@ -26,7 +26,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kaisa_ray.train.head import RAY as RAY  # re-exported: the tests start heads with it
-from kaisa_ray.train.head import descendants, ray_start_command, running
+from kaisa_ray.train.head import descendants, free_port, ray_start_command, running
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +43,6 @@ logger = logging.getLogger(__name__)
 def venv_path() -> str:
     """PATH with this interpreter's bin first, so that job entrypoints find ``kaisa-ray``."""
     return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 SERVICE_PREFIX = "KAISA_RAY_"

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.head import RAY, RayHead, free_port
+from kaisa_ray.train.head import free_port
+from service.head import RAY, RayHead
 from service.head import start_head as _start_head
 
 __all__ = ["RAY", "TEST_ENV", "RayHead", "free_port", "start_head", "stop_unfinished_jobs"]

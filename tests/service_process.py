@@ -15,8 +15,9 @@ from pathlib import Path
 
 import httpx
 
+from kaisa_ray.train.head import free_port
 from service.client import ServiceClient
-from service.head import free_port, venv_path
+from service.head import venv_path
 
 KAISA_RAY = str(Path(sys.executable).with_name("kaisa-ray"))
 
@@ -77,8 +78,31 @@ def start_service(
     port: int | None = None,
 ) -> ServiceProcess:
     """``kaisa-ray serve`` on ``port`` (a free loopback one by default); returns once
-    ``/readyz`` says ready."""
-    port = port or free_port()
+    ``/readyz`` says ready. A port of our choosing that something else took between the choice
+    and uvicorn's bind (the service's own Ray head opens dozens while it starts) is chosen again."""
+    for attempt in range(3):
+        chosen = port or reusable_port()
+        try:
+            return _start_service(data_dir, chosen, token, ray_address, env, timeout_s, log_name)
+        except PortTakenError:
+            if port is not None or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class PortTakenError(RuntimeError):
+    """The service exited because its port was taken before it could bind it."""
+
+
+def _start_service(
+    data_dir: Path,
+    port: int,
+    token: str | None,
+    ray_address: str | None,
+    env: dict[str, str] | None,
+    timeout_s: float,
+    log_name: str,
+) -> ServiceProcess:
     command = [
         KAISA_RAY,
         "serve",
@@ -103,9 +127,13 @@ def start_service(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(
-                f"kaisa-ray serve exited with {process.returncode}:\n{log.read_text()}"
+            text = log.read_text()
+            error = (
+                PortTakenError
+                if f"address ('127.0.0.1', {port}): address already in use" in text
+                else RuntimeError
             )
+            raise error(f"kaisa-ray serve exited with {process.returncode}:\n{text}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{service.url}/readyz", timeout=2).status_code == 200:
                 return service
