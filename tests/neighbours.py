@@ -171,7 +171,9 @@ def make_run(data_dir: Path, job: Path, *, timeout_s: float = 120) -> Iterator[M
     served = MakeRun(process, f"http://127.0.0.1:{port}", log)
     try:
         deadline = time.monotonic() + timeout_s
-        while not _answers(f"{served.url}/readyz"):
+        # Its own uvicorn on the port (not another test's service there) before /readyz.
+        bound = f"Uvicorn running on {served.url} "
+        while not (bound in served.output() and _answers(f"{served.url}/readyz")):
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"kaisa-ray serve did not come up:\n{served.output()}")
             time.sleep(0.5)

@@ -29,7 +29,9 @@ def reusable_port() -> int:
     ports (10002-19999 by default)."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     below = range(20000, low)
-    for port in random.sample(below, k=min(200, len(below))):
+    # The system's randomness: the module ``random`` may be seeded alike in both xdist workers
+    # (hypothesis seeds it), and two services then drew the same port.
+    for port in random.SystemRandom().sample(below, k=min(200, len(below))):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -90,6 +92,12 @@ def start_service(
     raise AssertionError("unreachable")
 
 
+def _written_since(log: Path, offset: int) -> str:
+    with log.open("rb") as handle:
+        handle.seek(offset)
+        return handle.read().decode(errors="replace")
+
+
 class PortTakenError(RuntimeError):
     """The service exited because its port was taken before it could bind it."""
 
@@ -122,21 +130,25 @@ def _start_service(
         child_env["KAISA_RAY_TOKEN"] = token
     child_env.pop("RAY_ADDRESS", None)
     with log.open("ab") as out:
+        start = out.tell()  # a restart appends: only what this process writes counts
         process = subprocess.Popen(command, env=child_env, stdout=out, stderr=subprocess.STDOUT)
     service = ServiceProcess(process, f"http://127.0.0.1:{port}", token, log)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            text = log.read_text()
+            text = _written_since(log, start)
             error = (
                 PortTakenError
                 if f"address ('127.0.0.1', {port}): address already in use" in text
                 else RuntimeError
             )
             raise error(f"kaisa-ray serve exited with {process.returncode}:\n{text}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{service.url}/readyz", timeout=2).status_code == 200:
-                return service
+        # Only once uvicorn says it listens on the port: before that, a service of another
+        # test on the same port would answer /readyz in its place.
+        if f"Uvicorn running on http://127.0.0.1:{port} " in _written_since(log, start):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{service.url}/readyz", timeout=2).status_code == 200:
+                    return service
         time.sleep(0.5)
     service.stop()
     raise RuntimeError(f"the service was not ready in {timeout_s} s:\n{log.read_text()}")
