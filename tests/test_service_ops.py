@@ -115,6 +115,7 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
+@pytest.mark.timeout(900)  # two services' jobs, beside the suite's heaviest modules
 def test_two_services_side_by_side_each_job_sees_only_its_own_cluster(
     services: dict[str, ServiceProcess],
 ) -> None:
@@ -134,8 +135,12 @@ def test_two_services_side_by_side_each_job_sees_only_its_own_cluster(
         "b": clients["b"].submit(quick_job("short", 30)),
     }
     long = jobs["a"]
+    # Generous limits: beside the heaviest modules of the suite (another worker's Ray
+    # instances and jobs), a finished Ray Job's driver took over 2 minutes to exit.
     wait_for(
-        lambda: clients["a"].job(long["id"])["progress"]["step"] >= 10, "the long job to train"
+        lambda: clients["a"].job(long["id"])["progress"]["step"] >= 10,
+        "the long job to train",
+        timeout_s=300,
     )
     checked = 0
     for name, head in heads.items():
@@ -153,6 +158,7 @@ def test_two_services_side_by_side_each_job_sees_only_its_own_cluster(
     done = wait_for(
         lambda: (j := clients["b"].job(jobs["b"]["id"]))["state"] in ("SUCCEEDED", "FAILED") and j,
         "job b to end",
+        timeout_s=300,
     )
     assert done["state"] == "SUCCEEDED", done["failure_reason"]
     logs = {name: clients[name].logs(jobs[name]["id"]) for name in services}
