@@ -14,6 +14,13 @@ from torch import nn
 from kaisa_ray import KFACPreconditioner
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import plan
+from kaisa_ray.train.footprint import footprint
+from kaisa_ray.train.records import Record
+from kaisa_ray.train.session import LocalSession
+from kaisa_ray.train.spec import KFACSpec, parse_job_spec
+from kaisa_ray.train.training import Training
+from kaisa_ray.train.worker import train
+from kaisa_ray.train.worker_config import TrainConfig
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -190,3 +197,60 @@ def test_a_gradient_that_is_not_finite_leaves_its_layers_moments_as_they_were() 
     assert torch.isnan(weight.grad.view(-1)[0])  # the raw gradient, for the scaler to skip
     for part, value in first.decomposition.tensors().items():
         assert torch.equal(value, before[part]), part
+
+
+JOB = {
+    "name": "adam-eigenbasis",
+    "model": {"name": "lenet"},
+    "dataset": {"name": "synthetic", "batch_size": 32, "limit": 256},
+    "optimizer": {"name": "sgd", "lr": 0.003, "momentum": 0.0},
+    "kfac": {"scaling": "adam-eigenbasis", "compute_method": "eigen", "factor_update_steps": 1},
+    "stop": {"max_steps": 12},
+    "eval_every": 12,
+}
+
+
+def test_the_job_spec_option_and_its_errors() -> None:
+    spec = parse_job_spec(JOB)
+    assert isinstance(spec.kfac, KFACSpec)
+    assert spec.kfac.kl_clip is None  # Adam's direction has its own scale
+    assert spec.kfac.curvature()["scaling"] == "adam-eigenbasis"
+    kfac = JOB["kfac"]
+    assert isinstance(kfac, dict)
+    with pytest.raises(ValueError, match="set compute_method: eigen"):
+        parse_job_spec({**JOB, "kfac": {**kfac, "compute_method": "inverse"}})
+    with pytest.raises(ValueError, match="set update: optimizer"):
+        parse_job_spec({**JOB, "kfac": {**kfac, "update": "quadratic-model"}})
+    with pytest.raises(ValueError, match=r"sgd with momentum 0\.9 would add moments"):
+        parse_job_spec({**JOB, "optimizer": {"name": "sgd", "lr": 0.003}})
+    with pytest.raises(ValueError, match="adamw would add moments of its own"):
+        parse_job_spec({**JOB, "optimizer": {"name": "adamw", "lr": 0.003}})
+    with pytest.raises(ValueError, match="kronecker"):
+        parse_job_spec({**JOB, "kfac": {**kfac, "scaling": "ekfac"}})
+
+
+def test_a_job_trains_with_it_and_its_forecast_holds_the_moments() -> None:
+    """The worker's own training loop (no Ray: ``train`` with a local session) runs the job to
+    its last step; the job's preconditioner holds the moments the planner's footprint
+    counts, two gradients' worth and a count per layer more than K-FAC's own."""
+    records: list[Record] = []
+    spec = parse_job_spec(JOB)
+    train(TrainConfig(spec=spec, run="adam-eigenbasis"), LocalSession(records.append))
+    assert records[-1].kind == "end"
+    assert max(getattr(r, "step", 0) for r in records) == 12
+    training = Training.build(spec, rank=0, world=1, device=torch.device("cpu"))
+    assert training.preconditioner is not None
+    assert str(training.preconditioner.scaling) == "adam-eigenbasis"
+    layers = training.preconditioner.layers
+    moments = sum(
+        4
+        * (2 * layer.helper.groups * layer.helper.g_dim * layer.helper.a_dim + layer.helper.groups)
+        for layer in layers
+    )
+    adam = footprint("lenet", batch_size=32, compute_method="eigen",
+                     scaling="adam-eigenbasis")  # fmt: skip
+    kron = footprint("lenet", batch_size=32, compute_method="eigen")
+    table = sum(
+        4 * layer.helper.groups * layer.helper.g_dim * layer.helper.a_dim for layer in layers
+    )
+    assert adam.worker_bytes - kron.worker_bytes == moments - table
