@@ -9,7 +9,9 @@ one batched matmul per factor for the whole group, without copying the decomposi
 - ``raw``: the members' gradients ``(n, k, g, a)`` in the decompositions' dtype (the weight's
   gradient with the bias's as the last column, as ``LayerHelper.grad``);
 - storage: ``a_inv`` ``(n, k, a, a)``, ``g_inv`` ``(n, k, g, g)`` (inverse method), or ``qa``,
-  ``da`` ``(n, k, a)``, ``qg``, ``dg`` and ``dgda`` ``(n, k, g, a)`` (eigen method).
+  ``da`` ``(n, k, a)``, ``qg``, ``dg`` and ``dgda`` ``(n, k, g, a)`` (eigen method), or
+  ``qa``, ``qg`` and Adam's ``m``, ``v`` ``(n, k, g, a)`` and ``steps`` ``(n, k)`` (the
+  adam-eigenbasis scaling: its moments are updated in the storage in place).
 
 The storage is the members' decompositions exactly (the same bytes as one tensor per layer),
 allocated when the first member keeps one. Decompositions are batched the same way
@@ -28,8 +30,10 @@ from typing import Any
 import torch
 
 from kaisa_ray.decomposition import (
+    AdamEigenbasis,
     EigenDecomposition,
     InverseDecomposition,
+    adam_eigenbasis_precondition,
     eigen_denominator,
     eigen_precondition,
     inverse_precondition,
@@ -52,6 +56,7 @@ class ShapeKey:
     device: torch.device
     outer_product: bool
     pi: bool
+    adam: tuple[tuple[float, float], float] | None = None  # (betas, eps) of AdamEigenbasis
 
 
 def shape_key(layer: KFACLayer) -> ShapeKey:
@@ -59,6 +64,7 @@ def shape_key(layer: KFACLayer) -> ShapeKey:
     eigen = isinstance(d, EigenDecomposition)
     outer_product = isinstance(d, EigenDecomposition) and d.outer_product
     pi = isinstance(d, EigenDecomposition) and d.pi
+    adam = (d.betas, d.eps) if isinstance(d, AdamEigenbasis) else None
     return ShapeKey(
         method=ComputeMethod.EIGEN if eigen else ComputeMethod.INVERSE,
         groups=layer.helper.groups,
@@ -68,6 +74,7 @@ def shape_key(layer: KFACLayer) -> ShapeKey:
         device=layer.helper.weight().device,
         outer_product=outer_product,
         pi=pi,
+        adam=adam,
     )
 
 
@@ -106,6 +113,8 @@ class ShapeGroup:
     def _parts(self) -> tuple[str, ...]:
         if self.key.method is ComputeMethod.INVERSE:
             return ("a_inv", "g_inv")
+        if self.key.adam is not None:
+            return ("qa", "qg", "m", "v", "steps")
         return ("qa", "qg", "dgda") if self.key.outer_product else ("qa", "qg", "da", "dg")
 
     def ready(self) -> bool:
@@ -159,7 +168,15 @@ class ShapeGroup:
             )
         else:
             qa, qg = s["qa"].reshape(n * k, a, a), s["qg"].reshape(n * k, g, g)
-            if self.key.outer_product:
+            if self.key.adam is not None:
+                betas, eps = self.key.adam
+                moments = (
+                    s["m"].view(n * k, g, a),
+                    s["v"].view(n * k, g, a),
+                    s["steps"].view(n * k),
+                )
+                out = adam_eigenbasis_precondition(grads, qa, qg, moments, betas, eps)
+            elif self.key.outer_product:
                 out = eigen_precondition(grads, qa, qg, dgda=s["dgda"].reshape(n * k, g, a))
             else:
                 denominator = eigen_denominator(

@@ -170,8 +170,12 @@ class Decomposition(ABC):
         or, where it failed (None), warn and keep the previous one; ``like`` is the factor
         and ``damping`` what the inverse method added to it."""
 
+    def leave_basis(self) -> None:  # noqa: B027 (optional hook)
+        """Before new decompositions replace these (only state kept in a basis needs it)."""
+
     def finish(self, damping: float) -> None:  # noqa: B027 (optional hook)
-        """Combine A and G results (only the eigen method's outer product needs it)."""
+        """Combine A and G results (the eigen method's outer product; state kept in the
+        bases, rotated into the new ones)."""
 
     @abstractmethod
     def precondition(self, grad_out_by_in: torch.Tensor, damping: float) -> torch.Tensor: ...
@@ -399,6 +403,119 @@ class EigenDecomposition(Decomposition):
     def tensors(self) -> dict[str, torch.Tensor]:
         named = {"qa": self.qa, "da": self.da, "qg": self.qg, "dg": self.dg, "dgda": self.dgda}
         return {key: value for key, value in named.items() if value is not None}
+
+
+def adam_eigenbasis_precondition(
+    grad: torch.Tensor,
+    qa: torch.Tensor,
+    qg: torch.Tensor,
+    moments: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    betas: tuple[float, float],
+    eps: float,
+) -> torch.Tensor:
+    """``Q_G [m̂ / (√v̂ + ε)] Q_Aᵀ`` for ``(k, g, a)`` gradients (or several layers' stacked),
+    after Adam's update of the moments ``(m, v, steps)`` (``(k, g, a)``, ``(k, g, a)``,
+    ``(k,)``) with the rotated gradient ``Q_Gᵀ ∇W Q_A``, in place. A rotated gradient that is
+    not finite (anywhere in the batch of layers) leaves their moments as they were and makes
+    the result not finite, so that the step keeps the raw gradients."""
+    m, v, steps = moments
+    beta1, beta2 = betas
+    rotated = qg.transpose(-1, -2) @ grad @ qa
+    total = rotated.sum()
+    finite = torch.isfinite(total)
+    m.copy_(torch.where(finite, torch.lerp(m, rotated, 1.0 - beta1), m))
+    v.copy_(torch.where(finite, torch.lerp(v, rotated * rotated, 1.0 - beta2), v))
+    steps.add_(finite.to(steps.dtype))
+    count = steps.clamp(min=1.0).reshape(-1, 1, 1)
+    first = 1.0 - torch.pow(beta1, count)
+    second = 1.0 - torch.pow(beta2, count)
+    direction = (m / first) / ((v / second).sqrt_().add_(eps))
+    # Not finite where the gradient was not (0·NaN): the step then keeps the raw gradients.
+    direction.add_(total * 0.0)
+    return qg @ direction @ qa.transpose(-1, -2)
+
+
+class AdamEigenbasis(EigenDecomposition):
+    """The eigen method's bases with Adam's moments in them instead of the eigenvalue
+    products (``Scaling.ADAM_EIGENBASIS``): ``m`` and ``v`` ``(k, g, a)`` and the count of
+    their updates ``steps`` ``(k,)``, held where the layer is preconditioned and saved in
+    checkpoints; they never travel in a decomposition broadcast.
+
+    When the bases change (``leave_basis`` before, ``finish`` after), the moments follow
+    them through ``R_A = Q_Aᵀ Q_A'`` and ``R_G = Q_Gᵀ Q_G'``: ``m' = R_Gᵀ m R_A`` exactly, and
+    ``v' = (R_G∘R_G)ᵀ v (R_A∘R_A)``, each new coordinate's second moment as the old
+    coordinates it mixes (independent ones) give it. A new basis vector is then scaled by
+    the moments of the old vectors it is made of, whatever order ``eigh`` returns them in:
+    SOAP reorders its second moments by its eigenvalue estimates for the same reason."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        inv_dtype: torch.dtype,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+    ) -> None:
+        super().__init__(name=name, inv_dtype=inv_dtype, outer_product=False)
+        self.betas = betas
+        self.eps = eps
+        self.m: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.steps: torch.Tensor | None = None
+        self._old_bases: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def leave_basis(self) -> None:
+        """Before new bases arrive: keep the current ones to rotate the moments from."""
+        if self.m is not None and self.qa is not None and self.qg is not None:
+            self._old_bases = (self.qa.clone(), self.qg.clone())
+
+    def _start(self, like: torch.Tensor) -> None:
+        """Zero moments of ``like``'s ``(k, g, a)`` shape (no step taken yet)."""
+        k = like.shape[0]
+        self._keep("m", torch.zeros_like(like, dtype=self.inv_dtype))
+        self._keep("v", torch.zeros_like(like, dtype=self.inv_dtype))
+        self._keep("steps", torch.zeros(k, dtype=self.inv_dtype, device=like.device))
+
+    def finish(self, damping: float) -> None:
+        if self.qa is None or self.qg is None:
+            raise RuntimeError(f"layer {self.name!r}: finish() before both factors decomposed")
+        if self._old_bases is not None and self.m is not None and self.v is not None:
+            old_qa, old_qg = self._old_bases
+            rotate_a = old_qa.transpose(-1, -2) @ self.qa
+            rotate_g = old_qg.transpose(-1, -2) @ self.qg
+            self._keep("m", rotate_g.transpose(-1, -2) @ self.m @ rotate_a)
+            spread_a, spread_g = rotate_a * rotate_a, rotate_g * rotate_g
+            self._keep("v", spread_g.transpose(-1, -2) @ self.v @ spread_a)
+        self._old_bases = None
+
+    def moments(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(m, v, steps)``, zero where never started (``like``: a ``(k, g, a)`` gradient)."""
+        if self.m is None or self.v is None or self.steps is None:
+            self._start(like)
+        assert self.m is not None
+        assert self.v is not None
+        assert self.steps is not None
+        return self.m, self.v, self.steps
+
+    def precondition(self, grad_out_by_in: torch.Tensor, damping: float) -> torch.Tensor:
+        if self.qa is None or self.qg is None:
+            raise RuntimeError(f"layer {self.name!r} has no decomposition yet")
+        grad = grad_out_by_in.to(self.inv_dtype)
+        out = adam_eigenbasis_precondition(
+            grad, self.qa, self.qg, self.moments(grad), self.betas, self.eps
+        )
+        return out.to(grad_out_by_in.dtype)
+
+    def saved_parts(self) -> tuple[str, ...]:
+        return (*self.parts(), "m", "v", "steps")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        named = {"m": self.m, "v": self.v, "steps": self.steps}
+        return {**super().tensors(), **{k: v for k, v in named.items() if v is not None}}
+
+    def clear(self) -> None:
+        super().clear()
+        self._old_bases = None
 
 
 class InverseDecomposition(Decomposition):

@@ -93,6 +93,16 @@ class MatmulPrecision(enum.StrEnum):
     MEDIUM = "medium"
 
 
+class Scaling(enum.StrEnum):
+    """What divides the gradient in K-FAC's eigenbasis (the eigen method): ``kronecker``, the
+    damped eigenvalue products ``λ_G λ_A + γ`` (K-FAC); ``adam-eigenbasis``, Adam's moments of
+    the rotated gradient (SOAP's recipe on K-FAC's factors: Vyas et al. 2024), kept per layer
+    where its decompositions are and rotated into each new basis."""
+
+    KRONECKER = "kronecker"
+    ADAM_EIGENBASIS = "adam-eigenbasis"
+
+
 class Precision(enum.StrEnum):
     """The dtype the forward pass computes in: float32, or autocast to bfloat16/float16."""
 

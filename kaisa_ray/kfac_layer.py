@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 from kaisa_ray.decomposition import (
+    AdamEigenbasis,
     Decomposition,
     EigenDecomposition,
     InverseDecomposition,
     pi_ratio,
 )
-from kaisa_ray.enums import ComputeMethod, FactorScale, RunningAverage
+from kaisa_ray.enums import ComputeMethod, FactorScale, RunningAverage, Scaling
 from kaisa_ray.layers import LayerHelper
 from kaisa_ray.staleness import relative_change, sketch
 
@@ -124,6 +125,9 @@ class KFACLayer:
         pi_damping: bool = False,
         factor_samples: int | None = None,
         staleness_probes: int = 0,
+        scaling: Scaling = Scaling.KRONECKER,
+        adam_betas: tuple[float, float] = (0.9, 0.95),
+        adam_eps: float = 1e-8,
     ) -> None:
         self.name = name
         self.helper = helper
@@ -147,7 +151,13 @@ class KFACLayer:
         self._saved_inputs: list[torch.Tensor] = []
         self._saved_grad_outputs: list[tuple[torch.Tensor, float]] = []
         self.decomposition: Decomposition
-        if compute_method is ComputeMethod.EIGEN:
+        if scaling is Scaling.ADAM_EIGENBASIS:
+            if compute_method is not ComputeMethod.EIGEN:
+                raise ValueError("the adam-eigenbasis scaling needs the eigen method's bases")
+            self.decomposition = AdamEigenbasis(
+                name=name, inv_dtype=inv_dtype, betas=adam_betas, eps=adam_eps
+            )
+        elif compute_method is ComputeMethod.EIGEN:
             self.decomposition = EigenDecomposition(
                 name=name, inv_dtype=inv_dtype, outer_product=outer_product, pi=pi_damping
             )
@@ -291,6 +301,7 @@ class KFACLayer:
         return pi * root, root / pi
 
     def update_decomposition(self, damping: float) -> None:
+        self.decomposition.leave_basis()
         a, g = self.factors()
         damp_a, damp_g = self.factor_dampings(a, g, damping)
         self.decomposition.compute_a(a, damp_a)
@@ -330,6 +341,9 @@ class KFACLayer:
             "g_inv": (k, g, g),
             "dg": (k, g),
             "dgda": (k, g, a),
+            "m": (k, g, a),
+            "v": (k, g, a),
+            "steps": (k,),
             "grad": (k, g, a),
         }
         return shapes[part]

@@ -41,7 +41,13 @@ import torch
 from torch import nn
 
 from kaisa_ray.assignment import Assignment, LayerShape, assign
-from kaisa_ray.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, parse_enum
+from kaisa_ray.enums import (
+    AssignmentStrategy,
+    ComputeMethod,
+    DistributedStrategy,
+    Scaling,
+    parse_enum,
+)
 from kaisa_ray.strategy import resolve_grad_worker_fraction
 
 
@@ -119,6 +125,7 @@ class Options:
     colocate_factors: bool = True
     allreduce_bucket_cap_mb: float = 25.0
     staleness_probes: int = 0  # columns of each factor's staleness sketch; 0: not measured
+    scaling: Scaling = Scaling.KRONECKER
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -147,7 +154,8 @@ def factor_numel(dim: int, groups: int, symmetric: bool) -> int:
 def decomposition_parts(
     layer: PlannedLayer, options: Options
 ) -> tuple[list[Piece], list[Piece], int]:
-    """The broadcast pieces of A and of G, and the elements of the outer-product table."""
+    """The broadcast pieces of A and of G, and the elements each gradient worker holds
+    besides: the outer-product table, or Adam's moments and their count."""
     k, a, g = layer.groups, layer.a_dim, layer.g_dim
     if options.compute_method is ComputeMethod.EIGEN:
         a_parts = [
@@ -158,7 +166,10 @@ def decomposition_parts(
             Piece(layer=layer.name, part="qg", numel=k * g * g),
             Piece(layer=layer.name, part="dg", numel=k * g),
         ]
-        table = k * g * a if options.compute_eigenvalue_outer_product else 0
+        if options.scaling is Scaling.ADAM_EIGENBASIS:
+            table = 2 * k * g * a + k  # m, v and steps
+        else:
+            table = k * g * a if options.compute_eigenvalue_outer_product else 0
         return a_parts, g_parts, table
     return (
         [Piece(layer=layer.name, part="a_inv", numel=k * a * a)],
@@ -694,6 +705,7 @@ def plan(
     allreduce_bucket_cap_mb: float = 25.0,
     skip_layers: Iterable[str] | str | None = None,
     staleness_probes: int = 0,
+    scaling: Scaling | str = Scaling.KRONECKER,
 ) -> Plan:
     """Price a strategy: per-rank K-FAC memory and per-step collectives, exactly.
 
@@ -704,6 +716,8 @@ def plan(
         grad_worker_fraction: as for ``KFACPreconditioner``.
         staleness_probes: columns of each factor's staleness sketch when the preconditioner
             measures staleness (``kaisa_ray.staleness.PROBES``), else 0.
+        scaling: as for ``KFACPreconditioner`` ('adam-eigenbasis' holds Adam's moments
+            beside the eigen method's decompositions, and no eigenvalue table).
 
     Example:
         >>> from kaisa_ray.plan import plan
@@ -712,9 +726,12 @@ def plan(
         >>> p.ranks[0].memory["factors"]  # float32 A and G
         2530436
     """
+    scaling = parse_enum(Scaling, scaling, "scaling")
     options = Options(
         compute_method=parse_enum(ComputeMethod, compute_method, "compute_method"),
-        compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
+        compute_eigenvalue_outer_product=(
+            compute_eigenvalue_outer_product and scaling is Scaling.KRONECKER
+        ),
         symmetry_aware=symmetry_aware,
         assignment_strategy=parse_enum(
             AssignmentStrategy, assignment_strategy, "assignment_strategy"
@@ -722,6 +739,7 @@ def plan(
         colocate_factors=colocate_factors,
         allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
         staleness_probes=staleness_probes,
+        scaling=scaling,
     )
     fraction = resolve_grad_worker_fraction(grad_worker_fraction, world_size)
     if isinstance(model_or_layers, nn.Module):

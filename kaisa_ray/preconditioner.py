@@ -42,6 +42,7 @@ from kaisa_ray.enums import (
     KFACApprox,
     MatmulPrecision,
     RunningAverage,
+    Scaling,
     parse_enum,
 )
 from kaisa_ray.errors import ConfigurationError, user_stacklevel
@@ -206,6 +207,14 @@ class KFACPreconditioner:
             products, as ``torch.set_float32_matmul_precision`` names them: 'highest',
             'high' (TF32 on CUDA) or 'medium' (also bfloat16 products on CPUs with them);
             decompositions always run at 'highest'. Applies to float32 products only.
+        scaling: what divides the gradient in the eigenbasis (eigen method): 'kronecker'
+            (the damped eigenvalue products: K-FAC) or 'adam-eigenbasis' (Adam's moments of
+            the rotated gradient, as SOAP keeps them in Shampoo's: the preconditioned
+            gradient is then an Adam step's direction, for an optimizer without moments of
+            its own such as SGD without momentum; ``damping`` is unused, ``adam_eps`` takes its
+            place, and ``kl_clip`` is best None).
+        adam_betas: the moments' decays (β₁, β₂) under 'adam-eigenbasis'.
+        adam_eps: ε added to ``√v̂`` under 'adam-eigenbasis'.
     """
 
     def __init__(
@@ -240,6 +249,9 @@ class KFACPreconditioner:
         intervals: AdaptiveIntervals | None = None,
         measure_staleness: bool | None = None,
         matmul_precision: MatmulPrecision | str = MatmulPrecision.HIGH,
+        scaling: Scaling | str = Scaling.KRONECKER,
+        adam_betas: tuple[float, float] = (0.9, 0.95),
+        adam_eps: float = 1e-8,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigurationError(
@@ -318,6 +330,24 @@ class KFACPreconditioner:
         self.running_average = parse_enum(RunningAverage, running_average, "running_average")
         self.factor_scale = parse_enum(FactorScale, factor_scale, "factor_scale")
         self.matmul_precision = parse_enum(MatmulPrecision, matmul_precision, "matmul_precision")
+        self.scaling = parse_enum(Scaling, scaling, "scaling")
+        if self.scaling is Scaling.ADAM_EIGENBASIS:
+            if self.compute_method is not ComputeMethod.EIGEN:
+                raise ConfigurationError(
+                    "scaling='adam-eigenbasis' keeps Adam's moments in the eigen method's "
+                    f"bases; compute_method={str(self.compute_method)!r} has none. Pass "
+                    "compute_method='eigen'."
+                )
+            betas = tuple(adam_betas)
+            if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+                raise ConfigurationError(
+                    f"adam_betas={adam_betas!r} must be two decays in [0, 1), e.g. (0.9, 0.95)."
+                )
+            if not adam_eps > 0:
+                raise ConfigurationError(f"adam_eps={adam_eps!r} must be positive, e.g. 1e-8.")
+            compute_eigenvalue_outer_product = False  # no eigenvalue table to build
+        self.adam_betas = (float(adam_betas[0]), float(adam_betas[1]))
+        self.adam_eps = float(adam_eps)
         self.pi_damping = pi_damping
         self.factor_samples = factor_samples
         self.measures_staleness = intervals is not None or bool(measure_staleness)
@@ -378,6 +408,9 @@ class KFACPreconditioner:
                 pi_damping=pi_damping,
                 factor_samples=factor_samples,
                 staleness_probes=PROBES if self.measures_staleness else 0,
+                scaling=self.scaling,
+                adam_betas=self.adam_betas,
+                adam_eps=self.adam_eps,
             )
             self._layers.append(layer)
             self._by_module[reg.module] = layer
@@ -395,6 +428,7 @@ class KFACPreconditioner:
                 colocate_factors=colocate_factors,
                 allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
                 staleness_probes=PROBES if self.measures_staleness else 0,
+                scaling=self.scaling,
             ),
         )
         self.assignment = self.plan.assignment
@@ -783,6 +817,8 @@ class KFACPreconditioner:
             for layer in self._layers:
                 if layer.name not in decompose:
                     continue
+                if self.assignment.is_grad_worker(layer.name, rank):
+                    layer.decomposition.leave_basis()
                 place = self.assignment.placements[layer.name]
                 if rank not in (place.a_rank, place.g_rank):
                     continue

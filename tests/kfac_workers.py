@@ -27,8 +27,20 @@ FACTOR_EVERY, INVERSE_EVERY = 2, 6
 
 def build_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    if kind == "mlp":
+    if kind == "pooled":
+        # Factors of full rank with distinct eigenvalues from the first batch (A 5x5 and 7x7,
+        # G 6x6 from 32 examples; the last G's one zero eigenvalue, from the softmax, has a
+        # unique eigenvector): its eigenbases are determined by the factors, so that
+        # per-coordinate scaling in them is as reproducible as the factors.
         model: nn.Module = nn.Sequential(
+            nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(),
+            nn.Linear(4, 6),
+            nn.Tanh(),
+            nn.Linear(6, 4),
+        )
+    elif kind == "mlp":
+        model = nn.Sequential(
             nn.Flatten(),
             nn.Linear(64, 24),
             nn.Tanh(),
@@ -92,6 +104,10 @@ def kfac_options(combo: dict[str, Any]) -> dict[str, Any]:
             "allreduce_bucket_cap_mb": combo.get("bucket_mb", 25.0),
             "update_factors_in_hook": combo.get("in_hook", True),
         }
+        | (
+            # Adam's moments in the eigenbasis: the direction is Adam's, so no KL clip.
+            {"scaling": combo["scaling"], "kl_clip": None} if "scaling" in combo else {}
+        )
     )
 
 
@@ -153,7 +169,12 @@ def make(
         else model
     )
     preconditioner = KFACPreconditioner(wrapped, **kfac_options(combo))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # Adam's directions are of order one in every coordinate: a step of its size, and no
+    # momentum on top of its own.
+    adam = "scaling" in combo
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=0.001 if adam else 0.1, momentum=0.0 if adam else 0.9
+    )
     return model, wrapped, preconditioner, optimizer
 
 

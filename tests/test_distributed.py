@@ -28,6 +28,7 @@ from kfac_workers import (
 )
 
 METHODS = ("eigen", "inverse")
+ADAM = "adam-eigenbasis"
 MODELS = ("mlp", "cnn")
 STRATEGIES = {
     1: ("comm-opt", "mem-opt"),
@@ -48,6 +49,10 @@ EXTRAS: dict[int, list[dict[str, Any]]] = {
         # Per-layer intervals adapted to it: a schedule that changes during the run.
         {"model": "mlp", "method": "eigen", "strategy": "hybrid-opt", "schedule": "adaptive"},
         {"model": "cnn", "method": "inverse", "strategy": "comm-opt", "schedule": "adaptive"},
+        # Adam's moments in the eigenbasis, held where the layer is preconditioned (a model
+        # whose eigenbases the factors determine: see kfac_workers.build_model).
+        {"model": "pooled", "method": "eigen", "strategy": "mem-opt", "scaling": ADAM},
+        {"model": "pooled", "method": "eigen", "strategy": "comm-opt", "scaling": ADAM},
     ],
     4: [
         {"model": "mlp", "method": "eigen", "strategy": "comm-opt", "curvature": "natural"},
@@ -84,6 +89,7 @@ EXTRAS: dict[int, list[dict[str, Any]]] = {
             "bucket_mb": 0.0005,
             "curvature": "natural",
         },
+        {"model": "pooled", "method": "eigen", "strategy": "hybrid-opt", "scaling": ADAM},
     ],
 }
 
@@ -99,8 +105,12 @@ def combos_for(world_size: int) -> list[dict[str, Any]]:
 
 
 @functools.cache
-def reference(model: str, method: str, curvature: str = "reference") -> list[torch.Tensor]:
+def reference(
+    model: str, method: str, curvature: str = "reference", scaling: str | None = None
+) -> list[torch.Tensor]:
     combo = {"model": model, "method": method, "strategy": "comm-opt", "curvature": curvature}
+    if scaling is not None:
+        combo["scaling"] = scaling
     return reference_params(combo)
 
 
@@ -129,7 +139,12 @@ def test_strategies_equal_single_process_kfac(world_size: int) -> None:
         if combo.get("schedule") == "adaptive":
             assert_schedule_changed(results[0], label)
             continue  # its decisions depend on measurements a single process rounds otherwise
-        expected = reference(combo["model"], combo["method"], combo.get("curvature", "reference"))
+        expected = reference(
+            combo["model"],
+            combo["method"],
+            combo.get("curvature", "reference"),
+            combo.get("scaling"),
+        )
         assert_relative_close(results[0]["params"], expected)
 
 
@@ -202,6 +217,19 @@ def test_an_adaptive_schedule_resumes_bit_for_bit(tmp_path: Path) -> None:
         assert resumed["schedule"] == uninterrupted["schedule"]
         assert resumed["staleness"] == uninterrupted["staleness"]
     assert per_rank[0][0]["schedule"] == per_rank[1][0]["schedule"]
+
+
+def test_adam_moments_in_the_eigenbasis_resume_bit_for_bit(tmp_path: Path) -> None:
+    """MEM-OPT: each layer's moments live on its one gradient worker; a checkpoint between
+    two basis refreshes (whose moments were rotated into the new bases) gathers them, and
+    the resumed run goes on exactly as the uninterrupted one."""
+    combo = {"model": "cnn", "method": "eigen", "strategy": "mem-opt", "scaling": ADAM}
+    per_rank = run_distributed(
+        resume_worker, 2, combo=combo, path=str(tmp_path / "kfac.pt"), split=13, timeout=300
+    )
+    for uninterrupted, resumed in per_rank:
+        for a, b in zip(uninterrupted["params"], resumed["params"], strict=True):
+            assert torch.equal(a, b)
 
 
 def test_a_child_failure_is_reported_not_swallowed() -> None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kaisa_ray.assignment import LayerShape
-from kaisa_ray.enums import ComputeMethod
+from kaisa_ray.enums import ComputeMethod, Scaling
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.intervals import LayerCost, check_rungs
 from kaisa_ray.plan import Plan, plan
@@ -148,6 +148,7 @@ class Profile:
     allreduce: LinkFit
     broadcast: LinkFit
     compute_method: str = ComputeMethod.EIGEN
+    scaling: str = Scaling.KRONECKER  # what the eigen method's state holds besides its bases
     # How much slower ranks compute all at once than one alone (``measure.compute_contention``):
     # 1 with a device or cores per rank; the times above were measured with every rank busy.
     contention: float = 1.0
@@ -256,6 +257,7 @@ def _plan(profile: Profile, fraction: float, staleness: bool) -> Plan:
         fraction,
         compute_method=profile.compute_method,
         staleness_probes=PROBES if staleness else 0,
+        scaling=profile.scaling,
     )
 
 
@@ -485,11 +487,18 @@ def _with_reason(candidate: Candidate, reason: str | None) -> Candidate:
 
 
 def _mem_opt_state(
-    layers: Sequence[LayerShape], world: int, compute_method: str, probes: int = 0
+    layers: Sequence[LayerShape], world: int, profile: Profile, probes: int = 0
 ) -> int:
     """The worst rank's K-FAC state bytes under MEM-OPT (the least memory of any f)."""
     return _state_bytes(
-        plan(list(layers), world, 1 / world, compute_method=compute_method, staleness_probes=probes)
+        plan(
+            list(layers),
+            world,
+            1 / world,
+            compute_method=profile.compute_method,
+            staleness_probes=probes,
+            scaling=profile.scaling,
+        )
     )
 
 
@@ -524,13 +533,13 @@ def _what_would_fit(
     by_size = sorted(profile.layers, key=lambda layer: layer.a_dim**2 + layer.g_dim**2)
     for skipped in range(1, len(by_size)):
         kept = by_size[: len(by_size) - skipped]
-        if _mem_opt_state(kept, profile.world_size, profile.compute_method, probes) <= room:
+        if _mem_opt_state(kept, profile.world_size, profile, probes) <= room:
             names = ", ".join(layer.name for layer in by_size[len(by_size) - skipped :])
             lines.append(f"  - skip_layers the largest: {names}")
             break
     for more in (2, 4, 8):
         world = profile.world_size * more
-        if _mem_opt_state(profile.layers, world, profile.compute_method, probes) <= room:
+        if _mem_opt_state(profile.layers, world, profile, probes) <= room:
             lines.append(f"  - {world} workers (MEM-OPT spreads the decompositions)")
             break
     return "\n".join(lines)

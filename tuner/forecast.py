@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kaisa_ray.enums import ComputeMethod, Precision
+from kaisa_ray.enums import ComputeMethod, Precision, Scaling
 from kaisa_ray.plan import PlannedLayer
 from tuner.cost import LinkFit, Profile, precondition_flops
 from tuner.hardware import Hardware, SizeTable
@@ -53,6 +53,7 @@ class Workload:
     forward_flops: float  # one forward pass of the batch
     optimizer_states: int = 1  # float32 tensors of state per parameter (SGD momentum: 1)
     compute_method: str = ComputeMethod.EIGEN
+    scaling: str = Scaling.KRONECKER  # what the eigen method's state holds besides its bases
     # Forward and backward passes per optimizer step (gradient accumulation, as BERT's
     # pre-training runs it): factors are built from every pass, K-FAC's decompositions and
     # communication happen once per step.
@@ -167,6 +168,7 @@ def forecast_profile(
         allreduce=link,
         broadcast=link,
         compute_method=workload.compute_method,
+        scaling=workload.scaling,
         topology=Topology.of(hardware, gpus_per_node),
     )
     return profile, Basis(

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray.amp import MixedPrecision, optimizer_step
 from kaisa_ray.assignment import LayerShape
-from kaisa_ray.enums import ComputeMethod
+from kaisa_ray.enums import ComputeMethod, Scaling
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.registration import registered_layers
 from kaisa_ray.strategy import valid_fractions
@@ -234,6 +234,7 @@ def profile_job(
         allreduce=allreduce,
         broadcast=broadcast,
         compute_method=compute_method,
+        scaling=str(options.get("scaling", Scaling.KRONECKER)),
         contention=contention,
     )
     # The decomposition fit is local: take rank 0's, so every rank holds the same profile.

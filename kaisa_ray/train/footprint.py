@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import ByteSize
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
+from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision, Scaling
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import plan
 from kaisa_ray.train.shapes import build_on_meta, workload
@@ -78,6 +78,7 @@ def footprint(
     kfac: bool = True,
     kfac_approx: str = KFACApprox.REDUCE,
     compute_method: str = ComputeMethod.INVERSE,
+    scaling: str = Scaling.KRONECKER,
 ) -> Footprint:
     """One worker's predicted memory for model ``model`` built with ``params``.
 
@@ -94,6 +95,7 @@ def footprint(
             kfac_approx=kfac_approx,
             optimizer=optimizer,
             compute_method=compute_method,
+            scaling=scaling,
         )
     except ConfigurationError as err:
         if "does not say what its input looks like" not in str(err):
@@ -104,7 +106,9 @@ def footprint(
     base, transient = memory_basis(job)
     state = 0
     if kfac and job.layers:
-        every = plan(list(job.layers), 1, 1.0, compute_method=job.compute_method)
+        every = plan(
+            list(job.layers), 1, 1.0, compute_method=job.compute_method, scaling=job.scaling
+        )
         state = int(every.ranks[0].memory["total"])
     return Footprint(
         model=model,

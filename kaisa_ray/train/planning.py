@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
+from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision, Scaling
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import Plan, plan
 from kaisa_ray.strategy import valid_fractions
@@ -122,6 +122,7 @@ class PlanRequest:
     precision: str = Precision.FP32
     kfac_approx: str = KFACApprox.EXPAND
     compute_method: str = ComputeMethod.EIGEN
+    scaling: str = Scaling.KRONECKER
     skip_layers: tuple[str, ...] | None = None  # None: the model's default (KAISA's)
     optimizer: str = "sgd"
     accumulation_steps: int = 1
@@ -175,6 +176,7 @@ def request_from_spec(
         precision=spec.precision,
         kfac_approx=kfac.kfac_approx,
         compute_method=kfac.compute_method,
+        scaling=kfac.scaling,
         optimizer=spec.optimizer.name,
         gpus_per_node=gpus_per_node,
         spec_strategy=None if kfac.auto else kfac.strategy,
@@ -264,6 +266,7 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
         skip_layers=request.skip_layers,
         optimizer=request.optimizer,
         compute_method=request.compute_method,
+        scaling=request.scaling,
     )
     job = dataclasses.replace(job, accumulation_steps=request.accumulation_steps)
     world = request.workers
@@ -274,7 +277,13 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
     table: list[Candidate] = []
     strategies = []
     for fraction in valid_fractions(world):
-        strategy = plan(list(job.layers), world, fraction, compute_method=job.compute_method)
+        strategy = plan(
+            list(job.layers),
+            world,
+            fraction,
+            compute_method=job.compute_method,
+            scaling=job.scaling,
+        )
         worst = strategy.most_memory()
         candidates = []
         for candidate in prices(profile, strategy, request.intervals):  # as choose() prices

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
+from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision, Scaling
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.registration import discover
 from kaisa_ray.train.registry import model_factory
@@ -123,6 +123,7 @@ def workload(
     skip_layers: Iterable[str] | None = None,
     optimizer: str = "sgd",
     compute_method: str = ComputeMethod.EIGEN,
+    scaling: str = Scaling.KRONECKER,
 ) -> Workload:
     """What one rank's step of model ``name`` at ``batch_size`` is, from its shapes.
 
@@ -203,4 +204,5 @@ def workload(
         forward_flops=float(flops.get_total_flops()),
         optimizer_states=1 if optimizer == "sgd" else 2,
         compute_method=compute_method,
+        scaling=scaling,
     )

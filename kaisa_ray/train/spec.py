@@ -52,6 +52,7 @@ from kaisa_ray.enums import (
     MatmulPrecision,
     Precision,
     RunningAverage,
+    Scaling,
 )
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.intervals import DEFAULT_TARGET_ANGLE, check_rungs
@@ -358,6 +359,20 @@ class KFACSpec(_Strict):
             )
         ),
     ] = MatmulPrecision.HIGH
+    scaling: Annotated[
+        Scaling,
+        Field(
+            description=(
+                "What divides the gradient in the factors' eigenbasis: ``kronecker``, K-FAC's "
+                "damped eigenvalue products; ``adam-eigenbasis``, Adam's moments of the "
+                "rotated gradient kept per layer where it is preconditioned (SOAP's recipe "
+                "on K-FAC's factors). ``adam-eigenbasis`` needs ``compute_method: eigen``, "
+                "``update: optimizer`` and an optimizer without moments of its own (``sgd`` "
+                "with ``momentum: 0``: its lr is the step size); ``kl_clip`` defaults to null "
+                "and ``damping`` is unused."
+            )
+        ),
+    ] = Scaling.KRONECKER
     # K-FAC's own step: kaisa_ray.quadratic.QuadraticModelStep.
     update: Annotated[
         Literal["optimizer", "quadratic-model"],
@@ -449,6 +464,7 @@ class KFACSpec(_Strict):
             "pi_damping": self.pi_damping,
             "factor_samples": self.factor_samples,
             "matmul_precision": self.matmul_precision,
+            "scaling": self.scaling,
         }
 
     @property
@@ -466,7 +482,25 @@ class KFACSpec(_Strict):
     def _quadratic_model_default_clip(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("update") == "quadratic-model":
             return {"kl_clip": None, **data}  # the model chooses the step's length
+        if isinstance(data, dict) and data.get("scaling") == Scaling.ADAM_EIGENBASIS:
+            return {"kl_clip": None, **data}  # Adam's direction has its own scale
         return data
+
+    @model_validator(mode="after")
+    def _adam_eigenbasis_needs_the_bases(self) -> KFACSpec:
+        if self.scaling is not Scaling.ADAM_EIGENBASIS:
+            return self
+        if self.compute_method is not ComputeMethod.EIGEN:
+            raise ValueError(
+                "scaling: adam-eigenbasis keeps Adam's moments in the eigen method's bases; "
+                f"compute_method: {self.compute_method} has none: set compute_method: eigen"
+            )
+        if self.quadratic_model:
+            raise ValueError(
+                "scaling: adam-eigenbasis gives Adam's direction, not the quadratic model's: "
+                "set update: optimizer, or scaling: kronecker for the quadratic-model step"
+            )
+        return self
 
     @model_validator(mode="after")
     def _min_damping_floors_the_quadratic_model(self) -> KFACSpec:
@@ -723,6 +757,20 @@ class JobSpec(_Strict):
             raise ValueError(
                 f"optimizer {name} comes from heavyball, which is not installed: pip install "
                 "'kaisa-ray[peers]' where the job's workers run"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _adam_eigenbasis_on_plain_sgd(self) -> JobSpec:
+        if not (isinstance(self.kfac, KFACSpec) and self.kfac.scaling is Scaling.ADAM_EIGENBASIS):
+            return self
+        name, momentum = self.optimizer.name, self.optimizer.momentum
+        if name != "sgd" or momentum:
+            what = f"{name} with momentum {momentum:g}" if name == "sgd" else name
+            raise ValueError(
+                "kfac.scaling: adam-eigenbasis makes the preconditioned gradient Adam's "
+                f"direction, with its own moments; {what} would add moments of its own: set "
+                "optimizer.name: sgd and optimizer.momentum: 0 (the lr is the step size)"
             )
         return self
 
