@@ -726,12 +726,9 @@ def plan(
         >>> p.ranks[0].memory["factors"]  # float32 A and G
         2530436
     """
-    scaling = parse_enum(Scaling, scaling, "scaling")
     options = Options(
         compute_method=parse_enum(ComputeMethod, compute_method, "compute_method"),
-        compute_eigenvalue_outer_product=(
-            compute_eigenvalue_outer_product and scaling is Scaling.KRONECKER
-        ),
+        compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
         symmetry_aware=symmetry_aware,
         assignment_strategy=parse_enum(
             AssignmentStrategy, assignment_strategy, "assignment_strategy"
@@ -739,7 +736,7 @@ def plan(
         colocate_factors=colocate_factors,
         allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
         staleness_probes=staleness_probes,
-        scaling=scaling,
+        scaling=parse_enum(Scaling, scaling, "scaling"),
     )
     fraction = resolve_grad_worker_fraction(grad_worker_fraction, world_size)
     if isinstance(model_or_layers, nn.Module):
