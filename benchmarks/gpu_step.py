@@ -87,6 +87,14 @@ def configs(quick: bool) -> list[Config]:
             both,
             100,
         ),
+        Config(
+            "ResNet-50 b32 fp32: K-FAC Adam eigenbasis 10/100",
+            "resnet50",
+            32,
+            _kfac(10, 100, compute_method="eigen", scaling="adam-eigenbasis"),
+            after,
+            100,
+        ),
         Config("ResNet-50 b32 fp32: K-FAC inverse 1/10", "resnet50", 32, _kfac(1, 10), after, 100),
         Config(
             "ResNet-50 b32 fp32: K-FAC eigen 1/10",
@@ -134,6 +142,14 @@ def configs(quick: bool) -> list[Config]:
             both,
             50,
         ),
+        Config(
+            "transformer 10.7M b64 fp32: AdamW + K-FAC Adam eigenbasis 5/50",
+            "char-transformer-10m",
+            64,
+            {**transformer, "compute_method": "eigen", "scaling": "adam-eigenbasis"},
+            after,
+            50,
+        ),
     ]
     return out
 
@@ -161,8 +177,12 @@ def main() -> int:
     parser.add_argument("--commit", help="the commit measured, where the checkout has no .git")
     parser.add_argument("--device", default="cuda", help="cpu: try the script out")
     parser.add_argument("--steps", type=int, help="steps per round, every configuration")
-    parser.add_argument("--only", help="the configurations whose label contains this")
-    parser.add_argument("--skip", help="leave out the configurations whose label contains this")
+    parser.add_argument(
+        "--only", nargs="+", help="the configurations whose label contains one of these"
+    )
+    parser.add_argument(
+        "--skip", nargs="+", help="leave out the configurations whose label contains one of these"
+    )
     args = parser.parse_args()
     if args.from_json is not None:
         results = [json.loads(path.read_text()) for path in args.from_json]
@@ -183,8 +203,8 @@ def main() -> int:
         chosen = [
             dataclasses.replace(c, steps=args.steps or c.steps)
             for c in configs(args.quick)
-            if (args.only is None or args.only in c.label)
-            and (args.skip is None or args.skip not in c.label)
+            if (args.only is None or any(part in c.label for part in args.only))
+            and not any(part in c.label for part in args.skip or ())
         ]
         rounds = 1 if args.quick else args.rounds
         measured = run_rounds(chosen, trees, rounds, device)

@@ -17,6 +17,7 @@ import os
 import secrets
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -48,7 +49,7 @@ from service.origin import SameOrigin
 from service.page_routes import SECURITY_HEADERS, STATIC, swagger_ui
 from service.page_routes import router as page_router
 from service.plan_routes import router as plan_router
-from service.restart import interrupt, resume, stop_training
+from service.restart import TookTooLongError, interrupt, resume, stop_training, within
 from service.runner import RayRunner, Runner
 from service.runtime import Runtime
 from service.sandbox import DataRoots
@@ -173,20 +174,29 @@ def create_app(
                 yield
             finally:
                 logger.info("shutting down: the follower, Ray, the embedded head, the store")
+                clock = _PhaseClock()
                 await plans.close()
                 await checks.close()
-                follower.stop()
+                clock.lap("the plan and check pools")
+                follower.stop(timeout=FOLLOWER_STOP_S)
+                clock.lap("the follower")
                 stops_jobs = jobs_stop_with_service
                 if stops_jobs if stops_jobs is not None else head is not None:
                     stop = functools.partial(stop_training, head) if head else None
                     await run_in_threadpool(interrupt, jobs, follower, stop)
-                await run_in_threadpool(active.close)
+                    clock.lap("the jobs interrupted")
+                try:
+                    await run_in_threadpool(within, RAY_CLOSE_S, active.close)
+                except TookTooLongError as err:  # the head's stop below ends it anyway
+                    logger.warning("Ray's client did not close: %s", err)
+                clock.lap("Ray's client")
                 if head is not None:
                     # Its jobs are interrupted and resume from their checkpoints: nothing on
                     # the head needs a long drain (a service manager waits 10 s, say).
                     await run_in_threadpool(functools.partial(head.stop, grace_s=2))
+                    clock.lap("the embedded head")
                 store.close()
-                logger.info("shutdown complete")
+                logger.info("shutdown complete (%s)", clock)
 
     metrics = ServiceMetrics()
     app = FastAPI(
@@ -247,6 +257,30 @@ def stop_pools_on_signal(*pools: WorkerPool) -> None:
             then(signum, frame)
 
         signal.signal(sig, first_the_pools)
+
+
+FOLLOWER_STOP_S = 3.0
+"""How long a stop waits for the follower's pass in flight (a Ray call under load can take
+longer: the jobs' interruption does not need it to end)."""
+RAY_CLOSE_S = 3.0
+"""How long a stop waits for Ray's client to close (``ray.shutdown``)."""
+
+
+class _PhaseClock:
+    """The seconds each phase of the shutdown took, for its last log line: where a slow stop
+    spent its time."""
+
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+        self._laps: list[tuple[str, float]] = []
+
+    def lap(self, phase: str) -> None:
+        now = time.monotonic()
+        self._laps.append((phase, now - self._last))
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self._laps)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -29,12 +29,15 @@ is the operator's doing, not the job's; counting it would fail every ``max_failu
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from kaisa_ray.train.head import descendants
 from service.head import RayHead
@@ -42,7 +45,9 @@ from service.jobs import Follower, Jobs
 from service.lifecycle import JobEvent, JobState
 from service.store import Job
 
-__all__ = ["interrupt", "resume", "stop_training"]
+__all__ = ["TookTooLongError", "interrupt", "resume", "stop_training", "within"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -88,24 +93,65 @@ def stop_training(head: RayHead) -> int:
 SETTLE_S = 0.5
 
 
+class TookTooLongError(RuntimeError):
+    """What ``within`` raises when its call has not returned in time."""
+
+
+def within(seconds: float, call: Callable[[], T]) -> T:
+    """``call()`` on a thread of its own, waited for at most ``seconds``: what it returns or
+    raises, or ``TookTooLongError`` (the call goes on, unwaited for, on a daemon thread). For
+    a shutdown that must end in the time a service manager grants, whatever Ray answers."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as err:
+            box["error"] = err
+
+    thread = threading.Thread(target=run, name="bounded call", daemon=True)
+    thread.start()
+    thread.join(max(0.0, seconds))
+    if thread.is_alive():
+        raise TookTooLongError(f"no answer in {seconds:.1f} s")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
+
+READS_S = 4.0
+"""The time the last reads of the interrupted jobs' progress and logs may take together: Ray
+under load answers late, and the whole stop must end in a service manager's grace period."""
+
+
 def interrupt(
-    jobs: Jobs, follower: Follower, stop: Callable[[], object] | None = None
+    jobs: Jobs,
+    follower: Follower,
+    stop: Callable[[], object] | None = None,
+    reads_s: float = READS_S,
 ) -> list[Job]:
     """Before the embedded head stops: the training stopped (``stop``: ``stop_training``
     of the head), then every job in Ray INTERRUPTED (its progress read and its log kept
-    first), every job being cancelled CANCELLED. Returns the interrupted jobs. The follower
-    has stopped: nothing else moves the jobs meanwhile."""
+    first, within ``reads_s`` for all jobs together: what Ray has not answered by then is
+    left, and the job resumes from its checkpoint all the same), every job being cancelled
+    CANCELLED. Returns the interrupted jobs. The follower has stopped: nothing else moves the
+    jobs meanwhile."""
     if stop is not None and any(j.submission_id for j in jobs.store.active()):
         stop()
     interrupted = []
+    deadline = time.monotonic() + reads_s
     for job in jobs.store.active():
         if job.submission_id is None:
             continue  # never reached Ray: still in the queue next time
         try:
-            job = follower.read_progress(job)
+            read = functools.partial(follower.read_progress, job)
+            job = within(deadline - time.monotonic(), read)
         except Exception as err:  # the last records are lost; the checkpoint is not
             logger.warning("job %s: its last progress could not be read: %s", job.id, err)
-        jobs.keep_logs(job)
+        try:
+            within(deadline - time.monotonic(), functools.partial(jobs.keep_logs, job))
+        except TookTooLongError as err:  # Ray's copy goes with the head
+            logger.warning("job %s: its log could not be copied from Ray: %s", job.id, err)
         if job.state is JobState.CANCELLING:
             jobs.apply(job.id, JobEvent.CANCELLED)
             continue

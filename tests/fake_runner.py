@@ -4,6 +4,7 @@ scripts what Ray and the progress sink say."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from service.errors import RayJobMissingError
@@ -27,6 +28,7 @@ class FakeRunner:
         self.fail_progress: dict[str, Exception] = {}  # job id -> raised by progress()
         self.address = "fake-cluster:6379"
         self.latest: dict[str, str] = {}  # job id -> its last submission id (a resume's)
+        self.answer_after_s = 0.0  # progress(), logs() and close() answer this late (a busy Ray)
 
     # -- what the test does ----------------------------------------------------------------
 
@@ -80,6 +82,7 @@ class FakeRunner:
                 self.status[sid] = RayJobInfo(RayJobStatus.STOPPED, "stopped")
 
     def logs(self, sid: str) -> str:
+        time.sleep(self.answer_after_s)
         if self.fail_logs is not None:
             raise self.fail_logs
         return f"log of {sid}\n"
@@ -91,6 +94,7 @@ class FakeRunner:
         return self.cluster_memory
 
     def progress(self, run: str, since: int) -> tuple[list[dict[str, Any]], int]:
+        time.sleep(self.answer_after_s)
         if run in self.fail_progress:
             raise self.fail_progress[run]
         with self.lock:
@@ -101,4 +105,4 @@ class FakeRunner:
         return self.up
 
     def close(self) -> None:
-        pass
+        time.sleep(self.answer_after_s)

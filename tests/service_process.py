@@ -51,6 +51,10 @@ class ServiceProcess:
     def client(self) -> ServiceClient:
         return ServiceClient(self.url, self.token)
 
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of the service's log, for a failure's message."""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
     def kill(self) -> None:
         """SIGKILL: the service dies without any clean-up (a crash)."""
         self.process.kill()

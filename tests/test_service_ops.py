@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -178,23 +179,28 @@ def test_two_services_side_by_side_each_job_sees_only_its_own_cluster(
     assert b.process.poll() is None
 
     # SIGTERM, what systemd, Docker and Kubernetes send, to service a while its long job
-    # trains: within 15 s the service, its Ray head and every process below them (the job's
-    # driver and train worker too) are gone, and the log says the shutdown completed. (A
-    # cancel on the real Ray: tests/test_service_e2e.py.)
+    # trains: within 20 s the service, its Ray head and every process below them (the job's
+    # driver and train worker too) are gone, and the log says the shutdown completed (the
+    # stop's phases are bounded at about 12 s, docs/service.md; on a quiet machine it takes
+    # 3-4 s, and the rest is for a CI machine busy with other tests). (A cancel on the real
+    # Ray: tests/test_service_e2e.py.)
     assert clients["a"].job(long["id"])["state"] == "RUNNING"
     family = [a.process.pid, *descendants(a.process.pid)]
     assert any("kaisa-ray train" in cmdline(pid) for pid in family)  # the job's driver
     assert len(family) > 5
     began = time.monotonic()
     a.process.send_signal(signal.SIGTERM)
-    a.process.wait(timeout=15)
+    try:
+        a.process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"20 s after SIGTERM the service still runs; its log:\n{a.log_tail()}")
     wait_for(
         lambda: not [pid for pid in family if alive(pid)],
         "every process to go",
-        timeout_s=max(0.1, 15 - (time.monotonic() - began)),
+        timeout_s=max(0.1, 20 - (time.monotonic() - began)),
     )
     took = time.monotonic() - began
-    assert took < 15
+    assert took < 20
     assert a.process.returncode == 0
     assert "shutdown complete" in a.log.read_text()
     print(f"SIGTERM: {len(family)} processes gone in {took:.1f} s")

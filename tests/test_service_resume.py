@@ -5,6 +5,7 @@ embedded Ray head and a training job is ``test_service_restart.py``."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ import test_service_sweeps as sweeps
 from fake_runner import FakeRunner
 from test_service_api import Service, start
 
+from service.app import FOLLOWER_STOP_S, RAY_CLOSE_S
+from service.restart import READS_S
 from service.runner import RayJobStatus, submission_id
 from service.store import JobStore
 
@@ -101,6 +104,30 @@ def test_a_graceful_stop_interrupts_a_running_job_and_the_next_start_resumes_it(
     lives = [submission_id(job["id"]), submission_id(job["id"], 1)]
     assert [f"log of {sid}" in log for sid in lives] == [True, True]
     assert log.index(lives[0]) < log.index(lives[1])
+
+
+def test_a_graceful_stop_ends_in_bounded_time_when_ray_answers_late(tmp_path: Path) -> None:
+    """Ray under load answers the last reads of progress and logs (and its client's close)
+    only after 20 s: the stop waits for none of them past its bounds, and the job is
+    INTERRUPTED all the same (it resumes from its checkpoint; the records Ray did not give in
+    time are re-run)."""
+    fake = FakeRunner()
+    app, client = start(tmp_path, fake, max_running=2, jobs_stop_with_service=True)
+    with client:
+        service = Service(app, client, fake)
+        job = service.running("late", total_steps=100)
+        push_steps(fake, job["id"], 10, 30, loss=1.0)
+        service.wait(job["id"], "step 30", lambda j: j["progress"]["step"] == 30)
+        fake.answer_after_s = 20.0
+        began = time.monotonic()
+    took = time.monotonic() - began
+    assert READS_S + RAY_CLOSE_S + FOLLOWER_STOP_S == 10
+    assert took < 12, took  # the bounds above, and what the stop itself takes
+    store = JobStore(f"sqlite:///{tmp_path / 'jobs.db'}")
+    try:
+        assert store.get(job["id"]).state == "INTERRUPTED"
+    finally:
+        store.close()
 
 
 def test_a_worker_group_restarted_from_its_checkpoint_records_no_step_twice(
