@@ -2,7 +2,8 @@
 # The GPU checks of a round, for a machine lent for minutes: the gpu-marked tests, then the
 # GPU benchmarks, each stage under its own time limit, every result written to $OUT as it
 # comes. Stages: "a" (tests, ResNet-50 at batch 32 fp32 before/after, kernel profiles), "b"
-# (the other gpu_step configurations, the node's hardware profile). Expects the pydantic
+# (the other gpu_step configurations, the node's hardware profile), "c" (after a change), "d"
+# (the tests with tracebacks, the inverse, eigen and Adam-eigenbasis step costs). Expects the pydantic
 # wheels in .whl (the image has torch but not pydantic) and the commit before the change's
 # kaisa_ray in .old (`git archive <commit> kaisa_ray | tar -x -C .old`).
 set -u
@@ -66,6 +67,15 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
 "
         (cd benchmarks && run 60 gpu_kernels python3 gpu_kernels.py --batch 32 \
             --out "$OUT/gpu_kernels.json")
+        ;;
+    d)  # this checkout: the gpu tests with every failure's traceback; the step costs of the
+        # JobSpec's inverse and eigen methods and of Adam in K-FAC's eigenbasis
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        run 170 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA \
+            --tb=long
+        (cd benchmarks && run 300 gpu_step_adam python3 gpu_step.py --rounds 2 \
+            --only "b32 fp32: SGD" "b32 fp32: K-FAC inverse 10/100" "b32 fp32: K-FAC eigen 10/100" \
+            "Adam eigenbasis" "transformer" --skip "highest" --json "$OUT/gpu_step_adam.json")
         ;;
     esac
 done
