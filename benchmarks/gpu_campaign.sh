@@ -3,7 +3,8 @@
 # GPU benchmarks, each stage under its own time limit, every result written to $OUT as it
 # comes. Stages: "a" (tests, ResNet-50 at batch 32 fp32 before/after, kernel profiles), "b"
 # (the other gpu_step configurations, the node's hardware profile), "c" (after a change), "d"
-# (the tests with tracebacks, the inverse, eigen and Adam-eigenbasis step costs). Expects the pydantic
+# (the tests with tracebacks, the inverse, eigen and Adam-eigenbasis step costs), "e" (the
+# Adam-eigenbasis step before and after a change). Expects the pydantic
 # wheels in .whl (the image has torch but not pydantic) and the commit before the change's
 # kaisa_ray in .old (`git archive <commit> kaisa_ray | tar -x -C .old`).
 set -u
@@ -76,6 +77,14 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
         (cd benchmarks && run 300 gpu_step_adam python3 gpu_step.py --rounds 2 \
             --only "b32 fp32: SGD" "b32 fp32: K-FAC inverse 10/100" "b32 fp32: K-FAC eigen 10/100" \
             "Adam eigenbasis" "transformer" --skip "highest" --json "$OUT/gpu_step_adam.json")
+        ;;
+    e)  # the Adam-eigenbasis moments in multi-tensor operations: before (.old) and after
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        run 120 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA \
+            -k "quiet_step or batched_steps"
+        (cd benchmarks && run 300 gpu_step_adam python3 gpu_step.py --before ../.old \
+            --rounds 2 --only "b32 fp32: SGD" "Adam eigenbasis" "transformer 10.7M b64 fp32: AdamW" \
+            --skip "K-FAC 5/50" --json "$OUT/gpu_step_adam2.json")
         ;;
     esac
 done

@@ -189,9 +189,15 @@ class Trainee:
         groups = getattr(p, "_groups", None)
         precision = getattr(p, "_products", contextlib.nullcontext)
 
+        from kaisa_ray import batching
+
+        together = getattr(batching, "precondition", None)  # not in older checkouts
+
         def run() -> None:
             with torch.no_grad(), precision():
-                if groups is not None:
+                if groups is not None and together is not None:
+                    together(groups, batching.gather(groups), damping)
+                elif groups is not None:
                     for group in groups:
                         group.precondition(group.gather(), damping)
                 else:

@@ -33,7 +33,7 @@ from kaisa_ray.decomposition import (
     AdamEigenbasis,
     EigenDecomposition,
     InverseDecomposition,
-    adam_eigenbasis_precondition,
+    adam_eigenbasis_precondition_many,
     eigen_denominator,
     eigen_precondition,
     inverse_precondition,
@@ -169,13 +169,7 @@ class ShapeGroup:
         else:
             qa, qg = s["qa"].reshape(n * k, a, a), s["qg"].reshape(n * k, g, g)
             if self.key.adam is not None:
-                betas, eps = self.key.adam
-                moments = (
-                    s["m"].view(n * k, g, a),
-                    s["v"].view(n * k, g, a),
-                    s["steps"].view(n * k),
-                )
-                out = adam_eigenbasis_precondition(grads, qa, qg, moments, betas, eps)
+                (out,) = precondition_adam([self], [raw])
             elif self.key.outer_product:
                 out = eigen_precondition(grads, qa, qg, dgda=s["dgda"].reshape(n * k, g, a))
             else:
@@ -205,6 +199,46 @@ def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for dsts, srcs in (fast, slow):
         if dsts:
             torch._foreach_copy_(dsts, srcs)
+
+
+def precondition(
+    groups: Sequence[ShapeGroup], raws: Sequence[torch.Tensor], damping: float
+) -> list[torch.Tensor]:
+    """Each group's preconditioned gradients (``ShapeGroup.precondition`` of its ``raws``
+    entry); the groups with Adam's moments in the eigenbasis together, by their betas and
+    eps (``precondition_adam``)."""
+    out: list[torch.Tensor | None] = [None] * len(groups)
+    adam: dict[tuple[tuple[float, float], float], list[int]] = {}
+    for index, group in enumerate(groups):
+        if group.key.adam is not None and group.key.method is ComputeMethod.EIGEN:
+            adam.setdefault(group.key.adam, []).append(index)
+        else:
+            out[index] = group.precondition(raws[index], damping)
+    for indices in adam.values():
+        done = precondition_adam([groups[i] for i in indices], [raws[i] for i in indices])
+        for index, result in zip(indices, done, strict=True):
+            out[index] = result
+    return [result for result in out if result is not None]
+
+
+def precondition_adam(
+    groups: Sequence[ShapeGroup], raws: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The preconditioned gradients ``(n, k, g, a)`` of adam-eigenbasis groups of one
+    ``(betas, eps)``, their moments updated in multi-tensor operations over all of them
+    (``adam_eigenbasis_precondition_many``)."""
+    grads, bases, moments = [], [], []
+    for group, raw in zip(groups, raws, strict=True):
+        n, k, g, a = raw.shape
+        s = group.storage
+        grads.append(raw.reshape(n * k, g, a))
+        bases.append((s["qa"].reshape(n * k, a, a), s["qg"].reshape(n * k, g, g)))
+        moments.append((s["m"].view(n * k, g, a), s["v"].view(n * k, g, a), s["steps"].view(n * k)))
+    adam = groups[0].key.adam
+    assert adam is not None
+    betas, eps = adam
+    done = adam_eigenbasis_precondition_many(grads, bases, moments, betas, eps)
+    return [out.reshape(raw.shape) for out, raw in zip(done, raws, strict=True)]
 
 
 def gather(groups: Sequence[ShapeGroup]) -> list[torch.Tensor]:

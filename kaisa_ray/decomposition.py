@@ -27,7 +27,7 @@ import logging
 import math
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -405,11 +405,14 @@ class EigenDecomposition(Decomposition):
         return {key: value for key, value in named.items() if value is not None}
 
 
+Moments = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def adam_eigenbasis_precondition(
     grad: torch.Tensor,
     qa: torch.Tensor,
     qg: torch.Tensor,
-    moments: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    moments: Moments,
     betas: tuple[float, float],
     eps: float,
 ) -> torch.Tensor:
@@ -418,21 +421,61 @@ def adam_eigenbasis_precondition(
     ``(k,)``) with the rotated gradient ``Q_Gᵀ ∇W Q_A``, in place. A rotated gradient that is
     not finite (anywhere in the batch of layers) leaves their moments as they were and makes
     the result not finite, so that the step keeps the raw gradients."""
-    m, v, steps = moments
+    (out,) = adam_eigenbasis_precondition_many([grad], [(qa, qg)], [moments], betas, eps)
+    return out
+
+
+def adam_eigenbasis_precondition_many(
+    grads: Sequence[torch.Tensor],
+    bases: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    moments: Sequence[Moments],
+    betas: tuple[float, float],
+    eps: float,
+) -> list[torch.Tensor]:
+    """``adam_eigenbasis_precondition`` of several batches of layers at once (each its own
+    shapes: ``grads[i]`` ``(k, g, a)``, ``bases[i]`` its ``(Q_A, Q_G)``, ``moments[i]`` its
+    ``(m, v, steps)``): the rotations one batch at a time, every update of the moments in
+    multi-tensor operations over all of them (a few kernels for the lot, where one batch at a
+    time took some twenty each). Not finite anywhere: no moment changes, every result is not
+    finite."""
     beta1, beta2 = betas
-    rotated = qg.transpose(-1, -2) @ grad @ qa
-    total = rotated.sum()
-    finite = torch.isfinite(total)
-    m.copy_(torch.where(finite, torch.lerp(m, rotated, 1.0 - beta1), m))
-    v.copy_(torch.where(finite, torch.lerp(v, rotated * rotated, 1.0 - beta2), v))
-    steps.add_(finite.to(steps.dtype))
-    count = steps.clamp(min=1.0).reshape(-1, 1, 1)
-    first = 1.0 - torch.pow(beta1, count)
-    second = 1.0 - torch.pow(beta2, count)
-    direction = (m / first) / ((v / second).sqrt_().add_(eps))
-    # Not finite where the gradient was not (0·NaN): the step then keeps the raw gradients.
-    direction.add_(total * 0.0)
-    return qg @ direction @ qa.transpose(-1, -2)
+    rotated = [qg.transpose(-1, -2) @ g @ qa for g, (qa, qg) in zip(grads, bases, strict=True)]
+    # One norm per batch in one operation: not finite where any element is not (or where the
+    # squares overflow, as v's update would).
+    finite = torch.isfinite(torch.stack(torch._foreach_norm(rotated)).sum())
+    keep = finite.to(rotated[0].dtype)
+    # Zero where not finite, so that the updates below, weighted by keep = 0, leave the
+    # moments exactly as they were (0·NaN would not).
+    safe = [torch.where(finite, r, 0.0) for r in rotated]
+    ms = [m for m, _, _ in moments]
+    vs = [v for _, v, _ in moments]
+    # m += (1 - β₁)·keep·(r - m); v += (1 - β₂)·keep·(r² - v)
+    step_m = torch._foreach_sub(safe, ms)
+    torch._foreach_mul_(step_m, keep * (1.0 - beta1))
+    torch._foreach_add_(ms, step_m)
+    step_v = torch._foreach_mul(safe, safe)
+    torch._foreach_sub_(step_v, vs)
+    torch._foreach_mul_(step_v, keep * (1.0 - beta2))
+    torch._foreach_add_(vs, step_v)
+    del step_m, step_v, safe, rotated
+    steps = [count for _, _, count in moments]
+    # (a list of the flag: a tensor scalar would be read back on the CPU)
+    torch._foreach_add_(steps, [keep] * len(steps))
+    # Bias corrections for every layer at once: m̂ = m / (1 - β₁ᵗ), √v̂ = √v / √(1 - β₂ᵗ);
+    # m̂'s not finite where the gradient was not, so that the step keeps the raw gradients.
+    counts = torch.cat(steps).clamp(min=1.0)
+    first = (1.0 - torch.pow(beta1, counts)).reciprocal_()
+    first.mul_(torch.where(finite, 1.0, float("nan")))
+    second = (1.0 - torch.pow(beta2, counts)).rsqrt_()
+    sizes = [len(count) for count in steps]
+    firsts = [c.reshape(-1, 1, 1) for c in torch.split(first, sizes)]
+    seconds = [c.reshape(-1, 1, 1) for c in torch.split(second, sizes)]
+    denominator = torch._foreach_sqrt(vs)
+    torch._foreach_mul_(denominator, seconds)
+    torch._foreach_add_(denominator, eps)
+    direction = torch._foreach_mul(ms, firsts)
+    torch._foreach_div_(direction, denominator)
+    return [qg @ d @ qa.transpose(-1, -2) for d, (qa, qg) in zip(direction, bases, strict=True)]
 
 
 class AdamEigenbasis(EigenDecomposition):

@@ -854,8 +854,9 @@ class KFACPreconditioner:
         names = {layer.name for layer in active}
         with self.times.phase("precondition"), self._products():
             groups = [g for g in self._groups if g.names <= names and g.ready()]
-            for group, raw in zip(groups, batching.gather(groups), strict=True):
-                out = group.precondition(raw, damping)
+            raws = batching.gather(groups)
+            outs = batching.precondition(groups, raws, damping)
+            for group, raw, out in zip(groups, raws, outs, strict=True):
                 blocks.append(_Block(group.layers, raw, out))
                 for index, layer in enumerate(group.layers):
                     preconditioned[layer.name] = out[index]

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kaisa_ray.train.records import Record
 from kaisa_ray.train.spec import field_problems
 from service import readiness
-from service.errors import ServiceError
+from service.errors import ServiceError, TookTooLongError
 from service.head import RayHead
 from service.health_routes import router as health_router
 from service.hub import Hub
@@ -49,7 +49,7 @@ from service.origin import SameOrigin
 from service.page_routes import SECURITY_HEADERS, STATIC, swagger_ui
 from service.page_routes import router as page_router
 from service.plan_routes import router as plan_router
-from service.restart import TookTooLongError, interrupt, resume, stop_training, within
+from service.restart import interrupt, resume, stop_training, within
 from service.runner import RayRunner, Runner
 from service.runtime import Runtime
 from service.sandbox import DataRoots

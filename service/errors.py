@@ -37,6 +37,10 @@ class RayUnavailableError(ServiceError):
     status = 503
 
 
+class TookTooLongError(ServiceError):
+    """A call that ``service.restart.within`` waited for past its time (Ray, under load)."""
+
+
 class DatabaseInUseError(ServiceError, RuntimeError):
     """Another service process has this SQLite database, or this data directory, open."""
 

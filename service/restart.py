@@ -40,12 +40,13 @@ from pathlib import Path
 from typing import TypeVar
 
 from kaisa_ray.train.head import descendants
+from service.errors import TookTooLongError
 from service.head import RayHead
 from service.jobs import Follower, Jobs
 from service.lifecycle import JobEvent, JobState
 from service.store import Job
 
-__all__ = ["TookTooLongError", "interrupt", "resume", "stop_training", "within"]
+__all__ = ["interrupt", "resume", "stop_training", "within"]
 
 T = TypeVar("T")
 
@@ -91,10 +92,6 @@ def stop_training(head: RayHead) -> int:
 
 
 SETTLE_S = 0.5
-
-
-class TookTooLongError(RuntimeError):
-    """What ``within`` raises when its call has not returned in time."""
 
 
 def within(seconds: float, call: Callable[[], T]) -> T:

@@ -31,6 +31,7 @@ from service.errors import (
     RayJobMissingError,
     RayUnavailableError,
     ServiceError,
+    TookTooLongError,
 )
 from service.lifecycle import IllegalTransitionError, JobEvent, JobState
 from service.middleware import _TooDeepError, _TooLargeError
@@ -63,6 +64,7 @@ EXAMPLES: list[BaseException] = [
     RayUnavailableError("cannot reach Ray"),
     DatabaseInUseError("another service uses the database"),
     RayJobMissingError("Ray has no Ray Job kaisa-ray-0123"),
+    TookTooLongError("no answer in 4.0 s"),
     InsecureBindError("refusing to serve on 0.0.0.0 without a token"),
     IllegalTransitionError(JobState.SUCCEEDED, JobEvent.RUN),
     ServiceClientError("409: the job already finished", 409),

@@ -4,6 +4,8 @@ KAISA strategy, and the tuner's memory profile from the CUDA allocator. Skipped 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -177,14 +179,17 @@ def _train_cuda(model: nn.Module, preconditioner: KFACPreconditioner, steps: int
         optimizer.step()
 
 
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", ["eigen", "inverse", "adam-eigenbasis"])
 def test_a_quiet_step_on_cuda_never_synchronises(method: str) -> None:
     """A step that updates neither factors nor decompositions runs under CUDA's sync debug
     mode set to error: any host-device synchronisation in it raises."""
     model = repeated_cnn()
-    preconditioner = KFACPreconditioner(
-        model, factor_update_steps=3, inv_update_steps=6, compute_method=method
+    options: dict[str, Any] = (
+        {"compute_method": "eigen", "scaling": method, "kl_clip": None}
+        if method == "adam-eigenbasis"
+        else {"compute_method": method}
     )
+    preconditioner = KFACPreconditioner(model, factor_update_steps=3, inv_update_steps=6, **options)
     _train_cuda(model, preconditioner, 7)
     x = torch.randn(16, 2, 6, 6, device="cuda")
     y = torch.randint(0, 5, (16,), device="cuda")

@@ -104,8 +104,18 @@ def _final_model(result: JobResult) -> dict[str, torch.Tensor]:
 
 
 def test_killed_worker_resumes_from_its_checkpoint(ray_head: RayHead, tmp_path: Path) -> None:
+    """With Adam's moments in K-FAC's eigenbasis (``kfac.scaling``): state beyond the
+    factors and decompositions that the checkpoint carries and the resume restores."""
     spec = parse_job_spec(
         job(
+            optimizer={"name": "sgd", "lr": 0.004, "momentum": 0.0},
+            kfac={
+                "strategy": "comm-opt",
+                "factor_update_steps": 5,
+                "inv_update_steps": 20,
+                "compute_method": "eigen",
+                "scaling": "adam-eigenbasis",
+            },
             stop={"max_steps": 140},
             max_failures=1,
             eval_every=100,
