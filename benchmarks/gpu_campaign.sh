@@ -6,7 +6,8 @@
 # (the tests with tracebacks, the inverse, eigen and Adam-eigenbasis step costs), "e" (the
 # Adam-eigenbasis step before and after a change). Expects the pydantic
 # wheels in .whl (the image has torch but not pydantic) and the commit before the change's
-# kaisa_ray in .old (`git archive <commit> kaisa_ray | tar -x -C .old`).
+# kaisa_ray in .old (`git archive <commit> kaisa_ray | tar -x -C .old`). The lent machine's
+# copy has no history of its own: COMMIT=<hash> names what the tables measured.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -74,7 +75,7 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
         run 170 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA \
             --tb=long
-        (cd benchmarks && run 300 gpu_step_adam python3 gpu_step.py --rounds 2 \
+        (cd benchmarks && run 300 gpu_step_adam python3 gpu_step.py --rounds 2 ${COMMIT:+--commit "$COMMIT"} \
             --only "b32 fp32: SGD" "b32 fp32: K-FAC inverse 10/100" "b32 fp32: K-FAC eigen 10/100" \
             "Adam eigenbasis" "transformer" --skip "highest" --json "$OUT/gpu_step_adam.json")
         ;;
@@ -83,7 +84,7 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
         run 120 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA \
             -k "quiet_step or batched_steps"
         (cd benchmarks && run 300 gpu_step_adam python3 gpu_step.py --before ../.old \
-            --rounds 2 --only "b32 fp32: SGD" "Adam eigenbasis" "transformer 10.7M b64 fp32: AdamW" \
+            --rounds 2 ${COMMIT:+--commit "$COMMIT"} --only "b32 fp32: SGD" "Adam eigenbasis" "transformer 10.7M b64 fp32: AdamW" \
             --skip "K-FAC 5/50" --json "$OUT/gpu_step_adam2.json")
         ;;
     esac
