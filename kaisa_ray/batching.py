@@ -159,6 +159,9 @@ class ShapeGroup:
 
     def precondition(self, raw: torch.Tensor, damping: float) -> torch.Tensor:
         """The members' preconditioned gradients ``(n, k, g, a)`` from ``gather()``'s."""
+        if self.key.adam is not None:
+            (adam,) = precondition_adam([self], [raw])
+            return adam
         n, k, g, a = raw.shape
         grads = raw.reshape(n * k, g, a)
         s = self.storage
@@ -168,9 +171,7 @@ class ShapeGroup:
             )
         else:
             qa, qg = s["qa"].reshape(n * k, a, a), s["qg"].reshape(n * k, g, g)
-            if self.key.adam is not None:
-                (out,) = precondition_adam([self], [raw])
-            elif self.key.outer_product:
+            if self.key.outer_product:
                 out = eigen_precondition(grads, qa, qg, dgda=s["dgda"].reshape(n * k, g, a))
             else:
                 denominator = eigen_denominator(
@@ -210,7 +211,7 @@ def precondition(
     out: list[torch.Tensor | None] = [None] * len(groups)
     adam: dict[tuple[tuple[float, float], float], list[int]] = {}
     for index, group in enumerate(groups):
-        if group.key.adam is not None and group.key.method is ComputeMethod.EIGEN:
+        if group.key.adam is not None:
             adam.setdefault(group.key.adam, []).append(index)
         else:
             out[index] = group.precondition(raws[index], damping)
@@ -218,7 +219,9 @@ def precondition(
         done = precondition_adam([groups[i] for i in indices], [raws[i] for i in indices])
         for index, result in zip(indices, done, strict=True):
             out[index] = result
-    return [result for result in out if result is not None]
+    results = [result for result in out if result is not None]
+    assert len(results) == len(groups)
+    return results
 
 
 def precondition_adam(
