@@ -19,6 +19,7 @@ from kaisa_ray.train.shapes import workload
 from service.cli import main
 from tuner.cost import NoFeasibleCandidateError, choose
 from tuner.forecast import forecast_profile
+from tuner.hardware import OVERHEAD_OPERATIONS
 
 GB = 10**9
 
@@ -230,7 +231,8 @@ def measure_node_trial(tmp_path: Path, *, output: bool = True) -> Path:
     false) where it goes by default."""
     out = ["--output", str(tmp_path / "node.yaml")] if output else []
     result = kaisa_ray(
-        "measure-node", "--device", "cpu", "--quick", "--ranks", "2", "--name", "trial", *out,
+        "measure-node", "--device", "cpu", "--quick", "--ranks", "2", "--name", "trial",
+        "--model", "lenet:8", *out,
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     written = Path(result.output.split("wrote ", 1)[1].split(";", 1)[0])
@@ -260,11 +262,18 @@ def test_measure_node_writes_a_profile_that_plans(
         "links.intra_node.allreduce_busbw", "links.intra_node.broadcast_busbw",
     } <= measured  # fmt: skip
     assert any(p.startswith("gpu.eigh_s") for p in measured)
+    # K-FAC's own solvers, alone and batched, and its fixed costs on tiny layers
+    for method in ("eigen", "inverse"):
+        assert {
+            f"gpu.decompose_s.{method}({kind})[n=32]" for kind in ("alone", "batched")
+        } <= measured
+    assert {f"gpu.kfac_overhead_s.{name}" for name in OVERHEAD_OPERATIONS} <= measured
+    assert any(p.startswith("training") and "(lenet, fp32)" in p for p in measured)
     assert all(
         path.startswith(("links.inter_node", "training"))
         for path, n in hardware.sources.items()
         if n.kind != "measured"
-    )
+    )  # --model lenet:8 measured lenet's step
     assert hardware.node_size == 2
     assert all(math.isfinite(n.value) and n.value > 0 for n in hardware.sources.values())
     assert "measured by kaisa-ray measure-node on CPU" in hardware.eigh.points[0][1].source
@@ -272,6 +281,10 @@ def test_measure_node_writes_a_profile_that_plans(
         "--model", "lenet", "--workers", "2", "--batch", "64", "--hardware", "trial"
     )  # fmt: skip
     assert planned["inputs"]["hardware"] == "trial"
+    assert "measured" in planned["basis"]["plain_step_source"]  # lenet's own step
+    terms = " ".join(planned["basis"]["terms"])
+    assert "the profile's decompose_s table (measured)" in terms
+    assert "the profile's kfac_overhead_s" in terms
     unknown = kaisa_ray("plan", "--model", "lenet", "--workers", "2", "--batch", "64",
                         "--hardware", "tpu")  # fmt: skip
     assert unknown.exit_code == 1

@@ -145,6 +145,9 @@ class Profile:
     factor_s: float  # computing every layer's batch factors once (a factor-update step)
     decomposition: DecompositionModel
     precondition_s_per_flop: float
+    # Each layer's preconditioning per step, in the order of ``layers``, where it is priced
+    # per layer (a forecast's shape groups); empty: ``precondition_s_per_flop`` × its flops.
+    layer_precondition_s: tuple[float, ...] = ()
     allreduce: LinkFit
     broadcast: LinkFit
     compute_method: str = ComputeMethod.EIGEN
@@ -297,15 +300,18 @@ def every_step_seconds(profile: Profile, strategy: Plan) -> float:
 
 def _layer_seconds(profile: Profile) -> list[LayerSeconds]:
     """Each layer's decompositions (one update) and preconditioning (one step), in seconds."""
+    per_layer = profile.layer_precondition_s or tuple(
+        precondition_flops(layer, profile.compute_method) * profile.precondition_s_per_flop
+        for layer in profile.layers
+    )
     return [
         LayerSeconds(
             name=layer.name,
             a_s=layer.groups * profile.decomposition.seconds(layer.a_dim),
             g_s=layer.groups * profile.decomposition.seconds(layer.g_dim),
-            precondition_s=precondition_flops(layer, profile.compute_method)
-            * profile.precondition_s_per_flop,
+            precondition_s=precondition_s,
         )
-        for layer in profile.layers
+        for layer, precondition_s in zip(profile.layers, per_layer, strict=True)
     ]
 
 

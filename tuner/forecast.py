@@ -12,11 +12,21 @@ a ``Hardware`` profile (``tuner.hardware``):
   ``expand`` approximation, the largest patch matrix;
 - the plain step: the batch over a published training throughput of the model on this GPU,
   else the training flops (3 × forward) over the GPU's large-product matmul rate;
-- factors: ``2 · rows · dim²`` flops per factor at the matmul rate for its size, plus the
-  GPU's per-operation latency;
-- decompositions: the profile's ``eigh`` times by size (``inverse``: ``n³`` flops of a
-  Cholesky inverse at the matmul rate);
-- preconditioning: ``precondition_flops`` per layer at the matmul rate for its size;
+- factors: each layer's covariance products ``XᵀX`` (``rows × dim`` by its transpose, a layer's
+  groups in one batched call) at the rate of the square product of the same volume
+  (``Hardware.product_seconds``), at the rate table of the products' ``matmul_precision``
+  (``tf32`` where the profile measured it);
+- decompositions: seconds per factor as K-FAC decomposes it, from the profile's measured
+  ``decompose_s`` table (batched where the model has several factors of that size), else
+  ``eigh`` of one matrix (eigen) or ``n³`` flops at the matmul rate (inverse, an estimate);
+- K-FAC's fixed cost per layer of a factor update, and per layer and shape group of
+  preconditioning (hooks, Python, launches, small operations), as ``measure-node`` measured
+  it on tiny layers (``kfac_overhead_s``), else operations counted in this code at the
+  kernel latency (an estimate); on a CPU they add to the arithmetic, on a GPU, where the host
+  launches while the device computes, a phase takes the longer of the two;
+- preconditioning: the products of each shape group (``kaisa_ray.batching``: the layers of one
+  ``(a, g, groups)`` shape in one batched call; eigen four, inverse two), each at the rate of
+  its volume, shared equally by the group's layers;
 - communication: ``tuner.topology`` prices each of the plan's collectives by the nodes its
   group spans.
 
@@ -28,10 +38,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kaisa_ray.enums import ComputeMethod, Precision, Scaling
+from kaisa_ray.enums import ComputeMethod, Scaling
 from kaisa_ray.plan import PlannedLayer
 from tuner.cost import LinkFit, Profile, precondition_flops
-from tuner.hardware import Hardware, SizeTable
+from tuner.hardware import OVERHEAD_OPERATIONS, Hardware
 from tuner.topology import Topology
 
 FLOAT32 = 4
@@ -58,6 +68,8 @@ class Workload:
     # pre-training runs it): factors are built from every pass, K-FAC's decompositions and
     # communication happen once per step.
     accumulation_steps: int = 1
+    # K-FAC's float32 products ('highest', 'high', 'medium': the preconditioner's option)
+    matmul_precision: str = "high"
 
     def __post_init__(self) -> None:
         if self.accumulation_steps < 1:
@@ -69,23 +81,18 @@ class Workload:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EighTable:
-    """``tuner.cost.DecompositionModel`` from a hardware profile's ``eigh`` times."""
-
-    table: SizeTable
-
-    def seconds(self, n: int) -> float:
-        return self.table.at(n)
-
-
-@dataclass(frozen=True, kw_only=True)
-class InverseRate:
-    """Cholesky inverse of an ``n × n`` factor: about ``n³`` flops at the matmul rate."""
+class DecomposeTable:
+    """``tuner.cost.DecompositionModel`` from a hardware profile: one factor of size ``n`` as
+    K-FAC decomposes it (``Hardware.decomposition_seconds``), batched for the sizes in
+    ``batched`` (the model has several factors of that size: exact under COMM-OPT, where every
+    rank decomposes all of them; a rank of MEM-OPT may hold one of a size)."""
 
     hardware: Hardware
+    method: str
+    batched: frozenset[int] = frozenset()
 
     def seconds(self, n: int) -> float:
-        return self.hardware.matmul_seconds(float(n) ** 3, n)
+        return self.hardware.decomposition_seconds(self.method, n, batched=n in self.batched)[0]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +103,7 @@ class Basis:
     step_source: str
     base_memory_bytes: int
     kfac_transient_bytes: int
+    terms: tuple[str, ...] = ()  # what each K-FAC term rests on, for people reading a plan
 
 
 def plain_step(workload: Workload, hardware: Hardware) -> tuple[float, str]:
@@ -127,6 +135,88 @@ def memory_basis(workload: Workload) -> tuple[int, int]:
     return base, transient
 
 
+def factor_seconds(workload: Workload, hardware: Hardware) -> float:
+    """One factor update of every layer: each layer's ``A`` and ``G`` covariance products, a
+    layer's groups batched, once per forward-backward pass, and K-FAC's fixed cost per layer
+    (added on a CPU, the longer of the two on a GPU: ``Hardware.host_is_device``)."""
+    precision = hardware.product_precision(workload.matmul_precision)
+    seconds = 0.0
+    for layer, (a_rows, g_rows) in zip(workload.layers, workload.rows, strict=True):
+        for dim, rows in ((layer.a_dim, a_rows), (layer.g_dim, g_rows)):
+            seconds += hardware.product_seconds(
+                dim, rows, dim, batch=layer.groups, precision=precision
+            )
+    fixed = hardware.overhead("factors_per_layer")[0] * len(workload.layers)
+    total = seconds + fixed if hardware.host_is_device else max(seconds, fixed)
+    return total * workload.accumulation_steps
+
+
+def precondition_seconds(workload: Workload, hardware: Hardware) -> tuple[float, ...]:
+    """Each layer's share of preconditioning one step: the layers of one ``(a, g, groups)``
+    shape are one batched call per product (``kaisa_ray.batching``), ``Q_Gᵀ ∇W Q_A`` and back
+    (eigen) or ``G⁻¹ ∇W A⁻¹`` (inverse), split equally among them, with K-FAC's fixed cost
+    per layer and its share of the group's (added on a CPU, the longer of the two on a GPU:
+    ``Hardware.host_is_device``)."""
+    precision = hardware.product_precision(workload.matmul_precision)
+    members: dict[tuple[int, int, int], int] = {}
+    for layer in workload.layers:
+        key = (layer.a_dim, layer.g_dim, layer.groups)
+        members[key] = members.get(key, 0) + 1
+    sides = 2 if workload.compute_method == ComputeMethod.EIGEN else 1
+    per_layer, _ = hardware.overhead("precondition_per_layer")
+    per_group, _ = hardware.overhead("precondition_per_group")
+    group_s = {}
+    for (a, g, k), count in members.items():
+        batch = count * k
+        one = hardware.product_seconds(g, g, a, batch=batch, precision=precision)
+        other = hardware.product_seconds(g, a, a, batch=batch, precision=precision)
+        group_s[(a, g, k)] = sides * (one + other)
+    shares = []
+    for x in workload.layers:
+        key = (x.a_dim, x.g_dim, x.groups)
+        products, fixed = group_s[key] / members[key], per_layer + per_group / members[key]
+        shares.append(products + fixed if hardware.host_is_device else max(products, fixed))
+    return tuple(shares)
+
+
+def _terms(workload: Workload, hardware: Hardware) -> tuple[str, ...]:
+    precision = hardware.product_precision(workload.matmul_precision)
+    table = hardware.matmul[precision]
+    products = (
+        f"{precision} matmul rates ({table.kind}) at the square size of each product's volume"
+    )
+    if precision != "tf32" and workload.matmul_precision != "highest":
+        products += (
+            f"; the products run at matmul precision '{workload.matmul_precision}' (TF32 on "
+            "NVIDIA GPUs) but the profile has no tf32 rates, so they are priced at fp32's"
+        )
+    method = workload.compute_method
+    alone, many = hardware.decompose.get(method, (None, None))
+    measured = many or alone
+    if measured is not None:
+        decompositions = (
+            f"{method} decompositions: the profile's decompose_s table ({measured.kind})"
+        )
+    elif method == ComputeMethod.EIGEN:
+        decompositions = (
+            f"eigen decompositions: eigh of one matrix ({hardware.eigh.kind}); no decompose_s "
+            "table, so factors batched by size are priced one by one"
+        )
+    else:
+        decompositions = (
+            "inverse decompositions: estimate, n³ flops at the matmul rate (no decompose_s "
+            "table in the profile)"
+        )
+    kinds = sorted({hardware.overhead(name)[1] for name in OVERHEAD_OPERATIONS})
+    fixed = "K-FAC's fixed cost per layer and shape group (hooks, Python, launches): " + (
+        "the profile's kfac_overhead_s"
+        if "estimate" not in kinds
+        else "estimate, operations counted in this code at the profile's kernel latency "
+        "(no kfac_overhead_s in the profile)"
+    )
+    return (f"factors and preconditioning: {products}", fixed, decompositions)
+
+
 def forecast_profile(
     workload: Workload,
     hardware: Hardware,
@@ -137,34 +227,31 @@ def forecast_profile(
     """The tuner's profile of ``workload`` on ``world_size`` GPUs of ``hardware``."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
-    factor_s = 0.0
-    sandwich_s = sandwich_flops = 0.0
-    for layer, (a_rows, g_rows) in zip(workload.layers, workload.rows, strict=True):
-        k = layer.groups
-        for dim, rows in ((layer.a_dim, a_rows), (layer.g_dim, g_rows)):
-            one = hardware.matmul_seconds(2.0 * rows * dim * dim, dim, Precision.FP32)
-            factor_s += k * one * workload.accumulation_steps
-        flops = precondition_flops(layer, workload.compute_method)
-        sandwich_flops += flops
-        sandwich_s += hardware.matmul_seconds(flops, min(layer.a_dim, layer.g_dim), Precision.FP32)
     step_s, step_source = plain_step(workload, hardware)
     base, transient = memory_basis(workload)
     intra = hardware.intra_node
     link = LinkFit(latency_s=intra.latency_s.value, bytes_per_s=intra.allreduce_busbw.value)
-    decomposition = (
-        EighTable(table=hardware.eigh)
-        if workload.compute_method == ComputeMethod.EIGEN
-        else InverseRate(hardware=hardware)
+    sizes: dict[int, int] = {}
+    for layer in workload.layers:
+        for dim in (layer.a_dim, layer.g_dim):
+            sizes[dim] = sizes.get(dim, 0) + layer.groups
+    decomposition = DecomposeTable(
+        hardware=hardware,
+        method=str(workload.compute_method),
+        batched=frozenset(n for n, count in sizes.items() if count > 1),
     )
+    layer_precondition = precondition_seconds(workload, hardware)
+    flops = sum(precondition_flops(x, workload.compute_method) for x in workload.layers)
     profile = Profile(
         world_size=world_size,
         layers=tuple(workload.layers),
         base_memory_bytes=base,
         kfac_transient_bytes=transient,
         step_s=step_s,
-        factor_s=factor_s,
+        factor_s=factor_seconds(workload, hardware),
         decomposition=decomposition,
-        precondition_s_per_flop=sandwich_s / sandwich_flops if sandwich_flops else 0.0,
+        precondition_s_per_flop=sum(layer_precondition) / flops if flops else 0.0,
+        layer_precondition_s=layer_precondition,
         allreduce=link,
         broadcast=link,
         compute_method=workload.compute_method,
@@ -176,4 +263,5 @@ def forecast_profile(
         step_source=step_source,
         base_memory_bytes=base,
         kfac_transient_bytes=transient,
+        terms=_terms(workload, hardware),
     )

@@ -32,6 +32,17 @@ from kaisa_ray.errors import ConfigurationError
 
 KINDS = ("datasheet", "benchmark", "measured", "estimate")
 PRECISIONS = tuple(p.value for p in Precision)
+TF32 = "tf32"  # float32 products at matmul precision 'high' (TensorFloat-32 on NVIDIA GPUs)
+PRODUCT_PRECISIONS = (*PRECISIONS, TF32)
+METHODS = ("eigen", "inverse")
+# Operations K-FAC runs per layer (or shape group) beyond its products, as counted with
+# torch.profiler on this code (tests/test_plan_terms.py counts them again): the fallback of a
+# profile that did not measure ``kfac_overhead_s``, each operation at the kernel latency.
+OVERHEAD_OPERATIONS = {
+    "factors_per_layer": 10.0,
+    "precondition_per_layer": 22.0,
+    "precondition_per_group": 11.0,
+}
 
 
 class HardwareProfileError(ConfigurationError):
@@ -65,6 +76,12 @@ class SizeTable:
 
     points: tuple[tuple[int, Sourced], ...]  # sorted by n
     grow: bool = False
+
+    @property
+    def kind(self) -> str:
+        """The weakest kind among its points (``estimate`` if any point is one)."""
+        kinds = {point.kind for _, point in self.points}
+        return next((k for k in reversed(KINDS) if k in kinds), "estimate")
 
     def at(self, n: float) -> float:
         sizes = [p[0] for p in self.points]
@@ -109,12 +126,37 @@ class Hardware:
     memory_bytes: Sourced
     gpus_per_node: Sourced
     kernel_latency_s: Sourced  # fixed cost of each K-FAC operation (launch, small kernels)
-    matmul: dict[str, SizeTable]  # precision -> flop/s by the product's smallest dimension
+    # precision -> flop/s of a square n×n product (any product is priced at the square size
+    # of the same volume: ``product_seconds``); ``tf32``: float32 at matmul precision 'high'
+    matmul: dict[str, SizeTable]
     eigh: SizeTable  # seconds of torch.linalg.eigh of one float32 n×n matrix
     training: tuple[TrainingRate, ...]
     intra_node: LinkLevel
     inter_node: LinkLevel
     sources: dict[str, Sourced] = field(default_factory=dict)  # every number, by its path
+    # Seconds per float32 factor of size n as K-FAC decomposes it (``kaisa_ray.batching.
+    # decompose``, damping included), by method: (one factor alone, one of a batch of several
+    # of the same size); either may be missing.
+    decompose: dict[str, tuple[SizeTable | None, SizeTable | None]] = field(default_factory=dict)
+    # K-FAC's fixed seconds where its arithmetic is negligible (hooks, Python, launches):
+    # 'factors_per_layer', 'precondition_per_layer', 'precondition_per_group'
+    kfac_overhead: dict[str, Sourced] = field(default_factory=dict)
+
+    def overhead(self, name: str) -> tuple[float, str]:
+        """K-FAC's fixed cost ``name`` (see ``kfac_overhead``) and its kind; without a
+        measured one, ``OVERHEAD_OPERATIONS[name]`` operations at the kernel latency (an
+        estimate)."""
+        found = self.kfac_overhead.get(name)
+        if found is not None:
+            return found.value, found.kind
+        return OVERHEAD_OPERATIONS[name] * self.kernel_latency_s.value, "estimate"
+
+    @property
+    def host_is_device(self) -> bool:
+        """A CPU profile (``measure-node --device cpu``): K-FAC's fixed costs (Python, launches)
+        run on the cores that do its arithmetic, so the two add up; on a GPU the host launches
+        while the device computes, so a phase takes the longer of the two."""
+        return self.gpu_name.startswith("CPU")
 
     @property
     def node_size(self) -> int:
@@ -128,8 +170,42 @@ class Hardware:
     def matmul_seconds(self, flops: float, n: float, precision: str = Precision.FP32) -> float:
         return self.kernel_latency_s.value + flops / self.matmul_rate(n, precision)
 
+    def product_seconds(
+        self, m: int, k: int, n: int, *, batch: int = 1, precision: str = Precision.FP32
+    ) -> float:
+        """Seconds of ``batch`` products of an ``m × k`` by a ``k × n`` matrix in one call: the
+        latency plus ``2·batch·m·k·n`` flops at the rate of the square product of the same
+        volume (size ``(batch·m·k·n)^(1/3)``). A tall-skinny product, K-FAC's covariance
+        ``XᵀX`` of ``rows × dim`` above all, runs near the rate of its volume, far above the
+        rate of a square product of its smallest side."""
+        volume = float(batch) * m * k * n
+        return self.kernel_latency_s.value + 2.0 * volume / self.matmul_rate(
+            volume ** (1.0 / 3.0), precision
+        )
+
+    def product_precision(self, matmul_precision: str) -> str:
+        """The rate table K-FAC's float32 products run at under ``matmul_precision``: ``tf32``
+        for 'high' or 'medium' where the profile measured it, else ``fp32``."""
+        if matmul_precision != "highest" and TF32 in self.matmul:
+            return TF32
+        return Precision.FP32.value
+
     def eigh_seconds(self, n: int) -> float:
         return self.eigh.at(n)
+
+    def decomposition_seconds(self, method: str, n: int, *, batched: bool) -> tuple[float, str]:
+        """Seconds of decomposing one ``n × n`` factor by ``method``, alone or as one of a
+        batch of factors of its size, and the kind of the figure: the measured ``decompose``
+        table where the profile has one (the other of alone/batched if only it was measured),
+        else ``eigh`` of one matrix (eigen) or ``n³`` flops at the matmul rate (inverse: an
+        estimate)."""
+        alone, many = self.decompose.get(method, (None, None))
+        table = (many or alone) if batched else (alone or many)
+        if table is not None:
+            return table.at(n), table.kind
+        if method == "eigen":
+            return self.eigh.at(n), self.eigh.kind
+        return self.matmul_seconds(float(n) ** 3, n), "estimate"
 
     def training_rate(
         self, model: str, precision: str, seq_len: int | None = None
@@ -149,7 +225,9 @@ def _number(data: Any, path: str, problems: list[str], *, positive: bool = True)
     if not isinstance(data, Mapping):
         problems.append(f"{path}: a number needs its source; {hint}")
         return None
-    unknown = sorted(set(data) - {"value", "kind", "source", "n", "model", "precision", "seq_len"})
+    unknown = sorted(
+        set(data) - {"value", "kind", "source", "n", "count", "model", "precision", "seq_len"}
+    )
     if unknown:
         problems.append(f"{path}: unknown field(s) {', '.join(unknown)}; {hint}")
     value, kind, source = data.get("value"), data.get("kind"), data.get("source")
@@ -249,16 +327,34 @@ def hardware_from_dict(data: Any, origin: str = "hardware profile") -> Hardware:
         problems.append("gpu.matmul_flops_per_s: a table per precision, fp32 at least")
         rates = {}
     for precision, table in rates.items():
-        if precision not in PRECISIONS:
+        if precision not in PRODUCT_PRECISIONS:
             problems.append(
                 f"gpu.matmul_flops_per_s.{precision}: unknown precision "
-                f"(expected {', '.join(PRECISIONS)})"
+                f"(expected {', '.join(PRODUCT_PRECISIONS)})"
             )
             continue
         matmul[precision] = _table(table, f"gpu.matmul_flops_per_s.{precision}", problems, sources)
     eigh = dataclasses.replace(
         _table(gpu.get("eigh_s"), "gpu.eigh_s", problems, sources), grow=True
     )
+    decompose = _decompose(gpu.get("decompose_s"), problems, sources)
+    overheads = gpu.get("kfac_overhead_s") or {}
+    kfac_overhead: dict[str, Sourced] = {}
+    if not isinstance(overheads, Mapping):
+        problems.append(f"gpu.kfac_overhead_s: a mapping of {', '.join(OVERHEAD_OPERATIONS)}")
+        overheads = {}
+    for key, value in overheads.items():
+        if key not in OVERHEAD_OPERATIONS:
+            problems.append(
+                f"gpu.kfac_overhead_s.{key}: unknown (expected {', '.join(OVERHEAD_OPERATIONS)})"
+            )
+            continue
+        where = f"gpu.kfac_overhead_s.{key}"
+        found = _number(value, where, problems, positive=False)  # 0: below what it resolves
+        if found is not None and found.value < 0:
+            problems.append(f"{where}.value: {found.value!r} must not be negative")
+        elif found is not None:
+            kfac_overhead[key] = sources[where] = found
     node = data.get("node")
     if not isinstance(node, Mapping):
         node = {}
@@ -310,4 +406,46 @@ def hardware_from_dict(data: Any, origin: str = "hardware profile") -> Hardware:
         intra_node=intra,
         inter_node=inter,
         sources=sources,
+        decompose=decompose,
+        kfac_overhead=kfac_overhead,
     )
+
+
+def _decompose(
+    data: Any, problems: list[str], sources: dict[str, Sourced]
+) -> dict[str, tuple[SizeTable | None, SizeTable | None]]:
+    """``gpu.decompose_s``: per method, entries ``{n, count, value, kind, source}`` (seconds per
+    factor when ``count`` factors of size n are decomposed together; count 1: alone)."""
+    if data is None:
+        return {}
+    path = "gpu.decompose_s"
+    if not isinstance(data, Mapping):
+        problems.append(f"{path}: a list per method ({', '.join(METHODS)})")
+        return {}
+    found: dict[str, tuple[SizeTable | None, SizeTable | None]] = {}
+    for method, entries in data.items():
+        if method not in METHODS:
+            problems.append(f"{path}.{method}: unknown method (expected {', '.join(METHODS)})")
+            continue
+        if not isinstance(entries, list) or not entries:
+            problems.append(f"{path}.{method}: a list of {{n, count, value, kind, source}}")
+            continue
+        alone: list[Any] = []
+        many: list[Any] = []
+        for i, entry in enumerate(entries):
+            count = entry.get("count") if isinstance(entry, Mapping) else None
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                problems.append(
+                    f"{path}.{method}[{i}].count: {count!r} must be a positive whole number"
+                )
+                continue
+            (alone if count == 1 else many).append(entry)
+        tables: list[SizeTable | None] = []
+        for label, part in (("alone", alone), ("batched", many)):
+            if not part:
+                tables.append(None)
+                continue
+            table = _table(part, f"{path}.{method}({label})", problems, sources)
+            tables.append(dataclasses.replace(table, grow=True))
+        found[method] = (tables[0], tables[1])
+    return found

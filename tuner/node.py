@@ -1,8 +1,12 @@
 """Measure one node into a hardware profile (``kaisa-ray measure-node``).
 
 ``measure(base, name=...)`` times, on this machine's device: a tiny operation (the per-operation
-latency), float32 (and bf16) matrix products at a ladder of sizes, ``torch.linalg.eigh`` at a
-ladder of sizes, and ResNet-50's training step at batch 32 (fp32 and bf16, SGD); with several
+latency), float32 (and bf16, and on CUDA float32 at matmul precision 'high': TF32) matrix
+products at a ladder of sizes, ``torch.linalg.eigh`` at a ladder of sizes, K-FAC's own
+decompositions (``kaisa_ray.decomposition``'s batched eigen and Cholesky-inverse solvers, as
+``kaisa_ray.batching.decompose`` calls them) of one factor and of a batch of factors at a
+ladder of sizes, and ResNet-50's training step at batch 32 (fp32 and bf16, SGD), and
+optionally the training steps of other registered models; with several
 GPUs (or ``ranks`` CPU processes over gloo, to try it out) the intra-node all-reduce and
 broadcast between them (``tuner.measure.time_collectives``, turned into nccl-tests' bus
 bandwidth). It returns the profile as a mapping in the file format of ``tuner.hardware``:
@@ -20,6 +24,7 @@ import os
 import platform
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +38,110 @@ from tuner.measure import median_seconds
 
 MATMUL_SIZES = (64, 128, 256, 512, 1024, 4096)
 EIGH_SIZES = (64, 256, 512, 1024, 2048, 4096)
+DECOMPOSE_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+DECOMPOSE_BATCH = 8  # factors of one size decomposed together (K-FAC batches a size's factors)
 QUICK_SIZES = (32, 64, 128)
+
+
+def _spd(n: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` symmetric positive definite ``n × n`` matrices, as a batch of K-FAC factors
+    ``(count, 1, n, n)``: a covariance of 2n random rows plus a small ridge."""
+    x = torch.randn(count, 2 * n, n, generator=generator)
+    return (x.transpose(-1, -2) @ x / (2 * n) + 1e-3 * torch.eye(n)).unsqueeze(1)
+
+
+OVERHEAD_LAYERS = 16
+
+
+def _ladder(sizes: tuple[int, ...], quick: bool, largest: int | None) -> tuple[int, ...]:
+    chosen = QUICK_SIZES if quick else sizes
+    return tuple(n for n in chosen if largest is None or n <= largest) or chosen[:1]
+
+
+def _tiny_stack(distinct: bool) -> torch.nn.Sequential:
+    """``OVERHEAD_LAYERS`` Linear layers of width 8 (one shape group) or of widths 8, 9, ...
+    (a group each): K-FAC's work on them is its fixed cost per layer and per group."""
+    widths = [8 + (i if distinct else 0) for i in range(OVERHEAD_LAYERS + 1)]
+    return torch.nn.Sequential(
+        *(torch.nn.Linear(widths[i], widths[i + 1]) for i in range(OVERHEAD_LAYERS))
+    )
+
+
+def _train_step(
+    model: torch.nn.Module, x: torch.Tensor, optimizer: torch.optim.Optimizer, pre: Any
+) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    if pre is not None:
+        pre.step()
+    optimizer.step()
+
+
+def kfac_overheads(device: torch.device, repeats: int) -> tuple[float, float, float]:
+    """K-FAC's fixed seconds (hooks, Python, launches, small operations) where its
+    arithmetic is negligible: (a factor update, per layer; preconditioning a step, per layer;
+    per shape group besides), from whole training steps of tiny Linear stacks with
+    ``KFACPreconditioner`` (the inverse method, ``reduce``: its default elsewhere) quiet, and
+    updating factors every step."""
+    from kaisa_ray import KFACPreconditioner
+
+    found: dict[tuple[bool, str], float] = {}
+    for distinct in (False, True):
+        torch.manual_seed(0)
+        model = _tiny_stack(distinct).to(device)
+        x = torch.randn(4, 8, device=device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for label, every in (("plain", 0), ("quiet", 10**9), ("factors", 1)):
+            preconditioner = (
+                None
+                if not every
+                else KFACPreconditioner(
+                    model,
+                    factor_update_steps=every,
+                    inv_update_steps=10**9,
+                    compute_method="inverse",
+                    damping=0.1,
+                )
+            )
+
+            step = functools.partial(_train_step, model, x, optimizer, preconditioner)
+            for _ in range(3):
+                step()
+            found[distinct, label] = median_seconds(step, device, max(repeats, 21))
+            if preconditioner is not None:
+                preconditioner.remove_hooks()
+    layers = OVERHEAD_LAYERS
+    per_group = max(0.0, found[True, "quiet"] - found[False, "quiet"]) / (layers - 1)
+    per_layer = max(0.0, found[False, "quiet"] - found[False, "plain"] - per_group) / layers
+    factors = max(0.0, found[True, "factors"] - found[True, "quiet"]) / layers
+    return factors, per_layer, per_group
+
+
+def decomposition_times(
+    device: torch.device, sizes: tuple[int, ...], repeats: int, batch: int = DECOMPOSE_BATCH
+) -> dict[str, list[tuple[int, int, float]]]:
+    """Per method, ``(n, count, seconds per factor)`` of K-FAC's own solvers on float32
+    factors: one factor alone and ``batch`` at once (larger sizes: as many as fit the memory
+    of ``batch`` factors of 1024, at least 2), damping 1e-3."""
+    from kaisa_ray.decomposition import EigenDecomposition, InverseDecomposition
+
+    generator = torch.Generator().manual_seed(0)
+    found: dict[str, list[tuple[int, int, float]]] = {"eigen": [], "inverse": []}
+    for n in sizes:
+        many = max(2, min(batch, batch * 1024**2 // n**2))
+        for count in (1, many):
+            factors = _spd(n, count, generator).to(device)
+            for method, solver in (
+                ("eigen", EigenDecomposition.solve_many),
+                ("inverse", InverseDecomposition.solve_many),
+            ):
+                seconds = median_seconds(
+                    functools.partial(solver, factors, [1e-3] * count),
+                    device,
+                    max(2, repeats // 2),
+                )
+                found[method].append((n, count, seconds / count))
+    return found
 
 
 def _device_name(device: torch.device) -> str:
@@ -89,14 +197,27 @@ def _collectives(device_type: str, ranks: int) -> tuple[float, float, float, flo
 
 
 def _training_rate(
-    build: Callable[[], torch.nn.Module], device: torch.device, precision: str, repeats: int
+    build: Callable[[], torch.nn.Module],
+    device: torch.device,
+    precision: str,
+    repeats: int,
+    example: Callable[[int], torch.Tensor] | None = None,
+    batch: int = 32,
 ) -> float:
-    """Samples per second of ResNet-50 training at batch 32 (224×224, SGD with momentum)."""
+    """Samples per second of training ``build()``'s model at ``batch`` (SGD with momentum,
+    random data of ``example(batch)``'s shape; default: ResNet-50's 224×224 images), with a
+    cross-entropy loss over the model's last output dimension."""
     torch.manual_seed(0)
     model = build().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x = torch.randn(32, 3, 224, 224, device=device)
-    y = torch.randint(0, 1000, (32,), device=device)
+    shape = example(batch) if example is not None else torch.empty(batch, 3, 224, 224)
+    if shape.dtype.is_floating_point:
+        x = torch.randn(shape.shape, device=device)
+    else:  # token ids
+        x = torch.randint(0, 2, shape.shape, device=device)
+    with torch.no_grad():
+        out = model(x)
+    y = torch.randint(0, out.shape[-1], out.shape[:-1], device=device)
     autocast = torch.autocast(
         device.type, dtype=torch.bfloat16, enabled=precision == Precision.BF16
     )
@@ -104,13 +225,27 @@ def _training_rate(
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         with autocast:
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)
+            )
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
 
     for _ in range(3):
         step()
-    return 32 / median_seconds(step, device, repeats)
+    return batch / median_seconds(step, device, repeats)
+
+
+@dataclass(frozen=True)
+class ModelToTime:
+    """A registered model whose plain training step ``measure`` times: its builder, a batch
+    of its input (any device: only the shape and dtype are used) and the batch size."""
+
+    name: str
+    build: Callable[[], torch.nn.Module]
+    example: Callable[[int], torch.Tensor]
+    batch: int
 
 
 def measure(
@@ -121,6 +256,8 @@ def measure(
     quick: bool = False,
     ranks: int | None = None,
     resnet50: Callable[[], torch.nn.Module] | None = None,
+    models: tuple[ModelToTime, ...] = (),
+    largest: int | None = None,
 ) -> dict[str, Any]:
     """This node as a hardware profile mapping (see the module docstring).
 
@@ -131,6 +268,9 @@ def measure(
         ranks: processes for the intra-node collectives [default: the GPUs visible; 1 on CPU].
         resnet50: builds the ResNet-50 whose training throughput is measured (the train
             layer's model; without it, or with ``quick``, the base's throughputs are kept).
+        largest: leave out sizes above this from the ladders (a CPU's small models).
+        models: more models whose fp32 training throughput is measured at their batch size
+            (also with ``quick``), each replacing the base's entries for that model.
 
     Raises:
         ConfigurationError: ``device`` is cuda and there is no GPU.
@@ -166,7 +306,7 @@ def measure(
 
     rates: dict[str, list[dict[str, Any]]] = {Precision.FP32.value: []}
     generator = torch.Generator().manual_seed(0)
-    for n in QUICK_SIZES if quick else MATMUL_SIZES:
+    for n in _ladder(MATMUL_SIZES, quick, largest):
         a = torch.randn(n, n, generator=generator).to(target)
         seconds = median_seconds(functools.partial(torch.matmul, a, a), target, repeats)
         rates[Precision.FP32.value].append(
@@ -182,12 +322,24 @@ def measure(
             seconds = median_seconds(functools.partial(torch.matmul, a, a), target, repeats)
             entry = _measured(2 * n**3 / seconds, f"{precision} {n}x{n} matmul", where)
             rates[precision] = [{"n": n, **entry}]
+    if target.type == "cuda":  # float32 products at precision 'high': TF32 tensor cores
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        try:
+            rates["tf32"] = []
+            for n in _ladder(MATMUL_SIZES, quick, largest):
+                a = torch.randn(n, n, generator=generator).to(target)
+                seconds = median_seconds(functools.partial(torch.matmul, a, a), target, repeats)
+                entry = _measured(2 * n**3 / seconds, f"float32 {n}x{n} matmul, TF32", where)
+                rates["tf32"].append({"n": n, **entry})
+        finally:
+            torch.set_float32_matmul_precision(before)
     gpu_entry["matmul_flops_per_s"] = {**gpu_entry.get("matmul_flops_per_s", {}), **rates}
     if target.type != "cuda":  # half-precision rates of the base do not describe this device
         gpu_entry["matmul_flops_per_s"] = rates
 
     eigh = []
-    for n in QUICK_SIZES if quick else EIGH_SIZES:
+    for n in _ladder(EIGH_SIZES, quick, largest):
         x = torch.randn(n, n, generator=generator)
         spd = (x @ x.T / n + torch.eye(n)).to(target)
         seconds = median_seconds(
@@ -197,6 +349,36 @@ def measure(
             {"n": n, **_measured(seconds, f"torch.linalg.eigh of a float32 {n}x{n}", where)}
         )
     gpu_entry["eigh_s"] = eigh
+    factors, per_layer, per_group = kfac_overheads(target, repeats)
+    stack = f"{OVERHEAD_LAYERS} Linear layers of width 8"
+    gpu_entry["kfac_overhead_s"] = {
+        "factors_per_layer": _measured(
+            factors, f"a factor update's fixed cost per layer, from {stack}", where
+        ),
+        "precondition_per_layer": _measured(
+            per_layer, f"a quiet K-FAC step's fixed cost per layer, from {stack}", where
+        ),
+        "precondition_per_group": _measured(
+            per_group, f"a quiet K-FAC step's fixed cost per shape group, from {stack}", where
+        ),
+    }
+    solved = decomposition_times(target, _ladder(DECOMPOSE_SIZES, quick, largest), repeats)
+    gpu_entry["decompose_s"] = {
+        method: [
+            {
+                "n": n,
+                "count": count,
+                **_measured(
+                    seconds,
+                    f"K-FAC's {method} solver, float32 {n}x{n}, "
+                    + ("one factor alone" if count == 1 else f"per factor of {count} at once"),
+                    where,
+                ),
+            }
+            for n, count, seconds in rows
+        ]
+        for method, rows in solved.items()
+    }
 
     count = ranks or (torch.cuda.device_count() if target.type == "cuda" else 1)
     profile["node"] = {"gpus": _measured(count, "devices measured on this node", where)}
@@ -236,5 +418,17 @@ def measure(
                 }
             )
         profile["training"] = training
+    for timed in models:
+        rate = _training_rate(
+            timed.build, target, Precision.FP32.value, repeats, timed.example, timed.batch
+        )
+        profile["training"] = [
+            *(t for t in profile.get("training", []) if t.get("model") != timed.name),
+            {
+                "model": timed.name,
+                "precision": Precision.FP32.value,
+                **_measured(rate, f"{timed.name} training, batch {timed.batch}, fp32, SGD", where),
+            },
+        ]
     hardware_from_dict(profile, f"the measured profile {name}")  # what we write must load
     return profile

@@ -105,6 +105,7 @@ def render_plan(report: dict[str, Any]) -> str:
         lines.append(f"skip_layers {inputs['skip_layers']}: {inputs['skip_layers_source']}")
     numbers = ", ".join(f"{n} {k}" for k, n in sorted(basis["hardware_numbers_by_kind"].items()))
     lines.append(f"hardware profile numbers: {numbers}")
+    lines += [f"  {term}" for term in basis.get("terms", [])]
     lines += ["", "K-FAC memory per GPU (worst rank, MiB) and collectives (busiest rank)"]
     rows = [
         [
@@ -318,6 +319,30 @@ def plan(
         click.echo(render_plan(report))
 
 
+def _model_to_time(text: str) -> Any:
+    """``NAME:BATCH`` as ``tuner.node.ModelToTime`` (a registered model, built on the CPU)."""
+    import functools
+
+    from kaisa_ray.train.registry import model_factory, model_names
+    from kaisa_ray.train.shapes import build_on_meta, example_batch
+    from tuner.node import ModelToTime
+
+    name, _, batch = text.partition(":")
+    if name not in model_names() or not batch.isdigit() or int(batch) < 1:
+        raise click.BadParameter(
+            f"{text!r}: write NAME:BATCH with a registered model ({', '.join(model_names())}) "
+            "and a whole batch size, e.g. resnet20:128",
+            param_hint="--model",
+        )
+    meta = build_on_meta(name)
+    return ModelToTime(
+        name=name,
+        build=model_factory(name),
+        example=functools.partial(example_batch, name, meta),
+        batch=int(batch),
+    )
+
+
 @click.command(name="measure-node")
 @click.option(
     "--base",
@@ -341,8 +366,22 @@ def plan(
     default=None,
     help="Processes for the intra-node collectives [default: the GPUs visible; 1 on CPU].",
 )
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    metavar="NAME:BATCH",
+    help="Also time this registered model's plain training step at this batch per GPU, "
+    "e.g. resnet20:128, so that plans of it use a measured step (repeat for several).",
+)
 def measure_node(
-    base: str, name: str, output: Path | None, device: str, quick: bool, ranks: int | None
+    base: str,
+    name: str,
+    output: Path | None,
+    device: str,
+    quick: bool,
+    ranks: int | None,
+    models: tuple[str, ...],
 ) -> None:
     """Measure this machine's GPU (matmul rates by size, eigh times, launch latency, the
     intra-node collectives when several GPUs are visible, ResNet-50 training throughput) into a
@@ -352,6 +391,8 @@ def measure_node(
     from kaisa_ray.train.models_large import ResNet50
     from kaisa_ray.train.planning import hardware_file, user_hardware_dir
     from tuner.node import measure
+
+    timed = tuple(_model_to_time(text) for text in models)
 
     if output is None and (name in hardware_names() or "/" in name or name.startswith(".")):
         raise click.BadParameter(
@@ -366,6 +407,7 @@ def measure_node(
             quick=quick,
             ranks=ranks,
             resnet50=ResNet50,
+            models=timed,
         )
     except ConfigurationError as err:
         raise click.ClickException(str(err)) from err

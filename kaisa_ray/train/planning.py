@@ -404,4 +404,5 @@ def _basis(basis: Basis, hardware: Hardware, profile: Profile) -> dict[str, Any]
         "kfac_transient_bytes": basis.kfac_transient_bytes,
         "factor_s": profile.factor_s,
         "hardware_numbers_by_kind": kinds,
+        "terms": list(basis.terms),
     }

@@ -108,6 +108,12 @@ def _input(name: str, model: nn.Module, batch_size: int) -> torch.Tensor:
     return planning.example_input(model, batch_size)
 
 
+def example_batch(name: str, model: nn.Module, batch_size: int) -> torch.Tensor:
+    """A batch of registered model ``name``'s input as its planning describes it (on the meta
+    device: shape and dtype only)."""
+    return _input(name, model, batch_size)
+
+
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     storage = tensor.untyped_storage()
     return storage._cdata, storage.nbytes()

@@ -1,0 +1,256 @@
+"""The forecast's K-FAC terms (``tuner.forecast``, ``tuner.hardware``): what each is priced
+from, its fallback when a profile lacks the measurement (marked as an estimate), the profile
+fields that hold the measurements, and the operation counts behind the estimate of K-FAC's
+fixed costs. How close each term comes to a timing of its operation is a benchmark
+(``benchmarks/plan_check.py``), not a test."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from torch.profiler import ProfilerActivity, profile
+
+from kaisa_ray import KFACPreconditioner
+from kaisa_ray.train.planning import hardware_file
+from kaisa_ray.train.shapes import workload
+from tuner.forecast import forecast_profile, precondition_seconds
+from tuner.hardware import (
+    OVERHEAD_OPERATIONS,
+    HardwareProfileError,
+    hardware_from_dict,
+)
+from tuner.node import OVERHEAD_LAYERS, _tiny_stack, _train_step
+
+MEASURED = {"kind": "measured", "source": "measured here, for a test"}
+
+
+def preset() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(hardware_file("a100-80gb-hdr").read_text())
+    return data
+
+
+def with_measurements() -> dict[str, Any]:
+    data = copy.deepcopy(preset())
+    gpu = data["gpu"]
+    gpu["matmul_flops_per_s"]["tf32"] = [
+        {"n": 64, "value": 2e12, **MEASURED},
+        {"n": 4096, "value": 1.5e14, **MEASURED},
+    ]
+    gpu["decompose_s"] = {
+        method: [
+            {"n": 64, "count": 1, "value": 1e-3, **MEASURED},
+            {"n": 4096, "count": 1, "value": 1e-1, **MEASURED},
+            {"n": 64, "count": 8, "value": 1e-4, **MEASURED},
+            {"n": 4096, "count": 2, "value": 5e-2, **MEASURED},
+        ]
+        for method in ("eigen", "inverse")
+    }
+    gpu["kfac_overhead_s"] = {
+        "factors_per_layer": {"value": 2e-4, **MEASURED},
+        "precondition_per_layer": {"value": 1e-4, **MEASURED},
+        "precondition_per_group": {"value": 0.0, **MEASURED},
+    }
+    return data
+
+
+def test_a_product_is_priced_at_the_square_size_of_its_volume() -> None:
+    """``m × k`` by ``k × n``, ``batch`` of them: latency + 2·volume flops at the rate of the
+    square product whose volume it has (K-FAC's tall ``XᵀX`` is not a small square)."""
+    hw = hardware_from_dict(preset())
+    latency = hw.kernel_latency_s.value
+    for m, k, n, batch in ((147, 401_408, 147, 1), (64, 64, 576, 12), (1024, 32, 1024, 1)):
+        volume = float(batch * m * k * n)
+        expected = latency + 2 * volume / hw.matmul_rate(volume ** (1 / 3))
+        assert hw.product_seconds(m, k, n, batch=batch) == pytest.approx(expected, rel=1e-12)
+    tall = hw.product_seconds(147, 401_408, 147)
+    # the old pricing: the same flops at the rate of a 147 x 147 square product
+    assert tall < 2 * 147 * 401_408 * 147 / hw.matmul_rate(147) / 4
+
+
+def test_tf32_rates_price_high_precision_products_only_where_measured() -> None:
+    plain, measured = hardware_from_dict(preset()), hardware_from_dict(with_measurements())
+    assert plain.product_precision("high") == "fp32"  # no tf32 table: fp32's rates
+    assert measured.product_precision("high") == "tf32"
+    assert measured.product_precision("medium") == "tf32"
+    assert measured.product_precision("highest") == "fp32"
+    job = workload("resnet50", batch_size=32)
+    terms = " ".join(forecast_profile(job, plain, 1)[1].terms)
+    assert "no tf32 rates, so they are priced at fp32's" in terms
+    assert "tf32 matmul rates (measured)" in " ".join(forecast_profile(job, measured, 1)[1].terms)
+
+
+def test_decompositions_come_from_the_measured_table_alone_or_batched() -> None:
+    hw = hardware_from_dict(with_measurements())
+    for method in ("eigen", "inverse"):
+        assert hw.decomposition_seconds(method, 64, batched=False) == (1e-3, "measured")
+        assert hw.decomposition_seconds(method, 64, batched=True) == (1e-4, "measured")
+    # without the table: eigh of one matrix, or the n³ estimate of the inverse
+    plain = hardware_from_dict(preset())
+    seconds, kind = plain.decomposition_seconds("eigen", 1024, batched=True)
+    assert seconds == plain.eigh_seconds(1024)
+    assert kind == plain.eigh.kind
+    seconds, kind = plain.decomposition_seconds("inverse", 1024, batched=False)
+    assert kind == "estimate"
+    assert seconds == pytest.approx(plain.matmul_seconds(1024.0**3, 1024))
+
+
+def test_a_forecast_batches_the_decompositions_of_the_sizes_a_model_repeats() -> None:
+    hw = hardware_from_dict(with_measurements())
+    job = workload("resnet50", batch_size=32)
+    profile, basis = forecast_profile(job, hw, 1)
+    # ResNet-50's fc G factor (1000) is its size's only one; 64 appears many times
+    assert (
+        profile.decomposition.seconds(1000)
+        == hw.decomposition_seconds("eigen", 1000, batched=False)[0]
+    )
+    assert profile.decomposition.seconds(64) == 1e-4
+    assert "eigen decompositions: the profile's decompose_s table (measured)" in basis.terms
+
+
+def test_without_measured_fixed_costs_they_are_counted_operations_at_the_latency() -> None:
+    plain, measured = hardware_from_dict(preset()), hardware_from_dict(with_measurements())
+    for name, count in OVERHEAD_OPERATIONS.items():
+        assert plain.overhead(name) == (count * plain.kernel_latency_s.value, "estimate")
+    assert measured.overhead("factors_per_layer") == (2e-4, "measured")
+    assert measured.overhead("precondition_per_group") == (0.0, "measured")
+    job = workload("lenet", batch_size=64, kfac_approx="reduce", compute_method="inverse")
+    assert any(
+        "estimate, operations counted" in t for t in forecast_profile(job, plain, 1)[1].terms
+    )
+    assert any(
+        "the profile's kfac_overhead_s" in t for t in forecast_profile(job, measured, 1)[1].terms
+    )
+
+
+def test_factors_and_preconditioning_are_the_sums_of_their_terms() -> None:
+    """LeNet (4 layers, 4 shapes): each term written out."""
+    hw = hardware_from_dict(with_measurements())
+    job = workload("lenet", batch_size=64, kfac_approx="reduce", compute_method="inverse")
+    profile, _ = forecast_profile(job, hw, 1)
+    factors = sum(
+        hw.product_seconds(dim, rows, dim, batch=layer.groups, precision="tf32")
+        for layer, (a_rows, g_rows) in zip(job.layers, job.rows, strict=True)
+        for dim, rows in ((layer.a_dim, a_rows), (layer.g_dim, g_rows))
+    )
+    assert not hw.host_is_device  # a GPU: fixed costs overlap the device's arithmetic
+    assert profile.factor_s == pytest.approx(max(factors, 4 * 2e-4), rel=1e-12)
+    per_layer = precondition_seconds(job, hw)
+    for layer, seconds in zip(job.layers, per_layer, strict=True):
+        a, g = layer.a_dim, layer.g_dim
+        products = hw.product_seconds(g, g, a, precision="tf32") + hw.product_seconds(
+            g, a, a, precision="tf32"
+        )
+        assert seconds == pytest.approx(max(1e-4, products), rel=1e-12)
+    assert profile.layer_precondition_s == per_layer
+
+
+def test_a_shape_group_shares_its_batched_products() -> None:
+    """ResNet-50's 54 layers are 21 shape groups: a group's layers each carry an equal share
+    of one batched call (fewer latencies than layer by layer)."""
+    hw = hardware_from_dict(preset())
+    job = workload("resnet50", batch_size=32, compute_method="eigen")
+    shares = precondition_seconds(job, hw)
+    same = [s for x, s in zip(job.layers, shares, strict=True) if (x.a_dim, x.g_dim) == (576, 64)]
+    assert len(same) == 3
+    assert len(set(same)) == 1
+    alone = hw.product_seconds(64, 64, 576) + hw.product_seconds(64, 576, 576)
+    per_layer, _ = hw.overhead("precondition_per_layer")
+    per_group, _ = hw.overhead("precondition_per_group")
+    assert same[0] < max(per_layer + per_group, 2 * alone)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        (
+            "decompose_s",
+            {"eigen": [{"n": 64, "count": 0, "value": 1.0, **MEASURED}]},
+            "gpu.decompose_s.eigen[0].count: 0 must be a positive whole number",
+        ),
+        (
+            "decompose_s",
+            {"cholesky": [{"n": 64, "count": 1, "value": 1.0, **MEASURED}]},
+            "gpu.decompose_s.cholesky: unknown method (expected eigen, inverse)",
+        ),
+        (
+            "kfac_overhead_s",
+            {"per_step": {"value": 1.0, **MEASURED}},
+            "gpu.kfac_overhead_s.per_step: unknown",
+        ),
+        (
+            "kfac_overhead_s",
+            {"factors_per_layer": {"value": -1.0, **MEASURED}},
+            "gpu.kfac_overhead_s.factors_per_layer.value: -1.0 must not be negative",
+        ),
+    ],
+)
+def test_bad_measurement_fields_are_named(field: str, value: Any, problem: str) -> None:
+    data = preset()
+    data["gpu"][field] = value
+    with pytest.raises(HardwareProfileError) as raised:
+        hardware_from_dict(data)
+    assert any(p.startswith(problem) for p in raised.value.problems), raised.value.problems
+
+
+def _operations(distinct: bool, every: int) -> int:
+    """Top-level torch operations of one training step of a tiny stack (K-FAC quiet, or
+    updating factors, or ``every`` 0: without K-FAC)."""
+    torch.manual_seed(0)
+    model = _tiny_stack(distinct)
+    x = torch.randn(4, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    pre = (
+        KFACPreconditioner(
+            model,
+            factor_update_steps=every,
+            inv_update_steps=10**9,
+            compute_method="inverse",
+            damping=0.1,
+        )
+        if every
+        else None
+    )
+    for _ in range(3):
+        _train_step(model, x, optimizer, pre)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _train_step(model, x, optimizer, pre)
+    if pre is not None:
+        pre.remove_hooks()
+    return len([e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None])
+
+
+def test_the_estimated_fixed_costs_count_the_operations_this_code_runs() -> None:
+    """``OVERHEAD_OPERATIONS`` against a count of the operations of K-FAC's steps on the tiny
+    stacks ``measure-node`` times (the same differences): a change to the code that adds or
+    removes many per-layer operations fails here until the counts are updated."""
+    quiet, every = 10**9, 1
+    same_quiet, distinct_quiet = _operations(False, quiet), _operations(True, quiet)
+    per_group = (distinct_quiet - same_quiet) / (OVERHEAD_LAYERS - 1)
+    per_layer = (same_quiet - _operations(False, 0) - per_group) / OVERHEAD_LAYERS
+    factors = (_operations(True, every) - distinct_quiet) / OVERHEAD_LAYERS
+    counted = {
+        "factors_per_layer": factors,
+        "precondition_per_layer": per_layer,
+        "precondition_per_group": per_group,
+    }
+    for name, count in counted.items():
+        assert count == pytest.approx(OVERHEAD_OPERATIONS[name], rel=0.25), (name, counted)
+
+
+def test_on_a_cpu_fixed_costs_add_to_the_arithmetic() -> None:
+    data = with_measurements()
+    data["gpu"]["name"] = "CPU x86_64 (2 cores)"  # as measure-node --device cpu names it
+    hw = hardware_from_dict(data)
+    assert hw.host_is_device
+    job = workload("lenet", batch_size=64, kfac_approx="reduce", compute_method="inverse")
+    gpu_like = forecast_profile(job, hardware_from_dict(with_measurements()), 1)[0]
+    cpu_like = forecast_profile(job, hw, 1)[0]
+    assert cpu_like.factor_s > gpu_like.factor_s
+    for cpu_s, gpu_s in zip(
+        cpu_like.layer_precondition_s, gpu_like.layer_precondition_s, strict=True
+    ):
+        assert cpu_s > gpu_s
