@@ -57,6 +57,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 SHARED = RESULTS / "gpu" / "h200-measured.yaml"  # ../shared/gpu/h200-measured.yaml
 PHASES = ("precondition", "factors", "decompositions")
+SOLVERS = RESULTS / "gpu" / "h200-measured-solvers.yaml"
 TERM_COLUMNS = ["configuration", "term", "timed alone", "predicted", "predicted ÷ timed"]
 
 
@@ -410,6 +411,12 @@ def main() -> int:
     print(text)
     if args.write:
         path.write_text(json.dumps(result, indent=1))
+        if args.gpu_run2:  # for `kaisa-ray plan --hardware <it>`
+            SOLVERS.write_text(
+                "# results/gpu/h200-measured.yaml plus decompose_s from run 2 "
+                "(benchmarks/plan_check.py)\n"
+                + yaml.safe_dump(h200_profile(), sort_keys=False, width=100)
+            )
         write_block("plan-check", text)
     return 0
 

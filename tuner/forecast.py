@@ -12,7 +12,9 @@ a ``Hardware`` profile (``tuner.hardware``):
   ``expand`` approximation, the largest patch matrix;
 - the plain step: the batch over a published training throughput of the model on this GPU,
   else the training flops (3 × forward) over the GPU's large-product matmul rate;
-- factors: each layer's covariance products ``XᵀX`` (``rows × dim`` by its transpose, a layer's
+- factors: each layer's extraction (a convolution's patch matrix or position sums, its output
+  gradient: elements moved at the profile's measured rate of that work) and covariance
+  products ``XᵀX`` (``rows × dim`` by its transpose, a layer's
   groups in one batched call) at the rate of the square product of the same volume
   (``Hardware.product_seconds``), at the rate table of the products' ``matmul_precision``
   (``tf32`` where the profile measured it);
@@ -70,6 +72,9 @@ class Workload:
     accumulation_steps: int = 1
     # K-FAC's float32 products ('highest', 'high', 'medium': the preconditioner's option)
     matmul_precision: str = "high"
+    # Per layer: elements the A and G factors' extraction moves before their products (a
+    # convolution's patch matrix or position sums, its output gradient); empty: not priced
+    moved: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.accumulation_steps < 1:
@@ -146,6 +151,9 @@ def factor_seconds(workload: Workload, hardware: Hardware) -> float:
             seconds += hardware.product_seconds(
                 dim, rows, dim, batch=layer.groups, precision=precision
             )
+    rate = hardware.extract_elements_per_s
+    if rate is not None:
+        seconds += sum(a + g for a, g in workload.moved) / rate.value
     fixed = hardware.overhead("factors_per_layer")[0] * len(workload.layers)
     total = seconds + fixed if hardware.host_is_device else max(seconds, fixed)
     return total * workload.accumulation_steps
@@ -214,7 +222,14 @@ def _terms(workload: Workload, hardware: Hardware) -> tuple[str, ...]:
         else "estimate, operations counted in this code at the profile's kernel latency "
         "(no kfac_overhead_s in the profile)"
     )
-    return (f"factors and preconditioning: {products}", fixed, decompositions)
+    rate = hardware.extract_elements_per_s
+    extraction = (
+        f"factor extraction (patches, position sums): the profile's extract rate ({rate.kind})"
+        if rate is not None
+        else "factor extraction (patches, position sums): not priced (no extract rate in the "
+        "profile)"
+    )
+    return (f"factors and preconditioning: {products}", extraction, fixed, decompositions)
 
 
 def forecast_profile(

@@ -141,6 +141,9 @@ class Hardware:
     # K-FAC's fixed seconds where its arithmetic is negligible (hooks, Python, launches):
     # 'factors_per_layer', 'precondition_per_layer', 'precondition_per_group'
     kfac_overhead: dict[str, Sourced] = field(default_factory=dict)
+    # Elements per second of K-FAC's factor extraction (a convolution's position sums, as
+    # ``measure-node`` times it on a reference convolution); None: not measured
+    extract_elements_per_s: Sourced | None = None
 
     def overhead(self, name: str) -> tuple[float, str]:
         """K-FAC's fixed cost ``name`` (see ``kfac_overhead``) and its kind; without a
@@ -391,6 +394,11 @@ def hardware_from_dict(data: Any, origin: str = "hardware profile") -> Hardware:
                 )
             )
             sources[f"{where}({entry['model']}, {precision})"] = rate
+    extract = (
+        number(gpu["extract_elements_per_s"], "gpu.extract_elements_per_s")
+        if gpu.get("extract_elements_per_s") is not None
+        else None
+    )
     if problems:
         raise HardwareProfileError(problems, origin)
     return Hardware(
@@ -408,6 +416,7 @@ def hardware_from_dict(data: Any, origin: str = "hardware profile") -> Hardware:
         sources=sources,
         decompose=decompose,
         kfac_overhead=kfac_overhead,
+        extract_elements_per_s=extract,
     )
 
 

@@ -117,6 +117,20 @@ def kfac_overheads(device: torch.device, repeats: int) -> tuple[float, float, fl
     return factors, per_layer, per_group
 
 
+def extraction_rate(device: torch.device, repeats: int, quick: bool = False) -> float:
+    """Elements per second of K-FAC's factor extraction: the position sums of a 3×3
+    convolution's input (``Conv2dHelper.position_sums``, the ``reduce`` factors' work; the
+    input's elements times its kernel rows counted), on a reference input of 32 × 64 × 32 × 32
+    (8 × 16 × 16 × 16 with ``quick``)."""
+    from kaisa_ray.layers import Conv2dHelper
+
+    n, c, side = (8, 16, 16) if quick else (32, 64, 32)
+    helper = Conv2dHelper(torch.nn.Conv2d(c, c, 3, padding=1).to(device))
+    x = torch.randn(n, c, side, side, device=device)
+    seconds = median_seconds(functools.partial(helper.position_sums, x), device, repeats)
+    return x.numel() * 3 / seconds
+
+
 def decomposition_times(
     device: torch.device, sizes: tuple[int, ...], repeats: int, batch: int = DECOMPOSE_BATCH
 ) -> dict[str, list[tuple[int, int, float]]]:
@@ -362,6 +376,11 @@ def measure(
             per_group, f"a quiet K-FAC step's fixed cost per shape group, from {stack}", where
         ),
     }
+    gpu_entry["extract_elements_per_s"] = _measured(
+        extraction_rate(target, repeats, quick),
+        "K-FAC's position sums of a 3x3 convolution's input (elements x kernel rows)",
+        where,
+    )
     solved = decomposition_times(target, _ladder(DECOMPOSE_SIZES, quick, largest), repeats)
     gpu_entry["decompose_s"] = {
         method: [
@@ -419,8 +438,8 @@ def measure(
             )
         profile["training"] = training
     for timed in models:
-        rate = _training_rate(
-            timed.build, target, Precision.FP32.value, repeats, timed.example, timed.batch
+        rate = _training_rate(  # a small model's step is short: more repeats
+            timed.build, target, Precision.FP32.value, 3 * repeats, timed.example, timed.batch
         )
         profile["training"] = [
             *(t for t in profile.get("training", []) if t.get("model") != timed.name),

@@ -149,6 +149,7 @@ def workload(
     skips = list(planning.skip_layers if skip_layers is None else skip_layers)
     registered, _ = discover(model, skip_layers=skips, kfac_approx=kfac_approx)
     rows: dict[str, tuple[int, int]] = {}
+    moved: dict[str, tuple[int, int]] = {}
     patches = 0
 
     def hook(layer_name: str, module: nn.Module) -> Callable[..., None]:
@@ -162,9 +163,17 @@ def workload(
                     in_dim = module.in_channels * math.prod(module.kernel_size)
                     patches = max(patches, 4 * in_dim * positions)
                 rows[layer_name] = (a_rows, a_rows)
+                in_dim = module.in_channels * math.prod(module.kernel_size)
+                moved[layer_name] = (
+                    inputs[0].numel() * module.kernel_size[0]  # position sums, a row at a time
+                    if kfac_approx == KFACApprox.REDUCE
+                    else positions * in_dim,  # the patch matrix, copied once
+                    output.numel(),  # the output gradient summed or permuted
+                )
             else:
                 count = math.prod(inputs[0].shape[:-1])
                 rows[layer_name] = (count, count)
+                moved[layer_name] = (inputs[0].numel(), 0)
 
         return seen
 
@@ -204,6 +213,7 @@ def workload(
         precision=precision,
         layers=tuple(r.planned() for r in registered),
         rows=tuple(rows[r.name] for r in registered),
+        moved=tuple(moved[r.name] for r in registered),
         patch_bytes=patches,
         parameters=sum(p.numel() for p in model.parameters()),
         activation_bytes=activations,
