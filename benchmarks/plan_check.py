@@ -6,9 +6,10 @@ Predictions come from the forecast ``kaisa-ray plan`` uses (``tuner.forecast``: 
 meta device, a hardware profile, one rank). Two kinds of measurement sit beside them:
 
 - **terms**: K-FAC's operations of one model timed one by one, synchronised, in isolation
-  (``tuner.kernels.measure_kernels``): every layer's factor work (its covariance products and
-  the patch extraction or position sums before them), every shape group's preconditioning
-  products, every size's decompositions as ``batching.decompose`` runs them;
+  (``tuner.kernels.measure_kernels``): every layer's factor work (the patch extraction or
+  position sums, then the covariance products: the forecast's extraction and products terms),
+  every shape group's preconditioning products, every size's decompositions as
+  ``batching.decompose`` runs them;
 - **phases**: whole training steps (``phases.py``: preconditioning per step, factors and
   decompositions per update, by differences of medians) and the mean step at the
   configuration's intervals.
@@ -118,6 +119,8 @@ def predicted_terms(case: Case, hardware: Hardware) -> dict[str, float]:
         for layer, (a_rows, g_rows) in zip(job.layers, job.rows, strict=True)
         for dim, rows in ((layer.a_dim, a_rows), (layer.g_dim, g_rows))
     )
+    if hardware.extract_elements_per_s is not None:
+        factors += sum(a + g for a, g in job.moved) / hardware.extract_elements_per_s.value
     members: dict[tuple[int, int, int], int] = {}
     sizes: dict[int, int] = {}
     for layer in job.layers:
@@ -139,7 +142,7 @@ def predicted_terms(case: Case, hardware: Hardware) -> dict[str, float]:
         for n, count in sizes.items()
     )
     return {
-        "factor products": factors * 1e3,
+        "factor work": factors * 1e3,
         "preconditioning products": precondition * 1e3,
         "decompositions": decompositions * 1e3,
     }
@@ -148,7 +151,7 @@ def predicted_terms(case: Case, hardware: Hardware) -> dict[str, float]:
 def measured_terms(kernels: dict[str, Any]) -> dict[str, float]:
     """The same terms from a ``tuner.kernels`` profile (its ``to_dict()``), in ms."""
     return {
-        "factor products": 1e3
+        "factor work": 1e3
         * sum(layer["a_factor_s"] + layer["g_factor_s"] for layer in kernels["layers"]),
         "preconditioning products": 1e3 * sum(g["precondition_s"] for g in kernels["groups"]),
         "decompositions": 1e3 * sum(d["seconds"] for d in kernels["decompositions"]),
@@ -388,7 +391,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="measure this CPU and its phases")
     parser.add_argument("--gpu-run2", action="store_true", help="the stored H200 run 2")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--report", action="store_true", help="print the stored results")
     args = parser.parse_args()

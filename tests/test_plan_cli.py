@@ -268,6 +268,7 @@ def test_measure_node_writes_a_profile_that_plans(
             f"gpu.decompose_s.{method}({kind})[n=32]" for kind in ("alone", "batched")
         } <= measured
     assert {f"gpu.kfac_overhead_s.{name}" for name in OVERHEAD_OPERATIONS} <= measured
+    assert "gpu.extract_elements_per_s" in measured
     assert any(p.startswith("training") and "(lenet, fp32)" in p for p in measured)
     assert all(
         path.startswith(("links.inter_node", "training"))

@@ -49,6 +49,7 @@ def with_measurements() -> dict[str, Any]:
         ]
         for method in ("eigen", "inverse")
     }
+    gpu["extract_elements_per_s"] = {"value": 2e9, **MEASURED}
     gpu["kfac_overhead_s"] = {
         "factors_per_layer": {"value": 2e-4, **MEASURED},
         "precondition_per_layer": {"value": 1e-4, **MEASURED},
@@ -136,8 +137,10 @@ def test_factors_and_preconditioning_are_the_sums_of_their_terms() -> None:
         for layer, (a_rows, g_rows) in zip(job.layers, job.rows, strict=True)
         for dim, rows in ((layer.a_dim, a_rows), (layer.g_dim, g_rows))
     )
+    moved = sum(a + g for a, g in job.moved)
+    assert moved > 0
     assert not hw.host_is_device  # a GPU: fixed costs overlap the device's arithmetic
-    assert profile.factor_s == pytest.approx(max(factors, 4 * 2e-4), rel=1e-12)
+    assert profile.factor_s == pytest.approx(max(factors + moved / 2e9, 4 * 2e-4), rel=1e-12)
     per_layer = precondition_seconds(job, hw)
     for layer, seconds in zip(job.layers, per_layer, strict=True):
         a, g = layer.a_dim, layer.g_dim
@@ -254,3 +257,18 @@ def test_on_a_cpu_fixed_costs_add_to_the_arithmetic() -> None:
         cpu_like.layer_precondition_s, gpu_like.layer_precondition_s, strict=True
     ):
         assert cpu_s > gpu_s
+
+
+def test_factor_extraction_counts_the_elements_the_code_moves() -> None:
+    """A convolution's reduce factors: its input's elements once per kernel row (the position
+    sums) and its output gradient's; expand: the patch matrix (rows x a without the bias)."""
+    reduce = workload("resnet20", batch_size=8, kfac_approx="reduce")
+    expand = workload("resnet20", batch_size=8, kfac_approx="expand")
+    stem = 0  # ResNet-20's first layer: a 3x3 convolution of the 3 x 32 x 32 image to 16 channels
+    assert reduce.moved[stem] == (8 * 3 * 32 * 32 * 3, 8 * 16 * 32 * 32)
+    assert expand.moved[stem] == (8 * 32 * 32 * 27, 8 * 16 * 32 * 32)
+    without = hardware_from_dict(preset())
+    terms = " ".join(forecast_profile(reduce, without, 1)[1].terms)
+    assert "factor extraction (patches, position sums): not priced" in terms
+    with_rate = forecast_profile(reduce, hardware_from_dict(with_measurements()), 1)
+    assert "the profile's extract rate (measured)" in " ".join(with_rate[1].terms)
