@@ -314,8 +314,8 @@ def measure(
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     gpu_entry["memory_bytes"] = _measured(total, "total device memory as torch reports it", where)
 
-    # The models' steps first, in a fresh process's memory (after the large products and
-    # decompositions below, a small model's step measured 1.45x slower on this CPU in one run, 1.05x when timed first).
+    # The models' steps first: after the large products and decompositions below, LeNet's
+    # step measured 1.45x slower on this CPU in one run (1.05x when timed first).
     for timed in models:
         rate = _training_rate(  # a small model's step is short: more repeats
             timed.build, target, Precision.FP32.value, 3 * repeats, timed.example, timed.batch
