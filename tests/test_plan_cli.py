@@ -276,7 +276,11 @@ def test_measure_node_writes_a_profile_that_plans(
         if n.kind != "measured"
     )  # --model lenet:8 measured lenet's step
     assert hardware.node_size == 2
-    assert all(math.isfinite(n.value) and n.value > 0 for n in hardware.sources.values())
+    # every number positive, but a fixed cost may measure 0 (below what it resolves)
+    assert all(
+        math.isfinite(n.value) and (n.value > 0 or (n.value == 0 and "kfac_overhead" in path))
+        for path, n in hardware.sources.items()
+    )
     assert "measured by kaisa-ray measure-node on CPU" in hardware.eigh.points[0][1].source
     planned = plan_json(
         "--model", "lenet", "--workers", "2", "--batch", "64", "--hardware", "trial"

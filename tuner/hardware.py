@@ -27,14 +27,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from kaisa_ray.enums import Precision
+from kaisa_ray.enums import ComputeMethod, Precision
 from kaisa_ray.errors import ConfigurationError
 
 KINDS = ("datasheet", "benchmark", "measured", "estimate")
 PRECISIONS = tuple(p.value for p in Precision)
 TF32 = "tf32"  # float32 products at matmul precision 'high' (TensorFloat-32 on NVIDIA GPUs)
 PRODUCT_PRECISIONS = (*PRECISIONS, TF32)
-METHODS = ("eigen", "inverse")
+METHODS = tuple(m.value for m in ComputeMethod)
 # Operations K-FAC runs per layer (or shape group) beyond its products, as counted with
 # torch.profiler on this code (tests/test_plan_terms.py counts them again): the fallback of a
 # profile that did not measure ``kfac_overhead_s``, each operation at the kernel latency.
@@ -206,7 +206,7 @@ class Hardware:
         table = (many or alone) if batched else (alone or many)
         if table is not None:
             return table.at(n), table.kind
-        if method == "eigen":
+        if method == ComputeMethod.EIGEN:
             return self.eigh.at(n), self.eigh.kind
         return self.matmul_seconds(float(n) ** 3, n), "estimate"
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kaisa_ray.enums import Precision
+from kaisa_ray.enums import ComputeMethod, Precision
 from kaisa_ray.errors import ConfigurationError
 from tuner.hardware import hardware_from_dict
 from tuner.measure import median_seconds
@@ -99,7 +99,7 @@ def kfac_overheads(device: torch.device, repeats: int) -> tuple[float, float, fl
                     model,
                     factor_update_steps=every,
                     inv_update_steps=10**9,
-                    compute_method="inverse",
+                    compute_method=ComputeMethod.INVERSE,
                     damping=0.1,
                 )
             )
@@ -140,14 +140,14 @@ def decomposition_times(
     from kaisa_ray.decomposition import EigenDecomposition, InverseDecomposition
 
     generator = torch.Generator().manual_seed(0)
-    found: dict[str, list[tuple[int, int, float]]] = {"eigen": [], "inverse": []}
+    found: dict[str, list[tuple[int, int, float]]] = {m.value: [] for m in ComputeMethod}
     for n in sizes:
         many = max(2, min(batch, batch * 1024**2 // n**2))
         for count in (1, many):
             factors = _spd(n, count, generator).to(device)
             for method, solver in (
-                ("eigen", EigenDecomposition.solve_many),
-                ("inverse", InverseDecomposition.solve_many),
+                (ComputeMethod.EIGEN.value, EigenDecomposition.solve_many),
+                (ComputeMethod.INVERSE.value, InverseDecomposition.solve_many),
             ):
                 seconds = median_seconds(
                     functools.partial(solver, factors, [1e-3] * count),
