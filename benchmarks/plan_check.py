@@ -50,7 +50,7 @@ from report import git_commit, machine, table, write_block
 from kaisa_ray.plan import plan
 from kaisa_ray.train.shapes import workload
 from tuner.cost import price
-from tuner.forecast import Workload, forecast_profile
+from tuner.forecast import Workload, factor_work_seconds, forecast_profile, group_products
 from tuner.hardware import Hardware, hardware_from_dict
 from tuner.kernels import measure_kernels
 
@@ -74,14 +74,7 @@ class Case:
 def predict(case: Case, hardware: Hardware) -> dict[str, float]:
     """Milliseconds: the plan's plain step, its K-FAC phases and its mean step."""
     options = case.kfac
-    job: Workload = workload(
-        case.model,
-        batch_size=case.batch,
-        kfac_approx=options.get("kfac_approx", "expand"),
-        compute_method=options.get("compute_method", "eigen"),
-        optimizer=case.optimizer,
-    )
-    job = Workload(**{**job.__dict__, "matmul_precision": options.get("matmul_precision", "high")})
+    job = _job(case)
     profile, basis = forecast_profile(job, hardware, 1)
     strategy = plan(list(profile.layers), 1, 1.0, compute_method=profile.compute_method)
     fus, ius = options["factor_update_steps"], options["inv_update_steps"]
@@ -113,33 +106,11 @@ def predicted_terms(case: Case, hardware: Hardware) -> dict[str, float]:
     """Milliseconds of the forecast's arithmetic terms alone (no fixed costs): every layer's
     covariance products, every shape group's preconditioning products, every decomposition."""
     job = _job(case)
-    precision = hardware.product_precision(job.matmul_precision)
-    factors = sum(
-        hardware.product_seconds(dim, rows, dim, batch=layer.groups, precision=precision)
-        for layer, (a_rows, g_rows) in zip(job.layers, job.rows, strict=True)
-        for dim, rows in ((layer.a_dim, a_rows), (layer.g_dim, g_rows))
-    )
-    if hardware.extract_elements_per_s is not None:
-        factors += sum(a + g for a, g in job.moved) / hardware.extract_elements_per_s.value
-    members: dict[tuple[int, int, int], int] = {}
-    sizes: dict[int, int] = {}
-    for layer in job.layers:
-        key = (layer.a_dim, layer.g_dim, layer.groups)
-        members[key] = members.get(key, 0) + 1
-        for dim in (layer.a_dim, layer.g_dim):
-            sizes[dim] = sizes.get(dim, 0) + layer.groups
-    sides = 2 if job.compute_method == "eigen" else 1
-    precondition = sum(
-        sides
-        * (
-            hardware.product_seconds(g, g, a, batch=count * k, precision=precision)
-            + hardware.product_seconds(g, a, a, batch=count * k, precision=precision)
-        )
-        for (a, g, k), count in members.items()
-    )
+    factors = factor_work_seconds(job, hardware)
+    precondition = sum(seconds for seconds, _ in group_products(job, hardware).values())
+    solve = forecast_profile(job, hardware, 1)[0].decomposition.seconds
     decompositions = sum(
-        count * hardware.decomposition_seconds(str(job.compute_method), n, batched=count > 1)[0]
-        for n, count in sizes.items()
+        layer.groups * (solve(layer.a_dim) + solve(layer.g_dim)) for layer in job.layers
     )
     return {
         "factor work": factors * 1e3,

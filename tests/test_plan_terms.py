@@ -14,7 +14,6 @@ import torch
 import yaml
 from torch.profiler import ProfilerActivity, profile
 
-from kaisa_ray import KFACPreconditioner
 from kaisa_ray.train.planning import hardware_file
 from kaisa_ray.train.shapes import workload
 from tuner.forecast import forecast_profile, precondition_seconds
@@ -23,7 +22,7 @@ from tuner.hardware import (
     HardwareProfileError,
     hardware_from_dict,
 )
-from tuner.node import OVERHEAD_LAYERS, _tiny_stack, _train_step
+from tuner.node import OVERHEAD_LAYERS, _tiny_kfac, _tiny_stack, _train_step
 
 MEASURED = {"kind": "measured", "source": "measured here, for a test"}
 
@@ -206,17 +205,7 @@ def _operations(distinct: bool, every: int) -> int:
     model = _tiny_stack(distinct)
     x = torch.randn(4, 8)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    pre = (
-        KFACPreconditioner(
-            model,
-            factor_update_steps=every,
-            inv_update_steps=10**9,
-            compute_method="inverse",
-            damping=0.1,
-        )
-        if every
-        else None
-    )
+    pre = _tiny_kfac(model, every)
     for _ in range(3):
         _train_step(model, x, optimizer, pre)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -140,10 +140,10 @@ def memory_basis(workload: Workload) -> tuple[int, int]:
     return base, transient
 
 
-def factor_seconds(workload: Workload, hardware: Hardware) -> float:
-    """One factor update of every layer: each layer's ``A`` and ``G`` covariance products, a
-    layer's groups batched, once per forward-backward pass, and K-FAC's fixed cost per layer
-    (added on a CPU, the longer of the two on a GPU: ``Hardware.host_is_device``)."""
+def factor_work_seconds(workload: Workload, hardware: Hardware) -> float:
+    """The arithmetic of one factor update of every layer, one forward-backward pass: each
+    layer's extraction (where the profile has its rate) and its ``A`` and ``G`` covariance
+    products, a layer's groups batched."""
     precision = hardware.product_precision(workload.matmul_precision)
     seconds = 0.0
     for layer, (a_rows, g_rows) in zip(workload.layers, workload.rows, strict=True):
@@ -154,35 +154,53 @@ def factor_seconds(workload: Workload, hardware: Hardware) -> float:
     rate = hardware.extract_elements_per_s
     if rate is not None:
         seconds += sum(a + g for a, g in workload.moved) / rate.value
+    return seconds
+
+
+def factor_seconds(workload: Workload, hardware: Hardware) -> float:
+    """One factor update of every layer: ``factor_work_seconds`` once per forward-backward
+    pass, and K-FAC's fixed cost per layer (added on a CPU, the longer of the two on a GPU:
+    ``Hardware.host_is_device``)."""
+    seconds = factor_work_seconds(workload, hardware)
     fixed = hardware.overhead("factors_per_layer")[0] * len(workload.layers)
     total = seconds + fixed if hardware.host_is_device else max(seconds, fixed)
     return total * workload.accumulation_steps
 
 
-def precondition_seconds(workload: Workload, hardware: Hardware) -> tuple[float, ...]:
-    """Each layer's share of preconditioning one step: the layers of one ``(a, g, groups)``
-    shape are one batched call per product (``kaisa_ray.batching``), ``Q_Gᵀ ∇W Q_A`` and back
-    (eigen) or ``G⁻¹ ∇W A⁻¹`` (inverse), split equally among them, with K-FAC's fixed cost
-    per layer and its share of the group's (added on a CPU, the longer of the two on a GPU:
-    ``Hardware.host_is_device``)."""
+ShapeKey = tuple[int, int, int]  # (a, g, groups): the layers preconditioned in one call
+
+
+def group_products(workload: Workload, hardware: Hardware) -> dict[ShapeKey, tuple[float, int]]:
+    """Per shape group (``kaisa_ray.batching``: the layers of one ``(a, g, groups)`` shape in
+    one batched call per product), the seconds of its preconditioning products, ``Q_Gᵀ ∇W Q_A``
+    and back (eigen) or ``G⁻¹ ∇W A⁻¹`` (inverse), and its number of layers."""
     precision = hardware.product_precision(workload.matmul_precision)
-    members: dict[tuple[int, int, int], int] = {}
+    members: dict[ShapeKey, int] = {}
     for layer in workload.layers:
         key = (layer.a_dim, layer.g_dim, layer.groups)
         members[key] = members.get(key, 0) + 1
     sides = 2 if workload.compute_method == ComputeMethod.EIGEN else 1
-    per_layer, _ = hardware.overhead("precondition_per_layer")
-    per_group, _ = hardware.overhead("precondition_per_group")
-    group_s = {}
+    found = {}
     for (a, g, k), count in members.items():
         batch = count * k
         one = hardware.product_seconds(g, g, a, batch=batch, precision=precision)
         other = hardware.product_seconds(g, a, a, batch=batch, precision=precision)
-        group_s[(a, g, k)] = sides * (one + other)
+        found[(a, g, k)] = (sides * (one + other), count)
+    return found
+
+
+def precondition_seconds(workload: Workload, hardware: Hardware) -> tuple[float, ...]:
+    """Each layer's share of preconditioning one step: its group's products
+    (``group_products``) split equally among the group's layers, with K-FAC's fixed cost per
+    layer and its share of the group's (added on a CPU, the longer of the two on a GPU:
+    ``Hardware.host_is_device``)."""
+    groups = group_products(workload, hardware)
+    per_layer, _ = hardware.overhead("precondition_per_layer")
+    per_group, _ = hardware.overhead("precondition_per_group")
     shares = []
     for x in workload.layers:
-        key = (x.a_dim, x.g_dim, x.groups)
-        products, fixed = group_s[key] / members[key], per_layer + per_group / members[key]
+        seconds, count = groups[(x.a_dim, x.g_dim, x.groups)]
+        products, fixed = seconds / count, per_layer + per_group / count
         shares.append(products + fixed if hardware.host_is_device else max(products, fixed))
     return tuple(shares)
 

@@ -77,14 +77,27 @@ def _train_step(
     optimizer.step()
 
 
+def _tiny_kfac(model: torch.nn.Module, every: int) -> Any:
+    """The preconditioner ``kfac_overheads`` times on a tiny stack: the inverse method,
+    factors updated every ``every`` steps (0: none, a plain step), never decomposed again."""
+    from kaisa_ray import KFACPreconditioner
+
+    if not every:
+        return None
+    return KFACPreconditioner(
+        model,
+        factor_update_steps=every,
+        inv_update_steps=10**9,
+        compute_method=ComputeMethod.INVERSE,
+        damping=0.1,
+    )
+
+
 def kfac_overheads(device: torch.device, repeats: int) -> tuple[float, float, float]:
     """K-FAC's fixed seconds (hooks, Python, launches, small operations) where its
     arithmetic is negligible: (a factor update, per layer; preconditioning a step, per layer;
     per shape group besides), from whole training steps of tiny Linear stacks with
-    ``KFACPreconditioner`` (the inverse method, ``reduce``: its default elsewhere) quiet, and
-    updating factors every step."""
-    from kaisa_ray import KFACPreconditioner
-
+    K-FAC (``_tiny_kfac``) quiet, and updating factors every step."""
     found: dict[tuple[bool, str], float] = {}
     for distinct in (False, True):
         torch.manual_seed(0)
@@ -92,18 +105,7 @@ def kfac_overheads(device: torch.device, repeats: int) -> tuple[float, float, fl
         x = torch.randn(4, 8, device=device)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         for label, every in (("plain", 0), ("quiet", 10**9), ("factors", 1)):
-            preconditioner = (
-                None
-                if not every
-                else KFACPreconditioner(
-                    model,
-                    factor_update_steps=every,
-                    inv_update_steps=10**9,
-                    compute_method=ComputeMethod.INVERSE,
-                    damping=0.1,
-                )
-            )
-
+            preconditioner = _tiny_kfac(model, every)
             step = functools.partial(_train_step, model, x, optimizer, preconditioner)
             for _ in range(3):
                 step()

@@ -93,7 +93,9 @@ def build_on_meta(name: str, params: Mapping[str, Any] | None = None) -> nn.Modu
     return model
 
 
-def _input(name: str, model: nn.Module, batch_size: int) -> torch.Tensor:
+def example_batch(name: str, model: nn.Module, batch_size: int) -> torch.Tensor:
+    """A batch of registered model ``name``'s input (its ``example_input`` or its planning's;
+    on the meta device for a model built there)."""
     method = getattr(model, "example_input", None)
     if callable(method):
         found = method(batch_size)
@@ -106,12 +108,6 @@ def _input(name: str, model: nn.Module, batch_size: int) -> torch.Tensor:
             "give it an example_input(batch_size) method returning a batch of its input"
         )
     return planning.example_input(model, batch_size)
-
-
-def example_batch(name: str, model: nn.Module, batch_size: int) -> torch.Tensor:
-    """A batch of registered model ``name``'s input as its planning describes it (on the meta
-    device: shape and dtype only)."""
-    return _input(name, model, batch_size)
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
@@ -187,7 +183,7 @@ def workload(
             saved[key] = nbytes
         return tensor
 
-    x = _input(name, model, batch_size)
+    x = example_batch(name, model, batch_size)
     try:
         with (
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
