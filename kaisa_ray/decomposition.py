@@ -588,7 +588,11 @@ class InverseDecomposition(Decomposition):
         damped = damped.to(working_dtype(stacked.dtype))
         chol, info = torch.linalg.cholesky_ex(damped)
         del damped
-        factored = (info.reshape(n, k) == 0).all(dim=-1).tolist()
+        failed = info != 0
+        factored = (~failed).reshape(n, k).all(dim=-1).tolist()
+        if not all(factored):  # a failed factor is partial (cholesky_inverse raises on CPU)
+            eye = torch.eye(d, dtype=chol.dtype, device=chol.device)
+            chol[failed] = eye
         inverse = torch.cholesky_inverse(chol)
         del chol
         inverse = (inverse + inverse.transpose(-1, -2)).div_(2).reshape(n, k, d, d)

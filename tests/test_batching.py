@@ -121,6 +121,22 @@ def test_a_member_the_batched_call_fails_on_is_retried_alone_in_float64(
         torch.testing.assert_close(da, torch.full_like(da, float(i + 1)))
 
 
+def test_a_singular_member_of_a_batched_inverse_keeps_its_previous_and_spares_the_rest() -> None:
+    # A factor Cholesky cannot factor even in float64 (zero, undamped) beside good ones: the
+    # batched call must not raise (cholesky_inverse refuses a partial factor on CPU); the
+    # failed member keeps the damped identity's inverse, the others get theirs.
+    preconditioner = KFACPreconditioner(repeated_shapes(), compute_method="inverse")
+    layers = [layer for layer in preconditioner.layers if layer.helper.a_dim == 13]
+    eye = torch.eye(13).unsqueeze(0)
+    factors = [eye * (i + 1) for i in range(len(layers))]
+    factors[1] = torch.zeros_like(eye)
+    with pytest.warns(RuntimeWarning, match="could not decompose the A factor"):
+        batching.decompose([(layer, "A", f, 0.0) for layer, f in zip(layers, factors, strict=True)])
+    for i, layer in enumerate(layers):
+        got = layer.decomposition.tensors()["a_inv"]
+        torch.testing.assert_close(got, eye / (1 if i == 1 else i + 1))
+
+
 def test_decomposition_chunks_are_no_larger_than_the_largest_factor(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
