@@ -186,34 +186,44 @@ CPU_CASES = [
 FIRST_ORDER = {"lenet": ("lenet", 64), "resnet20": ("resnet20", 128)}
 
 
-def cpu(rounds: int) -> dict[str, Any]:
+def live(
+    device: torch.device,
+    name: str,
+    cases: list[Case],
+    models: tuple[str, ...],
+    rounds: int,
+    largest: int,
+) -> dict[str, Any]:
+    """Measure this machine's profile (``measure-node`` with ``models``), then each case's
+    terms (operations timed alone) and phases (whole steps), against the forecast from it."""
     from kaisa_ray.train.plan_cli import _model_to_time
     from kaisa_ray.train.planning import hardware_file
     from tuner.node import measure
 
-    torch.set_num_threads(1)
     base = yaml.safe_load(hardware_file("a100-80gb-hdr").read_text())
     profile = measure(
         base,
-        name="this-cpu",
-        device="cpu",
-        largest=1024,  # LeNet's and ResNet-20's factors are at most 785 and 577
-        models=(_model_to_time("lenet:64"), _model_to_time("resnet20:128")),
+        name=name,
+        device=device.type,
+        largest=largest,
+        models=tuple(_model_to_time(model) for model in models),
     )
     hardware = hardware_from_dict(profile)
-    configs = []
-    for case in CPU_CASES:
+    configs, seen = [], set()
+    for case in cases:
         first = f"{case.model}: first-order"
-        configs.append(Config(first, case.model, case.batch, None, ("after",)))
+        if first not in seen:
+            seen.add(first)
+            configs.append(Config(first, case.model, case.batch, None, ("after",)))
         steps = case.kfac["inv_update_steps"]
         configs.append(Config(case.label, case.model, case.batch, case.kfac, ("after",), steps))
-    measured = run_rounds(configs, {"after": HERE.parent}, rounds, torch.device("cpu"))
+    measured = run_rounds(configs, {"after": HERE.parent}, rounds, device)
     terms = []
-    for case in CPU_CASES:
+    for case in cases:
         spec = WORKLOADS[case.model]
         torch.manual_seed(0)
-        model = spec.model()
-        x, y = spec.batch(case.batch, torch.device("cpu"))
+        model = spec.model().to(device)
+        x, y = spec.batch(case.batch, device)
         options = {
             k: v
             for k, v in case.kfac.items()
@@ -228,12 +238,29 @@ def cpu(rounds: int) -> dict[str, Any]:
             }
         )
     out = []
-    for case in CPU_CASES:
+    for case in cases:
         plain = summarize(measured.timed[(f"{case.model}: first-order", "after")])["plain"]
         kfac = summarize(measured.timed[(case.label, "after")])
         found = {"mean": kfac["mean"], "plain": plain, **phase_split(kfac, plain)}
         out.append({"case": case.label, "measured": found, "predicted": predict(case, hardware)})
     return {"profile": profile, "rows": out, "terms": terms}
+
+
+def cpu(rounds: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    # LeNet's and ResNet-20's factors are at most 785 and 577
+    models = ("lenet:64", "resnet20:128")
+    return live(torch.device("cpu"), "this-cpu", CPU_CASES, models, rounds, 1024)
+
+
+def gpu(rounds: int) -> dict[str, Any]:
+    """This machine's GPU: ResNet-50 at batch 32, the cases of the stored run."""
+    cases = [
+        Case(label.split(": ", 1)[1], "resnet50", 32, options)
+        for label, options in GPU_CASES.items()
+    ]
+    name = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
+    return live(torch.device("cuda"), f"{name}-measured", cases, ("resnet50:32",), rounds, 4096)
 
 
 # -- the stored GPU run -------------------------------------------------------------------
@@ -330,7 +357,12 @@ def render(result: dict[str, Any]) -> str:
         "",
     ]
     columns = ["configuration", "phase", "measured", "predicted", "predicted ÷ measured"]
-    for key, title in (("cpu", "This CPU, one thread"), ("gpu", "One H200 (run 2, stored)")):
+    titles = {
+        "cpu": "This CPU, one thread",
+        "gpu": "One H200 (run 2, stored)",
+        "gpu-live": f"One {result.get('gpu-live', {}).get('device', 'GPU')}, measured in this run",
+    }
+    for key, title in titles.items():
         if key not in result:
             continue
         rows = [
@@ -362,6 +394,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="measure this CPU and its phases")
     parser.add_argument("--gpu-run2", action="store_true", help="the stored H200 run 2")
+    parser.add_argument("--gpu", action="store_true", help="measure this machine's GPU")
+    parser.add_argument("--json", type=Path, default=None, help="also save the results here")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--report", action="store_true", help="print the stored results")
@@ -370,8 +404,8 @@ def main() -> int:
     if args.report:
         print(render(json.loads(path.read_text())))
         return 0
-    if not (args.cpu or args.gpu_run2):
-        parser.error("say what to check: --cpu, --gpu-run2 or both")
+    if not (args.cpu or args.gpu_run2 or args.gpu):
+        parser.error("say what to check: --cpu, --gpu, --gpu-run2 or several")
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(),
@@ -381,6 +415,11 @@ def main() -> int:
         result["gpu"] = gpu_run2()
     if args.cpu:
         result["cpu"] = cpu(args.rounds)
+    if args.gpu:
+        result["gpu-live"] = gpu(args.rounds)
+        result["gpu-live"]["device"] = torch.cuda.get_device_name()
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1))
     text = render(result)
     print(text)
     if args.write:
