@@ -40,6 +40,7 @@ from kaisa_ray.decomposition import (
 )
 from kaisa_ray.enums import ComputeMethod
 from kaisa_ray.kfac_layer import KFACLayer
+from kaisa_ray.layers import LayerHelper
 
 Solver = Callable[..., Sequence[Any]]
 
@@ -107,6 +108,7 @@ class ShapeGroup:
         self.layers = tuple(layers)
         self.names = frozenset(layer.name for layer in layers)
         self.storage = StackedStorage(len(self.layers))
+        self._stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for index, layer in enumerate(self.layers):
             layer.decomposition.attach(partial(self.storage.store, index))
 
@@ -124,11 +126,24 @@ class ShapeGroup:
             buffer = self.storage.get(part)
             if buffer is None:
                 return False
+            stride = buffer.stride(0) * buffer.element_size()
             for index, layer in enumerate(self.layers):
                 held = getattr(layer.decomposition, part)
-                if held is None or held.data_ptr() != buffer[index].data_ptr():
+                if held is None or held.data_ptr() != buffer.data_ptr() + index * stride:
                     return False
         return True
+
+    def stacked(self, part: str) -> torch.Tensor:
+        """``part`` of the storage with members and groups in one leading dimension
+        ``(n·k, ...)``; the view is kept while the storage keeps its buffer."""
+        buffer = self.storage[part]
+        cached = self._stacked.get(part)
+        if cached is not None and cached[0] is buffer:
+            return cached[1]
+        n, k = len(self.layers), self.key.groups
+        view = buffer.reshape(n * k, *buffer.shape[2:])
+        self._stacked[part] = (buffer, view)
+        return view
 
     def gather_pairs(self) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """An empty ``(n, k, g, a)`` buffer for the members' gradients in the decompositions'
@@ -157,28 +172,147 @@ class ShapeGroup:
         """The members' gradients ``(n, k, g, a)`` in the decompositions' dtype."""
         return gather([self])[0]
 
-    def precondition(self, raw: torch.Tensor, damping: float) -> torch.Tensor:
-        """The members' preconditioned gradients ``(n, k, g, a)`` from ``gather()``'s."""
+    def precondition(
+        self, raw: torch.Tensor, damping: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The members' preconditioned gradients ``(n, k, g, a)`` from ``gather()``'s (into
+        ``out`` where given, a contiguous tensor of that shape)."""
         if self.key.adam is not None:
             (adam,) = precondition_adam([self], [raw])
-            return adam
+            return adam if out is None else out.copy_(adam)
         n, k, g, a = raw.shape
         grads = raw.reshape(n * k, g, a)
-        s = self.storage
+        into = None if out is None else out.view(n * k, g, a)
         if self.key.method is ComputeMethod.INVERSE:
-            out = inverse_precondition(
-                grads, s["a_inv"].reshape(n * k, a, a), s["g_inv"].reshape(n * k, g, g)
+            done = inverse_precondition(
+                grads, self.stacked("a_inv"), self.stacked("g_inv"), out=into
             )
         else:
-            qa, qg = s["qa"].reshape(n * k, a, a), s["qg"].reshape(n * k, g, g)
+            qa, qg = self.stacked("qa"), self.stacked("qg")
             if self.key.outer_product:
-                out = eigen_precondition(grads, qa, qg, dgda=s["dgda"].reshape(n * k, g, a))
+                done = eigen_precondition(grads, qa, qg, dgda=self.stacked("dgda"), out=into)
             else:
                 denominator = eigen_denominator(
-                    s["da"].reshape(n * k, a), s["dg"].reshape(n * k, g), damping, self.key.pi
+                    self.stacked("da"), self.stacked("dg"), damping, self.key.pi
                 )
-                out = eigen_precondition(grads, qa, qg, denominator=denominator)
-        return out.reshape(n, k, g, a)
+                done = eigen_precondition(grads, qa, qg, denominator=denominator, out=into)
+        return done.view(n, k, g, a) if out is None else out
+
+
+ALIGN = 64  # elements: where each group's share of a flat buffer may start
+
+
+@dataclass(frozen=True)
+class _Span:
+    """Where a tensor lies in a flat buffer: ``flat.as_strided(shape, stride, offset)``."""
+
+    arena: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def of(self, flats: Sequence[torch.Tensor]) -> torch.Tensor:
+        return flats[self.arena].as_strided(self.shape, self.stride, self.offset)
+
+
+@dataclass
+class Gathered:
+    """One step's gradients of a ``GradientLayout``'s ``groups``: ``raws`` and ``outs`` (each
+    group's ``(n, k, g, a)``) are views into the flat buffers ``raw_flats`` and ``out_flats``
+    (one per dtype and device), ``grads`` the parameters' gradients in the layout's order,
+    ``into`` their views in ``raw_flats`` (shaped like each gradient)."""
+
+    groups: tuple[ShapeGroup, ...]
+    raw_flats: list[torch.Tensor]
+    out_flats: list[torch.Tensor]
+    raws: list[torch.Tensor]
+    outs: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    into: list[torch.Tensor]
+
+
+class GradientLayout:
+    """Where ``groups``' gradients go in flat buffers, worked out once: each group's raw and
+    preconditioned gradients ``(n, k, g, a)`` lie in one flat buffer per dtype and device,
+    and each member's weight (and bias) gradient has a view there shaped like it. A step then
+    costs a fixed number of operations per group and per parameter (views, no copies of its
+    own): one multi-tensor copy gathers the gradients, the products write into their group's
+    share, and finiteness, clipping and the fallback to the raw gradients run once over each
+    flat buffer (``batching.set_gradients``)."""
+
+    def __init__(self, groups: Sequence[ShapeGroup]) -> None:
+        self.groups = tuple(groups)
+        arenas: dict[tuple[torch.dtype, torch.device], int] = {}
+        sizes: list[int] = []
+        self.group_spans: list[_Span] = []
+        # (helper, whether the bias) and where its gradient lies in the raw buffer
+        self.params: list[tuple[LayerHelper, bool, _Span]] = []
+        self.pads: list[tuple[int, int, int]] = []  # (arena, start, length) between groups
+        for group in self.groups:
+            key = (group.key.inv_dtype, group.key.device)
+            arena = arenas.setdefault(key, len(arenas))
+            if arena == len(sizes):
+                sizes.append(0)
+            start = sizes[arena]
+            n, k, g, a = len(group.layers), group.key.groups, group.key.g_dim, group.key.a_dim
+            shape = (n, k, g, a)
+            self.group_spans.append(_Span(arena, shape, (k * g * a, g * a, a, 1), start))
+            member = torch.empty(shape, device="meta").as_strided(
+                shape, (k * g * a, g * a, a, 1), start
+            )
+            for index, layer in enumerate(group.layers):
+                helper = layer.helper
+                weight = helper.weight()
+                columns = weight.numel() // (k * g)
+                view = member[index, :, :, :columns].view(weight.shape)
+                self.params.append((helper, False, _span_of(arena, view)))
+                bias = helper.bias()
+                if bias is not None:
+                    view = member[index, :, :, columns].view(bias.shape)
+                    self.params.append((helper, True, _span_of(arena, view)))
+            end = start + n * k * g * a
+            sizes[arena] = -(-end // ALIGN) * ALIGN
+            if sizes[arena] > end:
+                self.pads.append((arena, end, sizes[arena] - end))
+        self.arenas = [(dtype, device, sizes[i]) for (dtype, device), i in arenas.items()]
+        # every padding position of each buffer, zeroed in one operation a step
+        self.padding: list[torch.Tensor | None] = [None] * len(self.arenas)
+        for arena, (_, device, _) in enumerate(self.arenas):
+            spans = [torch.arange(s, s + n) for a, s, n in self.pads if a == arena]
+            if spans:
+                self.padding[arena] = torch.cat(spans).to(device)
+
+    def gather(self) -> Gathered:
+        """This step's gradients in fresh flat buffers (the preconditioned ones' padding
+        zeroed, so that a sum over a whole buffer sees only the gradients)."""
+        grads = []
+        for helper, is_bias, _ in self.params:
+            param = helper.bias() if is_bias else helper.weight()
+            grad = None if param is None else param.grad
+            if grad is None:
+                what = "bias gradient" if is_bias else "gradient; call backward() first"
+                raise RuntimeError(f"{helper.describe()} has no {what}.")
+            grads.append(grad)
+        raw_flats = [torch.empty(size, dtype=dt, device=dev) for dt, dev, size in self.arenas]
+        out_flats = [torch.empty(size, dtype=dt, device=dev) for dt, dev, size in self.arenas]
+        for out, padding in zip(out_flats, self.padding, strict=True):
+            if padding is not None:
+                out.index_fill_(0, padding, 0)
+        into = [span.of(raw_flats) for _, _, span in self.params]
+        copy_all(list(zip(into, grads, strict=True)))
+        return Gathered(
+            self.groups,
+            raw_flats,
+            out_flats,
+            [span.of(raw_flats) for span in self.group_spans],
+            [span.of(out_flats) for span in self.group_spans],
+            grads,
+            into,
+        )
+
+
+def _span_of(arena: int, view: torch.Tensor) -> _Span:
+    return _Span(arena, tuple(view.shape), tuple(view.stride()), int(view.storage_offset()))
 
 
 def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -203,22 +337,26 @@ def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def precondition(
-    groups: Sequence[ShapeGroup], raws: Sequence[torch.Tensor], damping: float
+    groups: Sequence[ShapeGroup],
+    raws: Sequence[torch.Tensor],
+    damping: float,
+    outs: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Each group's preconditioned gradients (``ShapeGroup.precondition`` of its ``raws``
-    entry); the groups with Adam's moments in the eigenbasis together, by their betas and
-    eps (``precondition_adam``)."""
+    entry, into its ``outs`` entry where given); the groups with Adam's moments in the
+    eigenbasis together, by their betas and eps (``precondition_adam``)."""
     out: list[torch.Tensor | None] = [None] * len(groups)
     adam: dict[tuple[tuple[float, float], float], list[int]] = {}
     for index, group in enumerate(groups):
         if group.key.adam is not None:
             adam.setdefault(group.key.adam, []).append(index)
         else:
-            out[index] = group.precondition(raws[index], damping)
+            into = None if outs is None else outs[index]
+            out[index] = group.precondition(raws[index], damping, into)
     for indices in adam.values():
         done = precondition_adam([groups[i] for i in indices], [raws[i] for i in indices])
         for index, result in zip(indices, done, strict=True):
-            out[index] = result
+            out[index] = result if outs is None else outs[index].copy_(result)
     results = [result for result in out if result is not None]
     assert len(results) == len(groups)
     return results

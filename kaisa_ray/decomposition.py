@@ -239,9 +239,11 @@ def eigen_precondition(
     *,
     dgda: torch.Tensor | None = None,
     denominator: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``Q_G [(Q_Gᵀ ∇W Q_A) ⊙ dgda] Q_Aᵀ`` (or ``/ denominator``) for ``(k, g, a)`` gradients
-    already in the decompositions' dtype: one layer's groups, or several layers' stacked."""
+    already in the decompositions' dtype: one layer's groups, or several layers' stacked
+    (into ``out`` where given)."""
     rotated = qg.transpose(-1, -2) @ grad @ qa
     if dgda is not None:
         rotated = rotated * dgda
@@ -249,14 +251,19 @@ def eigen_precondition(
         rotated = rotated / denominator
     else:
         raise ValueError("eigen_precondition needs dgda or denominator")
-    return qg @ rotated @ qa.transpose(-1, -2)
+    if out is None:
+        return qg @ rotated @ qa.transpose(-1, -2)
+    return torch.matmul(qg @ rotated, qa.transpose(-1, -2), out=out)
 
 
 def inverse_precondition(
-    grad: torch.Tensor, a_inv: torch.Tensor, g_inv: torch.Tensor
+    grad: torch.Tensor, a_inv: torch.Tensor, g_inv: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` for ``(k, g, a)`` gradients in the inverses' dtype."""
-    return g_inv @ grad @ a_inv
+    """``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` for ``(k, g, a)`` gradients in the inverses' dtype (into
+    ``out`` where given)."""
+    if out is None:
+        return g_inv @ grad @ a_inv
+    return torch.matmul(g_inv @ grad, a_inv, out=out)
 
 
 def _stack_dampings(

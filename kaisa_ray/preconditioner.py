@@ -24,7 +24,7 @@ import contextlib
 import functools
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -116,6 +116,30 @@ class _Block:
     layers: Sequence[KFACLayer]
     raw: torch.Tensor
     out: torch.Tensor
+
+
+class _Outputs(Mapping[str, torch.Tensor]):
+    """Preconditioned gradients by layer name; a shape group's member is selected from the
+    group's ``(n, k, g, a)`` output only when asked for (most steps never ask)."""
+
+    def __init__(self) -> None:
+        self._of: dict[str, tuple[torch.Tensor, int | None]] = {}
+
+    def put(self, name: str, tensor: torch.Tensor, index: int | None = None) -> None:
+        self._of[name] = (tensor, index)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor, index = self._of[name]
+        return tensor if index is None else tensor[index]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._of
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._of)
+
+    def __len__(self) -> int:
+        return len(self._of)
 
 
 def _sum_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -461,6 +485,8 @@ class KFACPreconditioner:
         self._groups = batching.shape_groups(
             [lay for lay in self._layers if self._preconditions(lay)]
         )
+        # where the groups' gradients lie in flat buffers, by the groups a step preconditions
+        self._layouts: dict[tuple[batching.ShapeGroup, ...], batching.GradientLayout] = {}
         self._steps = 0
         self.skipped_factor_updates = 0
         # Kept on the device from the first step on, so that a step need not wait for them
@@ -641,7 +667,7 @@ class KFACPreconditioner:
         if decompose:
             self._update_decompositions(damping, decompose)
 
-        preconditioned: dict[str, torch.Tensor] = {}
+        preconditioned: Mapping[str, torch.Tensor] = {}
         if active:
             preconditioned = self._precondition(active, damping)
 
@@ -720,7 +746,7 @@ class KFACPreconditioner:
         step: int,
         decompose: frozenset[str],
         stale: dict[str, torch.Tensor],
-        preconditioned: dict[str, torch.Tensor],
+        preconditioned: Mapping[str, torch.Tensor],
     ) -> None:
         """The decomposing layers' measurements, each from its owner, summed over the ranks
         (one all-reduce: the same numbers everywhere), then the interval rule on them."""
@@ -845,28 +871,32 @@ class KFACPreconditioner:
                 if layer.name in decompose and self.assignment.is_grad_worker(layer.name, rank):
                     layer.decomposition.finish(damping)
 
-    def _precondition(self, active: list[KFACLayer], damping: float) -> dict[str, torch.Tensor]:
+    def _precondition(self, active: list[KFACLayer], damping: float) -> _Outputs:
         """Precondition (by shape group where a whole group is active and decomposed, else
         layer by layer), broadcast to receivers, clip and set; returns the preconditioned
         gradients before clipping."""
-        preconditioned: dict[str, torch.Tensor] = {}
+        preconditioned = _Outputs()
         blocks: list[_Block] = []
+        gathered: batching.Gathered | None = None
         names = {layer.name for layer in active}
         with self.times.phase("precondition"), self._products():
-            groups = [g for g in self._groups if g.names <= names and g.ready()]
-            raws = batching.gather(groups)
-            outs = batching.precondition(groups, raws, damping)
-            for group, raw, out in zip(groups, raws, outs, strict=True):
-                blocks.append(_Block(group.layers, raw, out))
-                for index, layer in enumerate(group.layers):
-                    preconditioned[layer.name] = out[index]
+            groups = tuple(g for g in self._groups if g.names <= names and g.ready())
+            if groups:
+                layout = self._layouts.get(groups)
+                if layout is None:
+                    layout = self._layouts[groups] = batching.GradientLayout(groups)
+                gathered = layout.gather()
+                batching.precondition(groups, gathered.raws, damping, gathered.outs)
+                for group, out in zip(groups, gathered.outs, strict=True):
+                    for index, layer in enumerate(group.layers):
+                        preconditioned.put(layer.name, out, index)
             for layer in active:  # the rest of this rank's layers, one by one
                 if layer.name in preconditioned or not self._preconditions(layer):
                     continue
                 raw = layer.helper.grad()
                 out = layer.precondition(raw, damping)
                 blocks.append(_Block((layer,), raw.unsqueeze(0), out.unsqueeze(0)))
-                preconditioned[layer.name] = out
+                preconditioned.put(layer.name, out)
 
         def get(name: str, part: str) -> torch.Tensor:
             if name in preconditioned:
@@ -890,34 +920,48 @@ class KFACPreconditioner:
                 if layer.name in received:
                     out = received[layer.name]
                     blocks.append(_Block((layer,), layer.helper.grad().unsqueeze(0), out[None]))
-                    preconditioned[layer.name] = out
-            self._clip_and_set(blocks)
+                    preconditioned.put(layer.name, out)
+            self._clip_and_set(blocks, gathered)
         return preconditioned
 
     def _preconditions(self, layer: KFACLayer) -> bool:
         return self.assignment.is_grad_worker(layer.name, self.rank)
 
-    def _clip_and_set(self, blocks: list[_Block]) -> None:
+    def _clip_and_set(self, blocks: list[_Block], gathered: batching.Gathered | None) -> None:
         """KL clipping (scale by min(1, sqrt(kl_clip / |lr² Σ p·g|))), then set the grads;
         where a gradient or a preconditioned gradient is not finite, the raw gradients stay.
-        Decided on the device: no value is read back here."""
-        if not blocks:
+        Decided on the device: no value is read back here. ``gathered``: the shape groups'
+        gradients in flat buffers (``batching.GradientLayout``), ``blocks`` the rest."""
+        if not blocks and gathered is None:
             return
         kl_clip = self.kl_clip
         if kl_clip is not None:
             # Σ p·g per layer (one product each, the same on every rank however the layer was
             # preconditioned there), summed in layer order in float64: not finite if any p or
             # g is (a NaN or an infinity spreads through the products).
+            pieces: list[tuple[Sequence[KFACLayer], torch.Tensor, torch.Tensor]] = [
+                (block.layers, block.out, block.raw) for block in blocks
+            ]
+            if gathered is not None:
+                pieces += [
+                    (group.layers, out, raw)
+                    for group, out, raw in zip(
+                        gathered.groups, gathered.outs, gathered.raws, strict=True
+                    )
+                ]
             dot_of = {
-                layer.name: _sum_dot(block.out[index], block.raw[index])
-                for block in blocks
-                for index, layer in enumerate(block.layers)
+                layer.name: _sum_dot(out[index], raw[index])
+                for layers, out, raw in pieces
+                for index, layer in enumerate(layers)
             }
             dots = [dot_of[layer.name] for layer in self._layers if layer.name in dot_of]
             total = torch.stack(dots).to(torch.float64).sum()
-        else:  # only whether everything is finite: one sum per block (the products spread
+        else:  # only whether everything is finite: one sum per buffer (the products spread
             # a raw gradient's NaN or infinity into its preconditioned one)
-            total = torch.stack([block.out.sum(dtype=torch.float64) for block in blocks]).sum()
+            outs = [block.out for block in blocks]
+            if gathered is not None:
+                outs += gathered.out_flats
+            total = torch.stack([out.sum(dtype=torch.float64) for out in outs]).sum()
         ok = torch.isfinite(total)
         if self._skipped is None or self._last_grad_scale is None:
             self._skipped = torch.full((), self._skipped_count, device=total.device)
@@ -930,6 +974,13 @@ class KFACPreconditioner:
             self._last_grad_scale = torch.where(ok, 1.0, self._last_grad_scale)
         self._skipped += (~ok).to(self._skipped.dtype)
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if gathered is not None:
+            # the result into the raw buffers (the outputs stay as preconditioned, unclipped)
+            for out, raw in zip(gathered.out_flats, gathered.raw_flats, strict=True):
+                if kl_clip is not None:
+                    out = out * self._last_grad_scale.to(out.dtype)
+                torch.where(ok, out, raw, out=raw)
+            pairs += zip(gathered.grads, gathered.into, strict=True)
         for block in blocks:
             out = block.out
             if kl_clip is not None:

@@ -66,6 +66,73 @@ def test_batched_steps_equal_the_layer_by_layer_path(options: dict[str, Any]) ->
     assert batched.memory_usage() == alone.memory_usage()
 
 
+def grouped_and_odd() -> nn.Sequential:
+    """Grouped convolutions with biases (two of one shape), a channels-last one, and layers
+    whose gradients are no multiple of the flat buffers' alignment."""
+    torch.manual_seed(1)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.Conv2d(4, 6, 3, padding=1, groups=2),
+        nn.ReLU(),
+        nn.Conv2d(6, 6, 3, padding=1, groups=2),
+        nn.ReLU(),
+        nn.Conv2d(6, 6, 1, groups=3, bias=False).to(memory_format=torch.channels_last),
+        nn.Flatten(),
+        nn.Linear(6 * 6 * 6, 7),
+        nn.Tanh(),
+        nn.Linear(7, 7),
+        nn.Tanh(),
+        nn.Linear(7, 5),
+    )
+
+
+@pytest.mark.parametrize("kl_clip", [None, 0.001])
+def test_grouped_convolutions_and_biases_in_flat_buffers_equal_the_layer_by_layer_path(
+    kl_clip: float | None,
+) -> None:
+    kwargs = {"factor_update_steps": 1, "inv_update_steps": 3, "damping": 0.01}
+    batched_model = grouped_and_odd()
+    alone_model = copy.deepcopy(batched_model)
+    batched = KFACPreconditioner(batched_model, kl_clip=kl_clip, **kwargs)
+    alone = KFACPreconditioner(alone_model, kl_clip=kl_clip, **kwargs)
+    alone._groups = []
+    train(batched_model, batched, 7)
+    train(alone_model, alone, 7)
+    for a, b in zip(batched_model.parameters(), alone_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert batched._layouts  # the flat buffers were used
+
+
+def test_a_quiet_step_launches_a_fixed_number_of_operations_per_group() -> None:
+    """Preconditioning costs the products of each shape group and a fixed number of other
+    operations, however many layers and groups: no per-layer or per-group copies, sums or
+    selections (each is a launch on a GPU). Views are not counted: they launch nothing."""
+    views = {"aten::as_strided", "aten::view", "aten::reshape", "aten::narrow"}
+
+    def dispatched(model: nn.Sequential) -> tuple[int, int]:
+        preconditioner = KFACPreconditioner(
+            model, compute_method="inverse", kl_clip=None, factor_update_steps=3, inv_update_steps=6
+        )  # the KL clip adds one product per layer (Σ p·g, as the reference sums it)
+        train(model, preconditioner, 7)
+        x, y = next(batches(1, 100))
+        F.cross_entropy(model(x), y).backward()
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=cpu) as prof, torch.profiler.record_function("q"):
+            preconditioner.step()
+        assert preconditioner.last_updates == (frozenset(), frozenset())
+        events = prof.events()
+        (step,) = [e for e in events if e.name == "q"]
+        outermost = [e for e in step.cpu_children if e.name not in views]
+        products = sum(e.name == "aten::matmul" for e in outermost)
+        return products, len(outermost) - products
+
+    for model in (repeated_shapes(), grouped_and_odd()):
+        groups = len(KFACPreconditioner(copy.deepcopy(model))._groups)
+        products, others = dispatched(model)
+        assert products == 2 * groups  # the inverse method: (G+γI)⁻¹ ∇W (A+γI)⁻¹
+        assert others <= 16, others
+
+
 def test_batched_decompositions_equal_each_layer_alone() -> None:
     torch.manual_seed(0)
     for method in ("eigen", "inverse"):
