@@ -237,8 +237,8 @@ class GradientLayout:
     and each member's weight (and bias) gradient has a view there shaped like it. A step then
     costs a fixed number of operations per group and per parameter (views, no copies of its
     own): one multi-tensor copy gathers the gradients, the products write into their group's
-    share, and finiteness, clipping and the fallback to the raw gradients run once over each
-    flat buffer (``batching.set_gradients``)."""
+    share, finiteness is one multi-tensor reduction over the groups' outputs, and clipping
+    and the fallback to the raw gradients run once over each flat buffer."""
 
     def __init__(self, groups: Sequence[ShapeGroup]) -> None:
         self.groups = tuple(groups)
@@ -247,7 +247,6 @@ class GradientLayout:
         self.group_spans: list[_Span] = []
         # (helper, whether the bias) and where its gradient lies in the raw buffer
         self.params: list[tuple[LayerHelper, bool, _Span]] = []
-        self.pads: list[tuple[int, int, int]] = []  # (arena, start, length) between groups
         for group in self.groups:
             key = (group.key.inv_dtype, group.key.device)
             arena = arenas.setdefault(key, len(arenas))
@@ -270,21 +269,12 @@ class GradientLayout:
                 if bias is not None:
                     view = member[index, :, :, columns].view(bias.shape)
                     self.params.append((helper, True, _span_of(arena, view)))
-            end = start + n * k * g * a
-            sizes[arena] = -(-end // ALIGN) * ALIGN
-            if sizes[arena] > end:
-                self.pads.append((arena, end, sizes[arena] - end))
+            sizes[arena] = -(-(start + n * k * g * a) // ALIGN) * ALIGN
         self.arenas = [(dtype, device, sizes[i]) for (dtype, device), i in arenas.items()]
-        # every padding position of each buffer, zeroed in one operation a step
-        self.padding: list[torch.Tensor | None] = [None] * len(self.arenas)
-        for arena, (_, device, _) in enumerate(self.arenas):
-            spans = [torch.arange(s, s + n) for a, s, n in self.pads if a == arena]
-            if spans:
-                self.padding[arena] = torch.cat(spans).to(device)
 
     def gather(self) -> Gathered:
-        """This step's gradients in fresh flat buffers (the preconditioned ones' padding
-        zeroed, so that a sum over a whole buffer sees only the gradients)."""
+        """This step's gradients in fresh flat buffers (what lies between groups' shares is
+        left as it is: nothing reads it)."""
         grads = []
         for helper, is_bias, _ in self.params:
             param = helper.bias() if is_bias else helper.weight()
@@ -295,9 +285,6 @@ class GradientLayout:
             grads.append(grad)
         raw_flats = [torch.empty(size, dtype=dt, device=dev) for dt, dev, size in self.arenas]
         out_flats = [torch.empty(size, dtype=dt, device=dev) for dt, dev, size in self.arenas]
-        for out, padding in zip(out_flats, self.padding, strict=True):
-            if padding is not None:
-                out.index_fill_(0, padding, 0)
         into = [span.of(raw_flats) for _, _, span in self.params]
         copy_all(list(zip(into, grads, strict=True)))
         return Gathered(

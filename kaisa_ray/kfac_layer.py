@@ -172,9 +172,15 @@ class KFACLayer:
         n = self.factor_samples
         return tensor if n is None or tensor.shape[0] <= n else tensor[:n]
 
+    def _in_factor_dtype(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s first ``factor_samples`` examples in the factors' dtype (no operation
+        where nothing changes: the hooks run under ``no_grad``, so nothing is recorded)."""
+        tensor = self._sampled(tensor)
+        return tensor if tensor.dtype == self.factor_dtype else tensor.to(self.factor_dtype)
+
     def add_input(self, inputs: torch.Tensor) -> None:
-        x = self._sampled(inputs.detach()).to(self.factor_dtype)
-        self.helper.a_factor(x, self.fisher, into=self.a_batch)
+        """Add the A factor of a layer's input (under ``no_grad``, as the hooks call it)."""
+        self.helper.a_factor(self._in_factor_dtype(inputs), self.fisher, into=self.a_batch)
 
     def add_grad_output(self, grad_output: torch.Tensor, divisor: float) -> None:
         """Add the G factor of an output gradient.
@@ -184,9 +190,8 @@ class KFACLayer:
         scale over ``accumulation_steps`` under the Fisher's, where the gradient is then
         multiplied by the number of examples the loss averages over (per-example gradients).
         """
-        g = grad_output.detach()
-        scale = (self.helper.examples(g) if self.fisher else 1.0) / divisor
-        g = self._sampled(g).to(self.factor_dtype)
+        scale = (self.helper.examples(grad_output) if self.fisher else 1.0) / divisor
+        g = self._in_factor_dtype(grad_output)
         self.helper.g_factor(g, self.fisher, scale, into=self.g_batch)
 
     def save_input(self, inputs: torch.Tensor) -> None:

@@ -313,9 +313,15 @@ class Conv2dHelper(LayerHelper):
             self.module.dilation,
             self.module.stride,
         )
+        if kh == kw == 1:  # the positions are a strided grid of the input: one reduction
+            whole = (sh, sw, oh, ow) == (1, 1, x.shape[-2], x.shape[-1])
+            grid = x if whole else x[..., : (oh - 1) * sh + 1 : sh, : (ow - 1) * sw + 1 : sw]
+            return grid.sum(dim=(-2, -1), keepdim=True)
         # rows: for each kernel row offset i, the sum over the oh rows i·dh + p·sh
-        rows = x.unfold(2, (oh - 1) * sh + 1, dh).narrow(2, 0, kh)[..., ::sh].sum(-1)
-        return rows.unfold(3, (ow - 1) * sw + 1, dw).narrow(3, 0, kw)[..., ::sw].sum(-1)
+        rows = x.unfold(2, (oh - 1) * sh + 1, dh).narrow(2, 0, kh)
+        rows = (rows[..., ::sh] if sh > 1 else rows).sum(-1)
+        cols = rows.unfold(3, (ow - 1) * sw + 1, dw).narrow(3, 0, kw)
+        return (cols[..., ::sw] if sw > 1 else cols).sum(-1)
 
     def examples(self, grad_output: torch.Tensor) -> int:
         """A convolution's loss averages over samples, not over output positions."""
@@ -351,8 +357,9 @@ class Conv2dHelper(LayerHelper):
         k, positions = self.groups, oh * ow
         if self.approx is KFACApprox.REDUCE:
             # E_n[(Σ_p d)(Σ_p d)ᵀ] (fisher), or the position means' covariance over P²
-            sums = grad_output.sum(dim=(-2, -1)).reshape(batch, k, -1).transpose(0, 1)
-            return _covariance(sums, scale if fisher else scale / positions**2, batch, into)
+            sums = grad_output.sum(dim=(-2, -1)).view(batch, k, -1).permute(1, 2, 0)
+            alpha = scale if fisher else scale / positions**2
+            return _covariance_features_first(sums, alpha, batch, False, into)
         # (batch, k, g, positions) -> (k, g, batch * positions): features first, one copy
         rows = grad_output.reshape(batch, k, channels // k, positions).permute(1, 2, 0, 3)
         rows = rows.reshape(k, channels // k, batch * positions)

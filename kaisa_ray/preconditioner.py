@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -956,12 +957,14 @@ class KFACPreconditioner:
             }
             dots = [dot_of[layer.name] for layer in self._layers if layer.name in dot_of]
             total = torch.stack(dots).to(torch.float64).sum()
-        else:  # only whether everything is finite: one sum per buffer (the products spread
-            # a raw gradient's NaN or infinity into its preconditioned one)
-            outs = [block.out for block in blocks]
+        else:  # only whether everything is finite (the products spread a raw gradient's
+            # NaN or infinity into its preconditioned one): one sum per block, and the groups'
+            # largest magnitudes in one multi-tensor reduction (which cannot overflow)
+            parts = [block.out.sum(dtype=torch.float64) for block in blocks]
             if gathered is not None:
-                outs += gathered.out_flats
-            total = torch.stack([out.sum(dtype=torch.float64) for out in outs]).sum()
+                largest = torch._foreach_norm(gathered.outs, ord=math.inf)
+                parts.append(torch.stack(largest).to(torch.float64).sum())
+            total = torch.stack(parts).sum()
         ok = torch.isfinite(total)
         if self._skipped is None or self._last_grad_scale is None:
             self._skipped = torch.full((), self._skipped_count, device=total.device)

@@ -126,11 +126,16 @@ def test_a_quiet_step_launches_a_fixed_number_of_operations_per_group() -> None:
         products = sum(e.name == "aten::matmul" for e in outermost)
         return products, len(outermost) - products
 
+    fixed = set()
     for model in (repeated_shapes(), grouped_and_odd()):
         groups = len(KFACPreconditioner(copy.deepcopy(model))._groups)
         products, others = dispatched(model)
         assert products == 2 * groups  # the inverse method: (G+γI)⁻¹ ∇W (A+γI)⁻¹
-        assert others <= 16, others
+        fixed.add(others)
+    # 5 groups of 9 layers and 6 groups of 7 alike (up to one more multi-tensor copy each
+    # way where some gradients' layouts match their views and some do not)
+    assert max(fixed) - min(fixed) <= 2, fixed
+    assert max(fixed) <= 20, fixed
 
 
 def test_batched_decompositions_equal_each_layer_alone() -> None:

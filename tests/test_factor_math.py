@@ -180,6 +180,10 @@ CONVS: dict[str, dict[str, object]] = {
     "circular": {"padding": 1, "padding_mode": "circular", "dilation": 2},
     "groups2": {"groups": 2, "padding": 1},
     "depthwise": {"groups": 4, "padding": 1, "out_channels": 8},
+    # 1x1 kernels: their position sums take one reduction over the (strided) grid
+    "pointwise": {"kernel_size": 1, "bias": False},
+    "pointwise_stride2": {"kernel_size": 1, "stride": 2},
+    "pointwise_padded": {"kernel_size": 1, "padding": 1, "stride": (2, 3)},
 }
 
 
@@ -238,6 +242,9 @@ def test_inverse_method_equals_dense_formula(name: str) -> None:
         "groups2",
         "depthwise",
         "dilation2",
+        "pointwise",
+        "pointwise_stride2",
+        "pointwise_padded",
     ],
 )
 def test_conv_reduce_factors_match_position_means(case: str) -> None:
