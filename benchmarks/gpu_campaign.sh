@@ -5,7 +5,7 @@
 # (the other gpu_step configurations, the node's hardware profile), "c" (after a change), "d"
 # (the tests with tracebacks, the inverse, eigen and Adam-eigenbasis step costs), "e" (the
 # Adam-eigenbasis step before and after a change), "f" (the tests, the step before and after,
-# profiler traces, the plan against this GPU). Expects the pydantic
+# profiler traces, the plan against this GPU), "g" (f's step and traces after a change). Expects the pydantic
 # wheels in .whl (the image has torch but not pydantic) and the commit before the change's
 # kaisa_ray in .old (`git archive <commit> kaisa_ray | tar -x -C .old`). The lent machine's
 # copy has no history of its own: COMMIT=<hash> names what the tables measured.
@@ -102,6 +102,19 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
         tar -czf "$OUT/traces.tgz" -C /tmp traces 2>/dev/null
         (cd benchmarks && run 170 plan_check python3 plan_check.py --gpu --rounds 2 \
             --json "$OUT/plan_check.json")
+        ;;
+    g)  # after the factor-phase trim: the gpu tests, the step before (.old) and after in 3
+        # rounds, bf16, and the traces with 5 samples of each kind of step
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        run 100 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA \
+            --tb=short
+        (cd benchmarks && run 240 gpu_step python3 gpu_step.py --before ../.old --rounds 3 \
+            ${COMMIT:+--commit "$COMMIT"} --only "b32 fp32: SGD" "b32 fp32: K-FAC inverse 10/100" \
+            "b32 fp32: K-FAC eigen 10/100" "b32 bf16" "transformer" --skip "highest" "eigenbasis" \
+            --json "$OUT/gpu_step.json")
+        (cd benchmarks && run 120 gpu_trace python3 gpu_trace.py --only resnet50 --repeats 5 \
+            ${COMMIT:+--commit "$COMMIT"} --json "$OUT/gpu_trace.json" --traces /tmp/traces)
+        tar -czf "$OUT/traces.tgz" -C /tmp traces 2>/dev/null
         ;;
     esac
 done

@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import gzip
 import json
+import statistics
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,16 +176,18 @@ def _empty() -> dict[str, float]:
 
 
 def profile(
-    label: str, device: torch.device, period: int, traces: Path | None
+    label: str, device: torch.device, period: int, traces: Path | None, repeats: int
 ) -> list[dict[str, Any]]:
-    """Warm ``label`` up past its first decomposition period, then profile one step of each
-    kind (quiet, factors, decomposition; 'plain' without K-FAC), each in its own trace."""
+    """Warm ``label`` up past its first decomposition period, then profile ``repeats`` steps
+    of each kind (quiet, factors; one decomposition step; 'plain' without K-FAC), each in its
+    own trace; one row per kind, the medians of its samples (the first sample's trace kept)."""
     workload, batch, kfac = CONFIGS[label]
     trainee = Trainee(workload, batch, kfac, device)
-    wanted = ["plain"] if kfac is None else ["quiet", "factors", "decomposition"]
-    rows: list[dict[str, Any]] = []
-    done: set[str] = set()
-    for number in range(3 * period):
+    wanted = {"plain": repeats} if kfac is None else {"quiet": repeats, "factors": repeats}
+    if kfac is not None:
+        wanted["decomposition"] = 1
+    samples: dict[str, list[dict[str, Any]]] = {kind: [] for kind in wanted}
+    for number in range((repeats + 2) * period):
         # the kind of the next step, known before it runs only from the preconditioner
         p = trainee.preconditioner
         if p is None:
@@ -192,7 +195,7 @@ def profile(
         else:
             decompose = bool(p.schedule.decomposition_layers(p.steps))
             kind = "decomposition" if decompose else "factors" if p._factor_now else "quiet"
-        if number < period + 2 or kind in done or kind not in wanted:
+        if number < period + 2 or len(samples.get(kind, [None] * repeats)) >= wanted.get(kind, 0):
             trainee.step()
             continue
         if device.type == "cuda":
@@ -210,17 +213,32 @@ def profile(
             path = Path(tmp) / "trace.json"
             prof.export_chrome_trace(str(path))
             text = path.read_text()
-        if traces is not None:
+        if traces is not None and not samples[kind]:
             traces.mkdir(parents=True, exist_ok=True)
             name = f"{label.replace(' ', '_').replace('/', '-')}_{kind}.json.gz"
             with gzip.open(traces / name, "wt") as f:
                 f.write(text)
-        for row in analyse(json.loads(text)):
-            rows.append({"config": label, **row})
-        done.add(kind)
-        if done >= set(wanted):
+        samples[kind] += analyse(json.loads(text))
+        if all(len(samples[k]) >= n for k, n in wanted.items()):
             break
-    return rows
+    return [{"config": label, **median_row(found)} for found in samples.values() if found]
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each figure over samples of one kind of step (a phase a sample lacks
+    counts as zero there)."""
+    out: dict[str, Any] = {"step": rows[0]["step"], "samples": len(rows)}
+    for key in ("host_ms", "device_busy_ms", "device_span_ms", "device_idle_ms"):
+        out[key] = statistics.median(row[key] for row in rows)
+    names = {name for row in rows for name in row["phases"]}
+    out["phases"] = {
+        name: {
+            field: statistics.median(row["phases"].get(name, _empty())[field] for row in rows)
+            for field in _empty()
+        }
+        for name in names
+    }
+    return out
 
 
 COLUMNS = [
@@ -274,6 +292,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--only", nargs="*", default=None, help="configurations (substrings)")
     parser.add_argument("--period", type=int, default=100, help="the decomposition interval")
+    parser.add_argument("--repeats", type=int, default=5, help="samples of each kind of step")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--traces", type=Path, default=None)
     parser.add_argument("--commit", default=None)
@@ -292,7 +311,7 @@ def main() -> None:
         rows: list[dict[str, Any]] = []
         with annotated_phases():
             for label in labels:
-                rows += profile(label, device, args.period, args.traces)
+                rows += profile(label, device, args.period, args.traces, args.repeats)
                 print(table(label, COLUMNS, render(rows[-3:])), flush=True)
         result = {
             "date": datetime.date.today().isoformat(),
@@ -306,7 +325,8 @@ def main() -> None:
             args.json.write_text(json.dumps(result, indent=1))
     header = (
         f"{result['date']}, {result['device']}, {result['machine']}, torch "
-        f"{result['torch']}, commit {result['commit']}; one profiled step of each kind."
+        f"{result['torch']}, commit {result['commit']}; medians of profiled steps of each "
+        f"kind (samples: {', '.join(sorted({str(r.get('samples', 1)) for r in result['rows']}))})."
     )
     text = table(header, COLUMNS, render(result["rows"]))
     print(text)
