@@ -103,14 +103,15 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
         (cd benchmarks && run 170 plan_check python3 plan_check.py --gpu --rounds 2 \
             --json "$OUT/plan_check.json")
         ;;
-    g)  # after the factor-phase trim: the gpu tests, the step before (.old) and after in 3
-        # rounds, bf16, and the traces with 5 samples of each kind of step
+    g)  # after the factor-phase trim: the gpu tests, the step before (.old) and after in 2
+        # rounds, bf16, batch 64, and the traces with 5 samples of each kind of step
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
         run 100 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA \
             --tb=short
-        (cd benchmarks && run 240 gpu_step python3 gpu_step.py --before ../.old --rounds 3 \
+        (cd benchmarks && run 250 gpu_step python3 gpu_step.py --before ../.old --rounds 2 \
             ${COMMIT:+--commit "$COMMIT"} --only "b32 fp32: SGD" "b32 fp32: K-FAC inverse 10/100" \
-            "b32 fp32: K-FAC eigen 10/100" "b32 bf16" "transformer" --skip "highest" "eigenbasis" \
+            "b32 fp32: K-FAC eigen 10/100" "b32 bf16" "b64 fp32" "transformer" --skip "highest" \
+            "eigenbasis" \
             --json "$OUT/gpu_step.json")
         (cd benchmarks && run 120 gpu_trace python3 gpu_trace.py --only resnet50 --repeats 5 \
             ${COMMIT:+--commit "$COMMIT"} --json "$OUT/gpu_trace.json" --traces /tmp/traces)
