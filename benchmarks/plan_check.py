@@ -360,7 +360,11 @@ def render(result: dict[str, Any]) -> str:
     titles = {
         "cpu": "This CPU, one thread",
         "gpu": "One H200 (run 2, stored)",
-        "gpu-live": f"One {result.get('gpu-live', {}).get('device', 'GPU')}, measured in this run",
+        "gpu-live": "One {device}, measured on it at commit {commit}, {date}".format(
+            device=result.get("gpu-live", {}).get("device", "GPU"),
+            commit=result.get("gpu-live", {}).get("commit", result["commit"]),
+            date=result.get("gpu-live", {}).get("date", result["date"]),
+        ),
     }
     for key, title in titles.items():
         if key not in result:
@@ -396,6 +400,9 @@ def main() -> int:
     parser.add_argument("--gpu-run2", action="store_true", help="the stored H200 run 2")
     parser.add_argument("--gpu", action="store_true", help="measure this machine's GPU")
     parser.add_argument("--json", type=Path, default=None, help="also save the results here")
+    parser.add_argument(
+        "--add-gpu", type=Path, default=None, help="a saved --gpu run (--json) to add to the stored"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--report", action="store_true", help="print the stored results")
@@ -403,6 +410,15 @@ def main() -> int:
     path = RESULTS / "plan_check.json"
     if args.report:
         print(render(json.loads(path.read_text())))
+        return 0
+    if args.add_gpu is not None:  # a run on a lent GPU beside the stored CPU and run-2 checks
+        stored = json.loads(path.read_text())
+        added = json.loads(args.add_gpu.read_text())
+        stored["gpu-live"] = {**added["gpu-live"], "commit": added["commit"], "date": added["date"]}
+        path.write_text(json.dumps(stored, indent=1))
+        text = render(stored)
+        print(text)
+        write_block("plan-check", text)
         return 0
     if not (args.cpu or args.gpu_run2 or args.gpu):
         parser.error("say what to check: --cpu, --gpu, --gpu-run2 or several")
