@@ -6,8 +6,10 @@ exactly: every byte, call, memory figure and predicted time.
 (``python tests/test_plan_figures.py --write``); rewrite it only for a change that is meant to
 change a figure, and say so in the commit. Rewritten once since: when the forecast priced
 products at the size of their volume and added K-FAC's fixed costs (issue 32), which changed
-the predicted times and the choices made from them; every byte, call and memory figure stayed
-a85ad65's. The cases cover world sizes whose receiver groups
+the predicted times and the choices made from them; and when the quiet step and the factor
+update were made to dispatch fewer operations per layer (the estimated fixed costs,
+``OVERHEAD_OPERATIONS``: the predicted times and the adaptive case's choice). Every byte, call
+and memory figure stayed a85ad65's. The cases cover world sizes whose receiver groups
 straddle nodes (24 and 12 ranks on nodes of 8, and 5 per node), the nothing-fits account,
 the inverse method, and the tuner's adaptive choice.
 """

@@ -39,9 +39,9 @@ METHODS = tuple(m.value for m in ComputeMethod)
 # torch.profiler on this code (tests/test_plan_terms.py counts them again): the fallback of a
 # profile that did not measure ``kfac_overhead_s``, each operation at the kernel latency.
 OVERHEAD_OPERATIONS = {
-    "factors_per_layer": 10.0,
-    "precondition_per_layer": 22.0,
-    "precondition_per_group": 11.0,
+    "factors_per_layer": 8.0,
+    "precondition_per_layer": 9.0,
+    "precondition_per_group": 6.0,
 }
 
 
