@@ -22,6 +22,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+import torch
+
 from kaisa_ray.enums import AssignmentStrategy
 
 
@@ -40,6 +42,15 @@ class LayerShape:
 
     def cost(self, dim: int, strategy: AssignmentStrategy) -> int:
         return self.groups * dim ** (3 if strategy is AssignmentStrategy.COMPUTE else 2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedLayer(LayerShape):
+    """A layer's shape plus the dtypes of its state."""
+
+    factor_dtype: torch.dtype = torch.float32
+    inv_dtype: torch.dtype = torch.float32
+    grad_dtype: torch.dtype = torch.float32
 
 
 @dataclass(frozen=True, kw_only=True)

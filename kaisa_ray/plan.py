@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from kaisa_ray.assignment import Assignment, LayerShape, assign
+from kaisa_ray.assignment import PlannedLayer as PlannedLayer  # defined there, exported here too
 from kaisa_ray.enums import (
     AssignmentStrategy,
     ComputeMethod,
@@ -48,6 +49,7 @@ from kaisa_ray.enums import (
     Scaling,
     parse_enum,
 )
+from kaisa_ray.registration import registered_layers
 from kaisa_ray.strategy import resolve_grad_worker_fraction
 
 
@@ -103,15 +105,6 @@ class Bucket:
         return Collective(
             purpose=self.purpose, op=self.op, group=self.group, src=self.src, nbytes=self.nbytes
         )
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlannedLayer(LayerShape):
-    """A layer's shape plus the dtypes of its state."""
-
-    factor_dtype: torch.dtype = torch.float32
-    inv_dtype: torch.dtype = torch.float32
-    grad_dtype: torch.dtype = torch.float32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -687,8 +680,6 @@ def calls_for_rank(sched: Schedule, rank: int) -> dict[StepType, tuple[Collectiv
 
 def layer_shapes(model: nn.Module, **preconditioner_kwargs: object) -> list[PlannedLayer]:
     """The layers a ``KFACPreconditioner`` would register on ``model``, with their dtypes."""
-    from kaisa_ray.registration import registered_layers
-
     return registered_layers(model, **preconditioner_kwargs)
 
 

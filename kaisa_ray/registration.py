@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from kaisa_ray.assignment import PlannedLayer
 from kaisa_ray.enums import KFACApprox, parse_enum
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.layers import LayerHelper, make_helper
-from kaisa_ray.plan import PlannedLayer
 
 
 @dataclass(frozen=True, kw_only=True)
