@@ -5,10 +5,11 @@
 # (the other gpu_step configurations, the node's hardware profile), "c" (after a change), "d"
 # (the tests with tracebacks, the inverse, eigen and Adam-eigenbasis step costs), "e" (the
 # Adam-eigenbasis step before and after a change), "f" (the tests, the step before and after,
-# profiler traces, the plan against this GPU), "g" (f's step and traces after a change). Expects the pydantic
-# wheels in .whl (the image has torch but not pydantic) and the commit before the change's
-# kaisa_ray in .old (`git archive <commit> kaisa_ray | tar -x -C .old`). The lent machine's
-# copy has no history of its own: COMMIT=<hash> names what the tables measured.
+# profiler traces, the plan against this GPU), "g" (f's step and traces after a change).
+# Expects the pydantic wheels in .whl (the image has torch but not pydantic) and the commit
+# before the change's kaisa_ray in .old (`git archive <commit> kaisa_ray | tar -x -C .old`).
+# The lent machine's copy has no history of its own: COMMIT=<hash> names what the tables
+# measured.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
