@@ -145,29 +145,6 @@ class ShapeGroup:
         self._stacked[part] = (buffer, view)
         return view
 
-    def gather_pairs(self) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """An empty ``(n, k, g, a)`` buffer for the members' gradients in the decompositions'
-        dtype, and the (destination, source) copies that fill it."""
-        k, g, a = self.key.groups, self.key.g_dim, self.key.a_dim
-        raw = torch.empty(
-            (len(self.layers), k, g, a), dtype=self.key.inv_dtype, device=self.key.device
-        )
-        pairs = []
-        for index, layer in enumerate(self.layers):
-            helper = layer.helper
-            weight_grad = helper.weight().grad
-            if weight_grad is None:
-                raise RuntimeError(f"{helper.describe()} has no gradient; call backward() first.")
-            weight_view = weight_grad.reshape(k, g, -1)
-            columns = weight_view.shape[-1]
-            pairs.append((raw[index, :, :, :columns], weight_view))
-            bias = helper.bias()
-            if bias is not None:
-                if bias.grad is None:
-                    raise RuntimeError(f"{helper.describe()} has no bias gradient.")
-                pairs.append((raw[index, :, :, columns], bias.grad.reshape(k, g)))
-        return raw, pairs
-
     def gather(self) -> torch.Tensor:
         """The members' gradients ``(n, k, g, a)`` in the decompositions' dtype."""
         return gather([self])[0]
@@ -370,14 +347,10 @@ def precondition_adam(
 
 
 def gather(groups: Sequence[ShapeGroup]) -> list[torch.Tensor]:
-    """Each group's gradients ``(n, k, g, a)`` (``ShapeGroup.gather``), copied in together."""
-    raws, pairs = [], []
-    for group in groups:
-        raw, more = group.gather_pairs()
-        raws.append(raw)
-        pairs += more
-    copy_all(pairs)
-    return raws
+    """Each group's gradients ``(n, k, g, a)`` (``ShapeGroup.gather``), copied in together
+    (a ``GradientLayout`` worked out for this call: for timing the products, not for a step,
+    which keeps its layouts)."""
+    return GradientLayout(groups).gather().raws if groups else []
 
 
 def shape_groups(layers: Sequence[KFACLayer]) -> list[ShapeGroup]:

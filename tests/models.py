@@ -27,3 +27,24 @@ def repeated_shapes(device: str = "cpu") -> nn.Sequential:
         nn.Tanh(),
         nn.Linear(12, 5),
     ).to(device)
+
+
+def grouped_and_odd() -> nn.Sequential:
+    """Grouped convolutions with biases (two of one shape), a channels-last one, and layers
+    whose gradients are no multiple of the flat buffers' alignment (input 2×6×6, five
+    classes, as ``repeated_shapes``)."""
+    torch.manual_seed(1)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.Conv2d(4, 6, 3, padding=1, groups=2),
+        nn.ReLU(),
+        nn.Conv2d(6, 6, 3, padding=1, groups=2),
+        nn.ReLU(),
+        nn.Conv2d(6, 6, 1, groups=3, bias=False).to(memory_format=torch.channels_last),
+        nn.Flatten(),
+        nn.Linear(6 * 6 * 6, 7),
+        nn.Tanh(),
+        nn.Linear(7, 7),
+        nn.Tanh(),
+        nn.Linear(7, 5),
+    )

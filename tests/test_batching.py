@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 import torch.nn.functional as F
-from models import repeated_shapes
+from models import grouped_and_odd, repeated_shapes
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -64,26 +64,6 @@ def test_batched_steps_equal_the_layer_by_layer_path(options: dict[str, Any]) ->
     for a, b in zip(batched_model.parameters(), alone_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert batched.memory_usage() == alone.memory_usage()
-
-
-def grouped_and_odd() -> nn.Sequential:
-    """Grouped convolutions with biases (two of one shape), a channels-last one, and layers
-    whose gradients are no multiple of the flat buffers' alignment."""
-    torch.manual_seed(1)
-    return nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1),
-        nn.Conv2d(4, 6, 3, padding=1, groups=2),
-        nn.ReLU(),
-        nn.Conv2d(6, 6, 3, padding=1, groups=2),
-        nn.ReLU(),
-        nn.Conv2d(6, 6, 1, groups=3, bias=False).to(memory_format=torch.channels_last),
-        nn.Flatten(),
-        nn.Linear(6 * 6 * 6, 7),
-        nn.Tanh(),
-        nn.Linear(7, 7),
-        nn.Tanh(),
-        nn.Linear(7, 5),
-    )
 
 
 @pytest.mark.parametrize("kl_clip", [None, 0.001])
