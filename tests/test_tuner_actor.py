@@ -7,10 +7,10 @@ import pytest
 import torch
 from test_tuner_cost import EVEN, MIB, profile
 
+from kaisa_ray.train.auto_choice import candidate_rows
 from kaisa_ray.train.models import MLP, LeNetCNN
 from kaisa_ray.train.records import KFACChoice, TunerRecord
 from kaisa_ray.train.tables import decision_line, tuning_table
-from kaisa_ray.train.tuning import candidate_rows
 from tuner.actor import TunerState, profile_key
 from tuner.cost import NoFeasibleCandidateError, choose
 

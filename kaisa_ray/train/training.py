@@ -80,7 +80,7 @@ class Training:
         tuning = None
         if kfac is not None and kfac.auto:
             if decided is None:
-                from kaisa_ray.train.tuning import choose_in_workers  # needs Ray
+                from kaisa_ray.train.auto_choice import choose_in_workers  # needs Ray
 
                 decided, tuning = choose_in_workers(
                     spec, kfac, net, optimizer, shard, device, precision

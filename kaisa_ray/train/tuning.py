@@ -1,16 +1,11 @@
-"""``kfac: auto`` in a job: the tuner's decision made on the job's own workers, and, from the
-driver, tuning without training (``kaisa-ray tune``), measuring candidates, and the
-verification trials of ``kfac.verify``.
+"""``kfac: auto`` from the driver: tuning without training (``kaisa-ray tune``), measuring
+candidates, and the verification trials of ``kfac.verify``. The decision in the workers is
+``kaisa_ray.train.auto_choice``.
 
-In the workers (``choose_in_workers``): every rank profiles the job (collectives), rank 0 asks
-the tuner actor to choose (``tuner.cost.choose``) and shares the answer, so every rank makes
-the same choice. The tuner caches profiles by ``profile_key``: when it has this job's, nobody
-profiles.
-
-From the driver: ``tune_job`` runs the job's workers in ``profile`` mode (they profile,
-decide and stop); with ``kfac.verify: K`` it measures the K best predicted candidates in Ray
-Tune trials (each a function trainable that fits a ``TorchTrainer`` in ``measure`` mode) and
-lets ``tuner.verify`` pick the winner.
+``tune_job`` runs the job's workers in ``profile`` mode (they profile, decide and stop); with
+``kfac.verify: K`` it measures the K best predicted candidates in Ray Tune trials (each a
+function trainable that fits a ``TorchTrainer`` in ``measure`` mode) and lets
+``tuner.verify`` pick the winner.
 """
 
 from __future__ import annotations
@@ -20,19 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import ray.exceptions
 import ray.tune
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from kaisa_ray.amp import MixedPrecision
 from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.train.auto_choice import kfac_choice
 from kaisa_ray.train.connection import seed_tuner
 from kaisa_ray.train.progress import read_progress
 from kaisa_ray.train.records import (
-    AdaptiveChoice,
     CandidateRow,
     KFACChoice,
     MeasuredRecord,
@@ -41,155 +30,14 @@ from kaisa_ray.train.records import (
     TunerRecord,
     parse_record,
 )
-from kaisa_ray.train.shard import Shard, distributed
 from kaisa_ray.train.spec import JobSpec, KFACSpec
 from kaisa_ray.train.storage import resolve_storage
 from kaisa_ray.train.trainer import build_trainer, ensure_ray, unique_run_name
 from kaisa_ray.train.worker_config import MeasureConfig, ProfileConfig
-from tuner.actor import profile_key, tuner_actor
-from tuner.cost import DEFAULT_INTERVALS, Candidate, Decision, NoFeasibleCandidateError, Profile
-from tuner.profile import profile_job
+from tuner.cost import Candidate, NoFeasibleCandidateError
 from tuner.verify import Measurement, shortlist, verified
 
-__all__ = [
-    "TuningOutcome",
-    "candidate_rows",
-    "choose_in_workers",
-    "measure_candidates",
-    "tune_job",
-]
-
-
-def _share(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (itself when not distributed)."""
-    if not distributed():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def candidate_rows(candidates: Any) -> list[CandidateRow]:
-    """The tuner's candidates as the ``tuner`` record's table (plain numbers, ms per step)."""
-    rows = []
-    for c in candidates:
-        row = CandidateRow(
-            grad_worker_fraction=c.grad_worker_fraction,
-            factor_update_steps=c.factor_update_steps,
-            inv_update_steps=c.inv_update_steps,
-            memory_bytes=c.memory_bytes,
-            kfac_state_bytes=c.kfac_state_bytes,
-            ms_per_step=1000 * c.step_s,
-            rejected=c.rejected,
-        )
-        rows.append(row)
-    return rows
-
-
-def _choice(candidate: Candidate, adaptive: AdaptiveChoice | None = None) -> KFACChoice:
-    return KFACChoice(
-        grad_worker_fraction=candidate.grad_worker_fraction,
-        factor_update_steps=candidate.factor_update_steps,
-        inv_update_steps=candidate.inv_update_steps,
-        adaptive=adaptive,
-    )
-
-
-def adaptive_choice(decision: Decision, target_angle: float) -> AdaptiveChoice | None:
-    """The decision's adaptive intervals as the tuner record carries them."""
-    plan = decision.adaptive
-    if plan is None:
-        return None
-    return AdaptiveChoice(
-        rungs=[tuple(rung) for rung in plan.rungs],  # type: ignore[misc]
-        start=plan.start,
-        target_angle=target_angle,
-        layer_costs={
-            name: (cost.factor_s, cost.decomposition_s) for name, cost in plan.layer_costs.items()
-        },
-        max_seconds=plan.max_seconds,
-    )
-
-
-def choose_in_workers(
-    spec: JobSpec,
-    kfac: KFACSpec,
-    net: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    shard: Shard,
-    device: torch.device,
-    precision: MixedPrecision,
-) -> tuple[KFACChoice, TunerRecord]:
-    """``kfac: auto`` on the job's workers (collective): profile unless the tuner has this
-    job's profile, then the tuner's choice, the same on every rank, and its record.
-
-    Raises:
-        NoFeasibleCandidateError: nothing fits the budget (on every rank).
-    """
-    curvature = {
-        **kfac.curvature(),
-        # Measuring staleness (adaptive intervals) holds sketches and temporaries: profiled.
-        "measure_staleness": kfac.adaptive or kfac.measure_staleness,
-    }
-    compute_method = curvature.pop("compute_method")
-    options = {"compute_method": compute_method, **curvature, "precision": spec.precision}
-    model = net.module if isinstance(net, DistributedDataParallel) else net
-    key = profile_key(model, shard.batch(1)[0], device, options)
-    rank = dist.get_rank() if distributed() else 0
-    tuner = tuner_actor() if rank == 0 else None
-    cached: Profile | None = _share(ray.get(tuner.lookup.remote(key)) if tuner else None)
-    seconds = 0.0
-    profile = cached
-    if profile is None:
-        result = profile_job(
-            net,
-            optimizer,
-            lambda i: shard.batch(i + 1),
-            nn.functional.cross_entropy,
-            device,
-            compute_method=compute_method,
-            kfac_options=curvature,
-            precision=precision,
-        )
-        profile, seconds = result.profile, result.seconds
-    budget = int(spec.memory_budget) if spec.memory_budget is not None else None
-    outcome: Decision | ConfigurationError | None = None
-    if tuner is not None:
-        call = tuner.decide.remote(
-            key,
-            None if cached is not None else profile,
-            budget,
-            kfac.max_overhead,
-            kfac.ladder() or DEFAULT_INTERVALS,
-            kfac.adaptive,
-        )
-        try:
-            outcome = ray.get(call)
-        except ray.exceptions.RayTaskError as error:
-            if not isinstance(error.cause, ConfigurationError):
-                raise
-            outcome = error.cause  # the tuner's own error (it pickles): shared, then raised
-    outcome = _share(outcome)
-    if isinstance(outcome, ConfigurationError):
-        raise outcome
-    if not isinstance(outcome, Decision):
-        raise TypeError(f"the tuner answered {type(outcome).__name__}, not a Decision")
-    chosen = _choice(outcome.chosen, adaptive_choice(outcome, kfac.staleness_target))
-    record = TunerRecord(
-        how=outcome.how,
-        cache="hit" if cached is not None else "miss",
-        profile_s=seconds,
-        budget_bytes=budget,
-        base_memory_bytes=profile.base_memory_bytes,
-        kfac_transient_bytes=profile.kfac_transient_bytes,
-        plain_ms_per_step=1000 * profile.step_s,
-        chosen=chosen,
-        candidates=candidate_rows(outcome.candidates),
-    )
-    return chosen, record
-
-
-# -- from the driver ------------------------------------------------------------------------
+__all__ = ["TuningOutcome", "measure_candidates", "tune_job"]
 
 
 class TuningOutcome:
@@ -325,7 +173,7 @@ def _verify(
         raise ConfigurationError("verifying a K-FAC strategy needs a job with kfac on")
     began = time.perf_counter()
     predicted = [_candidate(row) for row in record.candidates]
-    chosen = [_choice(c) for c in shortlist(predicted, kfac.verify)]
+    chosen = [kfac_choice(c) for c in shortlist(predicted, kfac.verify)]
     tuner = ray.tune.Tuner(
         # The trial only waits on its TorchTrainer, whose workers hold the CPUs: it takes none
         # (Tune refuses an empty bundle; a MiB of logical memory makes it non-empty).
@@ -378,7 +226,7 @@ def _verify(
             "how": decision.how,
             "verify_s": time.perf_counter() - began,
             "predicted_choice": record.chosen,
-            "chosen": _choice(decision.chosen),
+            "chosen": kfac_choice(decision.chosen),
             "candidates": rows,
         }
     )
