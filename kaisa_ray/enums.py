@@ -103,6 +103,52 @@ class Scaling(enum.StrEnum):
     ADAM_EIGENBASIS = "adam-eigenbasis"
 
 
+class EvalMetric(enum.StrEnum):
+    """What an evaluation measures (the eval record's fields, a stop target's metric)."""
+
+    TEST_ACCURACY = "test_accuracy"
+    TEST_LOSS = "test_loss"
+
+
+class UpdateMode(enum.StrEnum):
+    """What moves the parameters: the optimizer, from the preconditioned gradients, or K-FAC
+    itself (``QuadraticModelStep``: the step from the damped quadratic model)."""
+
+    OPTIMIZER = "optimizer"
+    QUADRATIC_MODEL = "quadratic-model"
+
+
+class OptimizerName(enum.StrEnum):
+    """The optimizers a job names (``optimizer.name``): SGD, Adam and AdamW from torch; SOAP,
+    Muon and PSGD Kron, the peers that precondition the gradient themselves (heavyball, the
+    ``peers`` extra); and LAMB, which a plan prices (BERT-Large's optimizer in KAISA) but no
+    job here trains with."""
+
+    SGD = "sgd"
+    ADAM = "adam"
+    ADAMW = "adamw"
+    SOAP = "soap"
+    MUON = "muon"
+    PSGD_KRON = "psgd-kron"
+    LAMB = "lamb"
+
+    @property
+    def peer(self) -> bool:
+        """A peer from heavyball, run with ``kfac: off``."""
+        return self in (OptimizerName.SOAP, OptimizerName.MUON, OptimizerName.PSGD_KRON)
+
+    @property
+    def trainable(self) -> bool:
+        """A job can train with it (LAMB is priced only)."""
+        return self is not OptimizerName.LAMB
+
+    @property
+    def state_tensors(self) -> int:
+        """Parameter-sized float32 tensors of optimizer state, as the plan counts them: SGD's
+        momentum, else two moments."""
+        return 1 if self is OptimizerName.SGD else 2
+
+
 class Precision(enum.StrEnum):
     """The dtype the forward pass computes in: float32, or autocast to bfloat16/float16."""
 

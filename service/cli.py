@@ -19,6 +19,7 @@ from typing import Any
 
 import click
 
+from kaisa_ray.enums import EvalMetric
 from service.client import ServiceClient, ServiceClientError
 from service.lifecycle import JobState
 
@@ -317,7 +318,7 @@ def _say_states(client: ServiceClient, job_id: str) -> None:
         state = JobState(shown)
         line = f"job {job_id}: {_progress_text(data)}"
         if state.finished:
-            accuracy = (data.get("metrics") or {}).get("test_accuracy")
+            accuracy = (data.get("metrics") or {}).get(EvalMetric.TEST_ACCURACY)
             if isinstance(accuracy, float):
                 line += f", test accuracy {accuracy:.4f}"
             if data.get("failure_reason"):
@@ -376,7 +377,7 @@ def submit(
     finally:
         client.close()
     metrics = final.get("metrics", {})
-    accuracy = metrics.get("test_accuracy")
+    accuracy = metrics.get(EvalMetric.TEST_ACCURACY)
     click.echo(
         f"job {final['id']} {final['state']} at step {final['progress']['step']}"
         + (f", test accuracy {accuracy:.4f}" if isinstance(accuracy, float) else "")
@@ -481,7 +482,7 @@ def jobs(states: tuple[str, ...], limit: int, url: str | None, token: str | None
                 job["state"],
                 done,
                 _number(metrics.get("loss")),
-                _number(metrics.get("test_accuracy")),
+                _number(metrics.get(EvalMetric.TEST_ACCURACY)),
                 str(strategy),
                 job["created_at"][:19].replace("T", " "),
             )

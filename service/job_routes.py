@@ -10,8 +10,8 @@ A module-level router: it reads the service's state and settings from the app
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import typing
 from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
@@ -21,10 +21,11 @@ from fastapi.security import HTTPBearer
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
-from kaisa_ray.enums import ComputeMethod, DistributedStrategy, KFACApprox, Precision
+from kaisa_ray.enums import ComputeMethod, DistributedStrategy, KFACApprox, OptimizerName, Precision
 from kaisa_ray.train.records import TRIAL_METRICS, RecordKind, SweepMetric, TrialState
+from kaisa_ray.train.reference import STARTER, field_defaults
 from kaisa_ray.train.registry import dataset_names, model_names
-from kaisa_ray.train.spec import AUTO, JobSpec, OptimizerSpec
+from kaisa_ray.train.spec import AUTO, JobSpec
 from service import limits
 from service.errors import JobNotFoundError, RayUnavailableError
 from service.hub import EVERY_JOB
@@ -75,7 +76,7 @@ def registry_now() -> Registry:
     return Registry(
         models=model_names(),
         datasets=dataset_names(),
-        optimizers=list(typing.get_args(OptimizerSpec.model_fields["name"].annotation)),
+        optimizers=[name for name in OptimizerName if name.trainable],
         strategies=[*DistributedStrategy, AUTO],
         compute_methods=list(ComputeMethod),
         kfac_approximations=list(KFACApprox),
@@ -90,7 +91,12 @@ def registry_now() -> Registry:
         trial_metrics=list(TRIAL_METRICS),
         record_kinds=list(RecordKind),
         events={kind: name for kind, name in EVENT_OF.items()},
+        defaults=_DEFAULTS(),
+        starter=STARTER,
     )
+
+
+_DEFAULTS = functools.cache(field_defaults)
 
 
 @router.post(

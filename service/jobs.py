@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kaisa_ray.enums import EvalMetric
 from kaisa_ray.train.records import (
     CheckpointRecord,
     EvalRecord,
@@ -47,7 +48,7 @@ from service.sweeps import merge as merge_sweep
 logger = logging.getLogger(__name__)
 
 STEP_FIELDS = ("loss", "accuracy", "lr", "samples_per_s", "ms_per_step", "kfac_ms_per_step")
-EVAL_FIELDS = ("test_loss", "test_accuracy")
+EVAL_FIELDS = (EvalMetric.TEST_LOSS, EvalMetric.TEST_ACCURACY)
 EVENT_OF = {
     RecordKind.STEP: "progress",
     RecordKind.EVAL: "eval",

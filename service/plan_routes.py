@@ -14,14 +14,14 @@ each for at most ``--plan-timeout-s`` (504), ended when its client goes, bounded
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
+from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Precision
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.planning import (
     PlanRequest,
@@ -64,7 +64,7 @@ class PlanBody(BaseModel):
     precision: Precision | None = None
     kfac_approx: KFACApprox | None = None
     compute_method: ComputeMethod | None = None
-    optimizer: Literal["sgd", "adam", "adamw", "lamb"] | None = None
+    optimizer: OptimizerName | None = None
     accumulation_steps: Annotated[int, Field(ge=1, le=65536)] = 1
     seq_len: Annotated[int, Field(ge=1, le=65536)] | None = None
     skip_layers: Annotated[list[str], Field(max_length=64)] | None = None

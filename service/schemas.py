@@ -211,6 +211,14 @@ class Registry(BaseModel):
     events: dict[str, str] = Field(
         description="the server-sent event each record kind is streamed as (others are not)"
     )
+    defaults: dict[str, Any] = Field(
+        description="the JobSpec's default of every field that has one, by dotted name "
+        "(optimizer.lr): what a form starts from"
+    )
+    starter: dict[str, Any] = Field(
+        description="a value for each field a new job must give that has no default (its "
+        "name, its steps): an example for a form, never applied to a spec"
+    )
 
 
 class ErrorBody(BaseModel):

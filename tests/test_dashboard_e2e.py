@@ -187,6 +187,27 @@ def watch(
     assert values("model.name") == registry["models"]
     assert values("optimizer.name") == registry["optimizers"]
     assert values("kfac.strategy") == [*registry["strategies"], "off"]
+    # Every field starts at the JobSpec's default as the registry states it (the scripts
+    # hold none: tests/test_definitions.py), or at its example where a job must give one.
+    starts = {**registry["starter"], **registry["defaults"]}
+    for name in (
+        "name",
+        "dataset.batch_size",
+        "optimizer.lr",
+        "kfac.damping",
+        "kfac.inv_update_steps",
+        "scaling.workers",
+        "stop.max_steps",
+        "eval_every",
+    ):
+        shown = form.find_element(By.NAME, name).get_attribute("value")
+        assert shown == str(starts[name]), (name, shown)  # fmt: skip
+    assert (
+        Select(form.find_element(By.NAME, "kfac.strategy")).first_selected_option.get_attribute(
+            "value"
+        )
+        == registry["defaults"]["kfac.strategy"]
+    )
 
     def fill(name: str, value: str) -> None:
         field = form.find_element(By.NAME, name)

@@ -19,10 +19,24 @@ from pathlib import Path
 
 import pytest
 
-from kaisa_ray.enums import ComputeMethod, DistributedStrategy, KFACApprox, Precision
+from kaisa_ray.enums import (
+    ComputeMethod,
+    DistributedStrategy,
+    KFACApprox,
+    OptimizerName,
+    Precision,
+    UpdateMode,
+)
 from kaisa_ray.timing import PHASES
 from kaisa_ray.train import records
-from kaisa_ray.train.records import PHASE_FIELDS, Direction, RecordKind, StepRecord, TrialState
+from kaisa_ray.train.records import (
+    PHASE_FIELDS,
+    Direction,
+    EvalMetric,
+    RecordKind,
+    StepRecord,
+    TrialState,
+)
 from service.lifecycle import JobState
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +54,9 @@ CLOSED_SETS: list[type[enum.Enum]] = [
     KFACApprox,
     Precision,
     Direction,
+    OptimizerName,
+    UpdateMode,
+    EvalMetric,
 ]
 RECORDS = ROOT / "kaisa_ray" / "train" / "records.py"
 
@@ -85,6 +102,12 @@ def enum_members(path: Path) -> set[str]:
     return values
 
 
+# Members that are also another vocabulary's word, written as that word elsewhere.
+ALSO_ANOTHER_WORD = {
+    UpdateMode.OPTIMIZER: "the JobSpec's optimizer section, a key of specs and checkpoints",
+}
+
+
 @pytest.mark.parametrize("closed", CLOSED_SETS, ids=lambda e: e.__name__)
 def test_each_member_of_a_closed_set_is_written_in_its_enum_s_module_only(
     closed: type[enum.Enum],
@@ -92,6 +115,8 @@ def test_each_member_of_a_closed_set_is_written_in_its_enum_s_module_only(
     constants = {path: string_constants(path) for path in SOURCES}
     defines = {path: enum_members(path) for path in SOURCES}
     for member in closed:
+        if member in ALSO_ANOTHER_WORD:
+            continue
         value = str(member.value)
         written = {path for path, found in constants.items() if value in found}
         defining = {path for path in written if value in defines[path]}
@@ -207,3 +232,77 @@ def test_the_dashboard_keeps_no_copy_of_a_closed_set(closed: type[enum.Enum]) ->
         strings = {match.group(2) for match in JS_STRING.finditer(script.read_text())}
         copied = sorted(strings & {str(m.value) for m in closed})
         assert not copied, f"{script.name} writes {copied} of {closed.__name__}: read /v1/registry"
+
+
+FORM = ROOT / "service" / "static" / "js" / "form.js"
+# A form input and the value it starts with: number("name", value, ...), text(...), or
+# select("name", options, value).
+VALUE = r"""(initial\("[^"]*"\)|[^,)]+)"""
+FORM_INPUT = re.compile(
+    rf"""\b(number|text)\("([\w.]+)",\s*{VALUE}|\bselect\("([\w.]+)",\s*[^,]+,\s*{VALUE}"""
+)
+
+
+def form_initial_values(script: str) -> dict[str, str]:
+    """Each input of the form by its field, and the expression it starts from."""
+    found = {}
+    for match in FORM_INPUT.finditer(script):
+        if match[1]:
+            found[match[2]] = match[3].strip()
+        else:
+            found[match[4]] = match[5].strip()
+    return found
+
+
+# The model and the dataset have no default (a job must name them): the form prefers these
+# from the registry's lists.
+PREFERRED = {"model.name", "dataset.name"}
+
+
+def test_every_field_of_the_form_starts_from_what_the_service_says() -> None:
+    """Defaults from ``GET /v1/registry`` (the JobSpec's own, and the service's example where
+    a job must give a value), none written in the dashboard's scripts."""
+    initial = form_initial_values(FORM.read_text())
+    assert {"optimizer.lr", "kfac.damping", "dataset.batch_size", "name"} <= set(initial)
+    for field, expression in initial.items():
+        if field in PREFERRED:
+            continue
+        assert expression == f'initial("{field}")', f"{field} starts from {expression}"
+
+
+def test_the_check_sees_a_default_written_in_the_form() -> None:
+    """The form as it was: its defaults written by hand."""
+    old = (
+        'number("optimizer.lr", 0.05)\n'
+        'number("kfac.inv_update_steps", 50, { step: 1 })\n'
+        'text("memory_budget", "2GiB"),\n'
+        'select("kfac.strategy", strategies, sets.strategies[0])\n'
+    )
+    assert form_initial_values(old) == {
+        "optimizer.lr": "0.05",
+        "kfac.inv_update_steps": "50",
+        "memory_budget": '"2GiB"',
+        "kfac.strategy": "sets.strategies[0]",
+    }
+
+
+def test_the_registry_states_the_job_spec_s_defaults() -> None:
+    from kaisa_ray.train.reference import STARTER, field_defaults
+    from kaisa_ray.train.spec import KFACSpec, OptimizerSpec, parse_job_spec
+
+    defaults = field_defaults()
+    assert defaults["optimizer.lr"] == OptimizerSpec().lr
+    assert defaults["kfac.damping"] == KFACSpec().damping
+    assert defaults["kfac.strategy"] == KFACSpec().strategy
+    assert "stop.max_steps" not in defaults  # no default: the starter's example
+    # The starter's values with the defaults make a valid job (the form submits as it is).
+    spec: dict[str, typing.Any] = {"model": {"name": "lenet"}, "dataset": {"name": "synthetic"}}
+    for field, value in {**defaults, **STARTER}.items():
+        if field.startswith(("sweep.", "stop.target.")):  # optional sections, off
+            continue
+        node = spec
+        *sections, leaf = field.split(".")
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
+    assert parse_job_spec(spec).optimizer.lr == OptimizerSpec().lr

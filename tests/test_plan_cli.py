@@ -207,6 +207,12 @@ def test_a_job_file_is_planned_with_its_own_settings(tmp_path: Path) -> None:
             1,
             "model 'resnet50' does not take these params",
         ),
+        (
+            ["--model", "resnet50", "--workers", "8", "--batch", "32", "--optimizer", "soap"],
+            1,
+            "optimizer soap preconditions the gradient itself and runs with kfac: off, so there "
+            "is no K-FAC to plan; name one of sgd, adam, adamw, lamb",
+        ),
     ],
 )
 def test_bad_input_is_named(args: list[str], code: int, message: str) -> None:

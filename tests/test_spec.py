@@ -156,6 +156,15 @@ def test_stop_needs_exactly_one_limit() -> None:
         parse_job_spec(with_(stop={"max_steps": 10, "max_epochs": 1}))
 
 
+def test_an_optimizer_only_a_plan_prices_is_refused_naming_those_a_job_trains_with() -> None:
+    with pytest.raises(JobSpecError) as refused:
+        parse_job_spec(with_(optimizer={"name": "lamb"}))
+    assert (
+        "optimizer.name: optimizer lamb is priced by kaisa-ray plan but no job here trains with "
+        "it: name one of sgd, adam, adamw, soap, muon, psgd-kron (adamw is the closest)"
+    ) in str(refused.value)
+
+
 def test_files_that_are_not_specs_are_refused(tmp_path: Path) -> None:
     with pytest.raises(JobSpecError, match=r"does not exist"):
         load_job_spec(tmp_path / "missing.yaml")

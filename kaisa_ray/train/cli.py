@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from kaisa_ray.enums import KFACApprox
+from kaisa_ray.enums import EvalMetric, KFACApprox
 from kaisa_ray.train.connection import cluster_address, ensure_ray, release_ray
 from kaisa_ray.train.datasets import DatasetNotFoundError, IDXFormatError
 from kaisa_ray.train.example import run_example
@@ -162,7 +162,7 @@ def example(
         raise click.ClickException(str(err)) from err
     final = history[-1]
     click.echo(
-        f"{'K-FAC' if kfac else 'SGD'}: final test accuracy {final['test_accuracy']:.4f} "
+        f"{'K-FAC' if kfac else 'SGD'}: final test accuracy {final[EvalMetric.TEST_ACCURACY]:.4f} "
         f"after {final['step']} steps in {final['elapsed_s']:.1f} s"
     )
 
@@ -330,7 +330,7 @@ def train(
     if not result.succeeded:
         raise click.ClickException(f"run {result.run_name} failed: {result.error}")
     metrics = result.metrics
-    accuracy = metrics.get("test_accuracy")
+    accuracy = metrics.get(EvalMetric.TEST_ACCURACY)
     click.echo(
         f"run {result.run_name} finished at step {metrics.get('step')}"
         + (f", test accuracy {accuracy:.4f}" if accuracy is not None else "")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kaisa_ray.enums import DistributedStrategy, KFACApprox
+from kaisa_ray.enums import DistributedStrategy, EvalMetric, KFACApprox, OptimizerName
 from kaisa_ray.train.follow import Follower
 from kaisa_ray.train.records import EvalRecord, Record, StepRecord
 from kaisa_ray.train.session import LocalSession
@@ -110,7 +110,12 @@ def run_example(
             "name": "example",
             "model": {"name": "lenet"},
             "dataset": dataset,
-            "optimizer": {"name": "sgd", "lr": lr, "momentum": momentum, "nesterov": True},
+            "optimizer": {
+                "name": OptimizerName.SGD,
+                "lr": lr,
+                "momentum": momentum,
+                "nesterov": True,
+            },
             "kfac": {
                 "strategy": DistributedStrategy.COMM_OPT,
                 "factor_update_steps": factor_update_steps,
@@ -147,7 +152,7 @@ def run_example(
                 {
                     "step": record.step,
                     "loss": losses.get(record.step),
-                    "test_accuracy": record.test_accuracy,
+                    EvalMetric.TEST_ACCURACY: record.test_accuracy,
                     "elapsed_s": record.elapsed_s,
                 }
             )

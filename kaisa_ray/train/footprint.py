@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import ByteSize
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision, Scaling
+from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Precision, Scaling
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import plan
 from kaisa_ray.train.shapes import build_on_meta, workload
@@ -74,7 +74,7 @@ def footprint(
     *,
     batch_size: int,
     precision: str = Precision.FP32,
-    optimizer: str = "sgd",
+    optimizer: str = OptimizerName.SGD,
     kfac: bool = True,
     kfac_approx: str = KFACApprox.REDUCE,
     compute_method: str = ComputeMethod.INVERSE,
@@ -127,7 +127,7 @@ def _parameters_only(
     except ValueError as err:
         raise ConfigurationError(f"model {model!r} cannot be built: {err}") from err
     parameters = sum(p.numel() for p in built.parameters())
-    states = 1 if optimizer == "sgd" else 2
+    states = OptimizerName(optimizer).state_tensors
     return Footprint(
         model=model,
         batch_size=batch_size,

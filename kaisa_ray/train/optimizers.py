@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kaisa_ray.enums import OptimizerName
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.intervals import AdaptiveIntervals
 from kaisa_ray.preconditioner import KFACPreconditioner
@@ -24,7 +25,7 @@ __all__ = ["build_optimizer", "build_preconditioner", "lr_factor"]
 
 def build_optimizer(spec: OptimizerSpec, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer a job asks for."""
-    if spec.name == "sgd":
+    if spec.name is OptimizerName.SGD:
         return torch.optim.SGD(
             params,
             lr=spec.lr,
@@ -32,14 +33,18 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[nn.Parameter]) -> torc
             nesterov=spec.nesterov and spec.momentum > 0,
             weight_decay=spec.weight_decay,
         )
-    if spec.name == "adam":
+    if spec.name is OptimizerName.ADAM:
         return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
     if spec.name in PEERS:
         return _peer(spec, params)
     return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
 
 
-PEERS = {"soap": "SOAP", "muon": "MuonAdamW", "psgd-kron": "PSGDKron"}
+PEERS = {
+    OptimizerName.SOAP: "SOAP",
+    OptimizerName.MUON: "MuonAdamW",
+    OptimizerName.PSGD_KRON: "PSGDKron",
+}
 """heavyball's class for each peer optimizer name (``spec.PEER_OPTIMIZERS``)."""
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import click
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
+from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Precision
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.cli import _job
 from kaisa_ray.train.planning import (
@@ -233,7 +233,9 @@ def _params(pairs: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--precision", type=click.Choice([m.value for m in Precision]), default=None)
 @click.option("--kfac-approx", type=click.Choice([m.value for m in KFACApprox]), default=None)
 @click.option("--compute-method", type=click.Choice([m.value for m in ComputeMethod]), default=None)
-@click.option("--optimizer", type=click.Choice(["sgd", "adam", "adamw", "lamb"]), default=None)
+@click.option(
+    "--optimizer", type=click.Choice([name.value for name in OptimizerName]), default=None
+)
 @click.option("--accumulation", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Language models.")
 @click.option("--param", "params", multiple=True, help="Model parameter name=value.")

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision, Scaling
+from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Precision, Scaling
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import Plan, plan
 from kaisa_ray.strategy import valid_fractions
@@ -124,7 +124,7 @@ class PlanRequest:
     compute_method: str = ComputeMethod.EIGEN
     scaling: str = Scaling.KRONECKER
     skip_layers: tuple[str, ...] | None = None  # None: the model's default (KAISA's)
-    optimizer: str = "sgd"
+    optimizer: str = OptimizerName.SGD
     accumulation_steps: int = 1
     gpus_per_node: int | None = None  # None: the hardware's
     spec_strategy: float | str | None = None  # a JobSpec's own choice, marked in the report
@@ -139,6 +139,12 @@ class PlanRequest:
             problems.append(f"accumulation_steps={self.accumulation_steps} must be at least 1")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             problems.append(f"gpus_per_node={self.gpus_per_node} must be at least 1")
+        if OptimizerName(self.optimizer).peer:
+            planned = ", ".join(n for n in OptimizerName if not n.peer)
+            problems.append(
+                f"optimizer {self.optimizer} preconditions the gradient itself and runs with "
+                f"kfac: off, so there is no K-FAC to plan; name one of {planned}"
+            )
         for budget in self.budgets:
             if budget <= 0:
                 problems.append(f"budget {budget} must be a positive number of bytes")

@@ -27,6 +27,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from kaisa_ray.enums import EvalMetric
+
 __all__ = [
     "PHASE_FIELDS",
     "TRIAL_METRICS",
@@ -103,8 +105,8 @@ class Direction(enum.StrEnum):
 class SweepMetric(enum.StrEnum):
     """What ranks a sweep's trials."""
 
-    TEST_ACCURACY = "test_accuracy"  # the final test accuracy
-    TEST_LOSS = "test_loss"  # the final test loss
+    TEST_ACCURACY = EvalMetric.TEST_ACCURACY.value  # the final test accuracy
+    TEST_LOSS = EvalMetric.TEST_LOSS.value  # the final test loss
     TIME_TO_TARGET = "time_to_target"  # training seconds until stop.target was met
 
     @property
@@ -126,7 +128,7 @@ class SweepMetric(enum.StrEnum):
         return "time_to_target_s" if self is SweepMetric.TIME_TO_TARGET else self.value
 
 
-TRIAL_METRICS = ("test_accuracy", "test_loss", "train_s", "time_to_target_s")
+TRIAL_METRICS = (EvalMetric.TEST_ACCURACY, EvalMetric.TEST_LOSS, "train_s", "time_to_target_s")
 """What a trial's evaluations report (``TrialRecord``'s metric fields)."""
 
 PHASE_FIELDS = (

@@ -119,7 +119,7 @@ def _rows(
         sample = example.get(name) if isinstance(example, dict) else None
         inner = _section(field, defs)
         description = " ".join(
-            str(shown.get("description") or field.get("description") or "").split()
+            str(field.get("description") or shown.get("description") or "").split()
         )
         key = path.replace("sweep.space.<field>", "sweep.space.*")
         reason = LIMITS.get(key)
@@ -138,6 +138,30 @@ def _rows(
             nested = f"{path}.<field>." if inner.get("_map") else f"{path}."
             rows += _rows(inner, defs, nested, sample if isinstance(sample, dict) else None)
     return rows
+
+
+STARTER = {"name": "my-kfac-job", "stop.max_steps": 1000}
+"""What a new job's form starts from where the JobSpec has no default (its name and its
+length are the user's to give): an example, never applied to a spec."""
+
+
+def field_defaults() -> dict[str, Any]:
+    """The JobSpec's default of every field that has one (not null), by dotted name
+    (``optimizer.lr``), read from its JSON schema: what a client pre-fills a form with."""
+    schema = JobSpec.model_json_schema()
+    defs = schema.get("$defs", {})
+    found: dict[str, Any] = {}
+
+    def walk(section: dict[str, Any], prefix: str) -> None:
+        for name, field in section.get("properties", {}).items():
+            inner = _section(field, defs)
+            if inner is not None and not inner.get("_map"):
+                walk(inner, f"{prefix}{name}.")
+            elif field.get("default") is not None:
+                found[f"{prefix}{name}"] = field["default"]
+
+    walk(schema, "")
+    return found
 
 
 def render() -> str:

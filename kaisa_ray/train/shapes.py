@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision, Scaling
+from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Precision, Scaling
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.registration import discover
 from kaisa_ray.train.registry import model_factory
@@ -123,7 +123,7 @@ def workload(
     precision: str = Precision.FP32,
     kfac_approx: str = KFACApprox.EXPAND,
     skip_layers: Iterable[str] | None = None,
-    optimizer: str = "sgd",
+    optimizer: str = OptimizerName.SGD,
     compute_method: str = ComputeMethod.EIGEN,
     scaling: str = Scaling.KRONECKER,
 ) -> Workload:
@@ -214,7 +214,7 @@ def workload(
         parameters=sum(p.numel() for p in model.parameters()),
         activation_bytes=activations,
         forward_flops=float(flops.get_total_flops()),
-        optimizer_states=1 if optimizer == "sgd" else 2,
+        optimizer_states=OptimizerName(optimizer).state_tensors,
         compute_method=compute_method,
         scaling=scaling,
     )

@@ -33,6 +33,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ByteSize,
     ConfigDict,
@@ -47,12 +48,15 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from kaisa_ray.enums import (
     ComputeMethod,
     DistributedStrategy,
+    EvalMetric,
     FactorScale,
     KFACApprox,
     MatmulPrecision,
+    OptimizerName,
     Precision,
     RunningAverage,
     Scaling,
+    UpdateMode,
 )
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.intervals import DEFAULT_TARGET_ANGLE, check_rungs
@@ -294,15 +298,35 @@ class ScheduleSpec(_Strict):
     gamma: Annotated[float, Field(gt=0, le=1)] = 0.1
 
 
-PEER_OPTIMIZERS = ("soap", "muon", "psgd-kron")
+PEER_OPTIMIZERS = tuple(name for name in OptimizerName if name.peer)
 """Optimizers that precondition the gradient themselves, from heavyball (the ``peers``
 extra), for comparing K-FAC with what a user would try instead: SOAP, Muon (with AdamW for
 the parameters of fewer than 2 dimensions) and PSGD Kron, at heavyball's defaults but
 ``lr`` and ``weight_decay``. They run with ``kfac: off``."""
 
 
+def _trained_here(name: OptimizerName) -> OptimizerName:
+    if not name.trainable:
+        trainable = ", ".join(n for n in OptimizerName if n.trainable)
+        raise ValueError(
+            f"optimizer {name} is priced by kaisa-ray plan but no job here trains with it: "
+            f"name one of {trainable} (adamw is the closest)"
+        )
+    return name
+
+
 class OptimizerSpec(_Strict):
-    name: Literal["sgd", "adam", "adamw", "soap", "muon", "psgd-kron"] = "sgd"
+    name: Annotated[
+        OptimizerName,
+        AfterValidator(_trained_here),
+        Field(
+            description=(
+                "``sgd``, ``adam`` or ``adamw``, from torch, preconditioned by K-FAC; "
+                "``soap``, ``muon`` or ``psgd-kron``, the peers, with ``kfac: off`` (the "
+                "``peers`` extra); ``lamb`` is for ``kaisa-ray plan`` only (no job trains with it)."
+            )
+        ),
+    ] = OptimizerName.SGD
     lr: Annotated[float, Field(gt=0, le=1e4)] = 0.05
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
     nesterov: bool = True
@@ -375,7 +399,7 @@ class KFACSpec(_Strict):
     ] = Scaling.KRONECKER
     # K-FAC's own step: kaisa_ray.quadratic.QuadraticModelStep.
     update: Annotated[
-        Literal["optimizer", "quadratic-model"],
+        UpdateMode,
         Field(
             description=(
                 "What moves the parameters. ``optimizer``: the optimizer, from the "
@@ -390,7 +414,7 @@ class KFACSpec(_Strict):
                 "``kl_clip`` defaults to null; fp32 only."
             )
         ),
-    ] = "optimizer"
+    ] = UpdateMode.OPTIMIZER
     min_damping: Annotated[
         float,
         Field(
@@ -475,12 +499,12 @@ class KFACSpec(_Strict):
     @property
     def quadratic_model(self) -> bool:
         """K-FAC takes the step itself (``update: quadratic-model``)."""
-        return self.update == "quadratic-model"
+        return self.update is UpdateMode.QUADRATIC_MODEL
 
     @model_validator(mode="before")
     @classmethod
     def _quadratic_model_default_clip(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("update") == "quadratic-model":
+        if isinstance(data, dict) and data.get("update") == UpdateMode.QUADRATIC_MODEL:
             return {"kl_clip": None, **data}  # the model chooses the step's length
         if isinstance(data, dict) and data.get("scaling") == Scaling.ADAM_EIGENBASIS:
             return {"kl_clip": None, **data}  # Adam's direction has its own scale
@@ -587,12 +611,12 @@ class ScalingSpec(_Strict):
 
 
 class TargetSpec(_Strict):
-    metric: Literal["test_accuracy", "test_loss"] = "test_accuracy"
+    metric: EvalMetric = EvalMetric.TEST_ACCURACY
     value: Annotated[float, Field(ge=0, le=1e6)]
 
     @model_validator(mode="after")
     def _in_range(self) -> TargetSpec:
-        if self.metric == "test_accuracy" and self.value > 1:
+        if self.metric is EvalMetric.TEST_ACCURACY and self.value > 1:
             raise ValueError(
                 f"a test_accuracy target of {self.value:g} is never met: accuracy is between 0 "
                 "and 1 (write 0.88 for 88%)"
@@ -765,8 +789,8 @@ class JobSpec(_Strict):
         if not (isinstance(self.kfac, KFACSpec) and self.kfac.scaling is Scaling.ADAM_EIGENBASIS):
             return self
         name, momentum = self.optimizer.name, self.optimizer.momentum
-        if name != "sgd" or momentum:
-            what = f"{name} with momentum {momentum:g}" if name == "sgd" else name
+        if name is not OptimizerName.SGD or momentum:
+            what = f"{name} with momentum {momentum:g}" if name is OptimizerName.SGD else name
             raise ValueError(
                 "kfac.scaling: adam-eigenbasis makes the preconditioned gradient Adam's "
                 f"direction, with its own moments; {what} would add moments of its own: set "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kaisa_ray.enums import EvalMetric
 from kaisa_ray.train.records import (
     AdaptiveChoice,
     CandidateRow,
@@ -190,7 +191,7 @@ def intervals_timeline(records: list[IntervalsRecord]) -> str:
 class TrialTable:
     """A sweep's trials as a text table, built from its ``trial`` records."""
 
-    COLUMNS = ("step", "test_accuracy", "test_loss", "train_s")
+    COLUMNS = ("step", EvalMetric.TEST_ACCURACY, EvalMetric.TEST_LOSS, "train_s")
 
     def __init__(self, paths: list[str]) -> None:
         self.paths = paths

@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from kaisa_ray.enums import EvalMetric
 from kaisa_ray.errors import ConfigurationError, KaisaRayError
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.quadratic import StepInfo
@@ -254,7 +255,7 @@ def _target_met(spec: JobSpec, test_loss: float, test_accuracy: float) -> bool:
     target = spec.stop.target
     if target is None:
         return False
-    if target.metric == "test_accuracy":
+    if target.metric is EvalMetric.TEST_ACCURACY:
         return test_accuracy >= target.value
     return test_loss <= target.value
 
@@ -358,8 +359,8 @@ def _loop(training: Training, session: Session, config: TrainConfig) -> None:
                 training.net, training.shard, training.device, precision=training.precision
             )
             test_loss, test_accuracy = last_eval
-            training.best["test_accuracy"] = max(
-                training.best.get("test_accuracy", 0.0), test_accuracy
+            training.best[EvalMetric.TEST_ACCURACY] = max(
+                training.best.get(EvalMetric.TEST_ACCURACY, 0.0), test_accuracy
             )
             if session.rank == 0:
                 session.push(
@@ -379,7 +380,7 @@ def _loop(training: Training, session: Session, config: TrainConfig) -> None:
             # "finished": the job met its stop condition ("done" is Ray Tune's own key).
             metrics: dict[str, Any] = {"step": step, "finished": done, "train_s": train_s}
             if last_eval is not None:
-                metrics["test_loss"], metrics["test_accuracy"] = last_eval
+                metrics[EvalMetric.TEST_LOSS], metrics[EvalMetric.TEST_ACCURACY] = last_eval
             if reached:
                 metrics["time_to_target_s"] = train_s
             keep = checkpoint_due and session.keeps_checkpoints
