@@ -45,7 +45,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tests"))
 from cli_process import ANY_OTHER, connected_to, own_heads_left, user_env  # noqa: E402
 from neighbours import neighbours  # noqa: E402
-from report import git_commit, machine, write_block  # noqa: E402
+from report import machine, write_block  # noqa: E402
 
 from kaisa_ray.train.records import TrialState  # noqa: E402
 
@@ -84,6 +84,9 @@ def run(timeout_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="shared-machine-sweep-") as tmp:
         where = Path(tmp)
         clone = fresh_clone(where)
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=clone, capture_output=True, text=True
+        ).stdout.strip()  # the code the sweep ran, whatever this checkout holds by the end
         env = user_env(where / "home")
         with neighbours(where / "neighbours", ROOT / "examples" / "quickstart.yaml") as (
             other,
@@ -110,7 +113,7 @@ def run(timeout_s: float) -> dict[str, Any]:
         summary = re.search(r"sweep (\S+): (\d+) trials in (\d+) s", done.stdout)
         result = {
             "date": datetime.date.today().isoformat(),
-            "commit": git_commit(),
+            "commit": commit,
             "machine": machine(),
             "load_before": load_before,
             "command": COMMAND,
