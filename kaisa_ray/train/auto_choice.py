@@ -95,11 +95,9 @@ def choose_in_workers(
     Raises:
         NoFeasibleCandidateError: nothing fits the budget (on every rank).
     """
-    curvature = {
-        **kfac.curvature(),
-        # Measuring staleness (adaptive intervals) holds sketches and temporaries: profiled.
-        "measure_staleness": kfac.adaptive or kfac.measure_staleness,
-    }
+    # The job's own preconditioner options (measuring staleness, for one, holds sketches and
+    # temporaries: profiled).
+    curvature = kfac.preconditioner_options()
     compute_method = curvature.pop("compute_method")
     options = {"compute_method": compute_method, **curvature, "precision": spec.precision}
     model = net.module if isinstance(net, DistributedDataParallel) else net

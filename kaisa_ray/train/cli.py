@@ -16,7 +16,7 @@ import click
 from kaisa_ray.enums import EvalMetric, KFACApprox
 from kaisa_ray.train.connection import cluster_address, ensure_ray, release_ray
 from kaisa_ray.train.datasets import DatasetNotFoundError, IDXFormatError
-from kaisa_ray.train.example import run_example
+from kaisa_ray.train.example import DEFAULTS, run_example
 
 if TYPE_CHECKING:
     from kaisa_ray.train.spec import JobSpec
@@ -35,7 +35,7 @@ __all__ = ["example", "job_options", "storage_option", "sweep", "train", "tune",
 @click.option(
     "--batch-size",
     type=click.IntRange(min=1),
-    default=128,
+    default=DEFAULTS["dataset.batch_size"],
     show_default=True,
     help="Training mini-batch size.",
 )
@@ -48,56 +48,56 @@ __all__ = ["example", "job_options", "storage_option", "sweep", "train", "tune",
 @click.option(
     "--factor-update-steps",
     type=click.IntRange(min=1),
-    default=5,
+    default=DEFAULTS["kfac.factor_update_steps"],
     show_default=True,
     help="K-FAC: steps between Kronecker factor updates.",
 )
 @click.option(
     "--inv-update-steps",
     type=click.IntRange(min=1),
-    default=50,
+    default=DEFAULTS["kfac.inv_update_steps"],
     show_default=True,
     help="K-FAC: steps between factor inverse updates.",
 )
 @click.option(
     "--damping",
     type=click.FloatRange(min=0, min_open=True),
-    default=0.1,
+    default=DEFAULTS["kfac.damping"],
     show_default=True,
     help="K-FAC: Tikhonov damping.",
 )
 @click.option(
     "--kfac-approx",
     type=click.Choice([m.value for m in KFACApprox]),
-    default=KFACApprox.REDUCE.value,
+    default=DEFAULTS["kfac.kfac_approx"],
     show_default=True,
     help="K-FAC: Conv2d factors over every position (expand) or position means (reduce).",
 )
 @click.option(
     "--kl-clip",
     type=click.FloatRange(min=0),
-    default=0.001,
+    default=DEFAULTS["kfac.kl_clip"],
     show_default=True,
     help="K-FAC: KL-clipping bound; 0 disables clipping.",
 )
 @click.option(
     "--lr",
     type=click.FloatRange(min=0, min_open=True),
-    default=0.05,
+    default=DEFAULTS["optimizer.lr"],
     show_default=True,
     help="SGD learning rate (K-FAC's KL clip uses it too).",
 )
 @click.option(
     "--momentum",
     type=click.FloatRange(min=0),
-    default=0.9,
+    default=DEFAULTS["optimizer.momentum"],
     show_default=True,
     help="SGD (Nesterov) momentum.",
 )
 @click.option(
     "--eval-every",
     type=click.IntRange(min=1),
-    default=25,
+    default=DEFAULTS["eval_every"],
     show_default=True,
     help="Steps between full test-set evaluations.",
 )
@@ -108,7 +108,7 @@ __all__ = ["example", "job_options", "storage_option", "sweep", "train", "tune",
     help="Directory with the Fashion-MNIST IDX files "
     "[default: Debian's dataset-fashion-mnist location].",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed.")
+@click.option("--seed", type=int, default=DEFAULTS["seed"], show_default=True, help="Random seed.")
 @click.option(
     "--threads",
     type=click.IntRange(min=1),

@@ -12,16 +12,20 @@ from typing import Any
 
 import torch
 
-from kaisa_ray.enums import DistributedStrategy, EvalMetric, KFACApprox, OptimizerName
+from kaisa_ray.enums import DistributedStrategy, EvalMetric, OptimizerName
 from kaisa_ray.train.follow import Follower
 from kaisa_ray.train.records import EvalRecord, Record, StepRecord
+from kaisa_ray.train.reference import field_defaults
 from kaisa_ray.train.session import LocalSession
 from kaisa_ray.train.shard import evaluate
 from kaisa_ray.train.spec import parse_job_spec
 from kaisa_ray.train.worker import train
 from kaisa_ray.train.worker_config import TrainConfig
 
-__all__ = ["evaluate", "run_example"]
+__all__ = ["DEFAULTS", "evaluate", "run_example"]
+
+DEFAULTS = field_defaults()
+"""The JobSpec's defaults: the example's own (it is a job)."""
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +39,17 @@ def _check_positive(**values: float | int) -> None:
 def run_example(
     *,
     steps: int,
-    batch_size: int = 128,
+    batch_size: int = DEFAULTS["dataset.batch_size"],
     kfac: bool = True,
-    factor_update_steps: int = 5,
-    inv_update_steps: int = 50,
-    damping: float = 0.1,
-    kl_clip: float | None = 0.001,
-    lr: float = 0.05,
-    kfac_approx: str = KFACApprox.REDUCE,
-    momentum: float = 0.9,
-    eval_every: int = 25,
-    seed: int = 0,
+    factor_update_steps: int = DEFAULTS["kfac.factor_update_steps"],
+    inv_update_steps: int = DEFAULTS["kfac.inv_update_steps"],
+    damping: float = DEFAULTS["kfac.damping"],
+    kl_clip: float | None = DEFAULTS["kfac.kl_clip"],
+    lr: float = DEFAULTS["optimizer.lr"],
+    kfac_approx: str = DEFAULTS["kfac.kfac_approx"],
+    momentum: float = DEFAULTS["optimizer.momentum"],
+    eval_every: int = DEFAULTS["eval_every"],
+    seed: int = DEFAULTS["seed"],
     data_dir: str | Path | None = None,
     threads: int | None = None,
     progress: bool = True,
@@ -73,8 +77,8 @@ def run_example(
         threads: If given, the number of intra-op threads torch may use.
         progress: Show a progress bar (on stderr, on a terminal) and each evaluation.
 
-    The defaults are the fastest K-FAC configuration of ``benchmarks/optimizers_fashion_mnist.py``
-    (the reference implementation's damping, KL clip and lr, with K-FAC-reduce at 5/50).
+    The defaults are the JobSpec's (the reference implementation's damping, KL clip and lr,
+    with K-FAC-reduce at 5/50).
 
     Returns:
         One dict per evaluation with keys ``step``, ``loss`` (mean training loss since the

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 from torch import nn
@@ -103,23 +102,19 @@ def build_preconditioner(
     follows the lr schedule; with fp16, the GradScaler's scale is taken out of the output
     gradients. ``damping``, when given, replaces the spec's (the quadratic-model step's λ)."""
     group = optimizer.param_groups[0]
-    steps: dict[str, Any] = (
-        {"intervals": intervals}
-        if intervals is not None
-        else {
-            "factor_update_steps": spec.factor_update_steps,
-            "inv_update_steps": spec.inv_update_steps,
-            "measure_staleness": spec.measure_staleness,
-        }
-    )
+    options = spec.preconditioner_options()
+    if intervals is not None:  # adaptive intervals measure the staleness themselves
+        del options["measure_staleness"]
+        options["intervals"] = intervals
+    else:
+        options["factor_update_steps"] = spec.factor_update_steps
+        options["inv_update_steps"] = spec.inv_update_steps
+    if damping is not None:
+        options["damping"] = damping
     return KFACPreconditioner(
         model,
-        **steps,
-        damping=spec.damping if damping is None else damping,
-        factor_decay=spec.factor_decay,
-        kl_clip=spec.kl_clip,
         grad_scaler=scaler,
         lr=lambda _step: float(group["lr"]),
         grad_worker_fraction=spec.strategy,
-        **spec.curvature(),
+        **options,
     )

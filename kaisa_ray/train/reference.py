@@ -10,6 +10,7 @@ spec (a test fails while the file is stale)::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -147,7 +148,13 @@ length are the user's to give): an example, never applied to a spec."""
 
 def field_defaults() -> dict[str, Any]:
     """The JobSpec's default of every field that has one (not null), by dotted name
-    (``optimizer.lr``), read from its JSON schema: what a client pre-fills a form with."""
+    (``optimizer.lr``), read from its JSON schema: what a client pre-fills a form with, and
+    the ``example`` command's defaults."""
+    return dict(_field_defaults())
+
+
+@functools.cache
+def _field_defaults() -> dict[str, Any]:
     schema = JobSpec.model_json_schema()
     defs = schema.get("$defs", {})
     found: dict[str, Any] = {}

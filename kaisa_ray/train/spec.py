@@ -476,10 +476,23 @@ class KFACSpec(_Strict):
         """The tuner chooses (``strategy: auto``)."""
         return self.strategy == AUTO
 
+    def preconditioner_options(self) -> dict[str, Any]:
+        """The ``KFACPreconditioner`` keyword arguments this spec fixes: the curvature, the
+        damping, the factors' decay, the KL clip and whether staleness is measured (adaptive
+        intervals measure it). The one mapping from a spec to the preconditioner, for the
+        job, the tuner's profile and its measured candidates; the strategy and the intervals
+        come from the tuner's choice or the spec, the lr from the optimizer."""
+        return {
+            **self.curvature(),
+            "damping": self.damping,
+            "factor_decay": self.factor_decay,
+            "kl_clip": self.kl_clip,
+            "measure_staleness": self.adaptive or self.measure_staleness,
+        }
+
     def curvature(self) -> dict[str, Any]:
-        """The preconditioner's keyword arguments for the curvature this spec asks for (the
-        method, the factors' form and the products' precision): one mapping for the job, the
-        tuner's profiling and its verification trials."""
+        """The curvature this spec asks for (the method, the factors' form and the products'
+        precision), as preconditioner keyword arguments."""
         return {
             "compute_method": self.compute_method,
             "kfac_approx": self.kfac_approx,
@@ -490,6 +503,13 @@ class KFACSpec(_Strict):
             "matmul_precision": self.matmul_precision,
             "scaling": self.scaling,
         }
+
+    @property
+    def damping_floor(self) -> float:
+        """The quadratic-model step's floor on its adapted damping: ``min_damping``, the
+        default lowered to ``damping`` where that is lower (a floor given above ``damping``
+        is refused)."""
+        return min(self.min_damping, self.damping)
 
     @property
     def adaptive(self) -> bool:

@@ -97,9 +97,7 @@ class Training:
             quadratic = QuadraticModelStep(
                 model,
                 damping=kfac.damping,
-                # The JobSpec's default floor never above a lower starting damping (a floor
-                # given above it is refused by the spec).
-                min_damping=min(kfac.min_damping, kfac.damping),
+                min_damping=kfac.damping_floor,
             )
         preconditioner = (
             build_preconditioner(

@@ -140,13 +140,7 @@ def _measure(config: MeasureConfig) -> None:
             min_steps=config.min_steps,
             count_memory=round_ == 0,
             precision=training.precision,
-            kfac_options={
-                **kfac.curvature(),
-                "damping": kfac.damping,
-                "factor_decay": kfac.factor_decay,
-                "kl_clip": kfac.kl_clip,
-                "measure_staleness": kfac.adaptive or kfac.measure_staleness,
-            },
+            kfac_options=kfac.preconditioner_options(),
         )
         if round_ == 0:
             memory[index], steps[index] = measured.memory_bytes, measured.steps
