@@ -1,8 +1,9 @@
 """What a job's ``optimizer`` and ``kfac`` sections build in each worker: the optimizer, its
 learning-rate schedule, and the K-FAC preconditioner.
 
-A new optimizer option or K-FAC option is a field in ``spec.py`` (``OptimizerSpec``,
-``KFACSpec``) and a line here.
+A new optimizer option is a field of ``spec/sections.py``'s ``OptimizerSpec`` and a line here;
+a new K-FAC option a field of ``spec/kfac.py``'s ``KFACSpec`` and of its
+``preconditioner_options``.
 """
 
 from __future__ import annotations
