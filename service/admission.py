@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from service.store import Job
+from service.job_data import Job
 
 __all__ = ["Capacity", "Need", "admit", "job_cpus", "need_of"]
 

@@ -35,13 +35,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kaisa_ray.train.records import Record
 from kaisa_ray.train.spec import field_problems
 from service import readiness
+from service.database import sole_writer
 from service.errors import ServiceError, TookTooLongError
+from service.follower import Follower
 from service.head import RayHead
 from service.health_routes import router as health_router
 from service.hub import Hub
 from service.job_logs import LogArchive
 from service.job_routes import router as job_router
-from service.jobs import Follower, Jobs
+from service.jobs import Jobs
 from service.limits import Pricer
 from service.metrics import ServiceMetrics
 from service.middleware import BearerAuth, BodyLimit, RateLimit, SecurityHeaders, SpecBody, Timing
@@ -55,7 +57,7 @@ from service.runtime import Runtime
 from service.sandbox import DataRoots
 from service.schemas import ErrorBody, FieldProblem, ValidationErrorBody
 from service.settings import Settings
-from service.store import JobStore, sole_writer
+from service.store import JobStore
 from service.views import ViewCache
 from service.worker_pool import WorkerPool
 

@@ -210,10 +210,10 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
     from pydantic import ValidationError
 
     from service.app import create_app
+    from service.database import sole_writer
     from service.errors import DatabaseInUseError
     from service.http_protocol import with_header_timeout
     from service.settings import Settings
-    from service.store import sole_writer
 
     if flags.get("token"):
         click.echo(

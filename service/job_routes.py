@@ -29,8 +29,9 @@ from kaisa_ray.train.spec import AUTO, JobSpec
 from service import limits
 from service.errors import JobNotFoundError, RayUnavailableError
 from service.hub import EVERY_JOB
+from service.interpretation import EVENT_OF
+from service.job_data import Job
 from service.job_logs import LogArchive
-from service.jobs import EVENT_OF
 from service.lifecycle import FINISHED, JobState
 from service.responses import (
     INVALID,
@@ -55,7 +56,6 @@ from service.schemas import (
     job_view,
     metric_point,
 )
-from service.store import Job
 
 __all__ = ["registry_now", "router"]
 

@@ -16,8 +16,8 @@ queue (``JobStore.resume``) and, once admitted, is submitted again as a new Ray 
 same run: Ray Train finds the run's checkpoints in its storage under the run's name (the job
 id) and ``ray.train.get_checkpoint()`` gives the worker group the latest one. The records of
 the new life are numbered after the old ones, and its start record drops what the old life
-recorded past the checkpoint's step (``service.jobs.interpret``): the history goes on from the
-checkpoint with no step twice and none missing.
+recorded past the checkpoint's step (``service.interpretation.interpret``): the history goes on
+from the checkpoint with no step twice and none missing.
 
 A resume does not count against the job's ``max_failures``: that is the job's tolerance for
 its own workers failing (Ray Train counts it within one Ray Job), and a restart of the service
@@ -41,10 +41,11 @@ from typing import TypeVar
 
 from kaisa_ray.train.head import descendants
 from service.errors import TookTooLongError
+from service.follower import Follower
 from service.head import RayHead
-from service.jobs import Follower, Jobs
+from service.job_data import Job
+from service.jobs import Jobs
 from service.lifecycle import JobEvent, JobState
-from service.store import Job
 
 __all__ = ["interrupt", "resume", "stop_training", "within"]
 

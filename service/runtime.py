@@ -9,8 +9,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from service.follower import Follower
 from service.head import RayHead
-from service.jobs import Follower, Jobs
+from service.jobs import Jobs
 from service.limits import Pricer
 from service.metrics import ServiceMetrics
 from service.settings import Settings

@@ -19,8 +19,8 @@ from kaisa_ray.train.records import (
     TrialState,
     TunerRecord,
 )
+from service.job_data import Job, Metric, Transition
 from service.lifecycle import JobState
-from service.store import Job, Metric, Transition
 from service.sweeps import ended, plan
 
 logger = logging.getLogger(__name__)

@@ -15,15 +15,16 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import create_engine, delete, func, make_url, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.database import migrate, private_file, sole_writer, sqlite_file, sqlite_pragmas
-from service.errors import DatabaseInUseError, JobConflictError, JobNotFoundError
+from service.cleaning import plain_text
+from service.database import migrate, private_file, sqlite_file, sqlite_pragmas
+from service.errors import JobConflictError, JobNotFoundError
+from service.job_data import Job, Metric, Progress, Transition
 from service.lifecycle import (
     ACTIVE,
     FINISHED,
@@ -32,103 +33,36 @@ from service.lifecycle import (
     JobState,
     transition,
 )
-from service.records import plain_text
-from service.tables import HeartbeatRow, JobRow, MetricRow, TransitionRow
+from service.rows import HeartbeatRow, JobRow, MetricRow, TransitionRow
 
-# Where they were defined before service.database: tests and tools import them from here.
-__all__ = ["DatabaseInUseError", "Job", "JobStore", "Metric", "Progress", "Transition"]
-__all__ += ["migrate", "sole_writer", "sqlite_file"]
+__all__ = ["JobStore", "new_job_id"]
 
 
-@dataclass(frozen=True)
-class Job:
-    """A job as stored (an immutable snapshot)."""
-
-    id: str
-    name: str
-    state: JobState
-    spec: dict[str, Any]
-    idempotency_key: str | None
-    submission_id: str | None
-    created_at: float
-    updated_at: float
-    started_at: float | None
-    finished_at: float | None
-    failure_reason: str | None
-    step: int
-    total_steps: int | None
-    latest: dict[str, Any]
-    tuner: dict[str, Any] | None
-    sweep: dict[str, Any] | None  # a sweep job's plan, trials and best (see service.sweeps)
-    cursor: int
-    attempts: int
-    resumes: int = 0  # graceful restarts it was resumed after
-    seq_base: int = 0  # what its records' numbers in this life start at
-    resources: dict[str, Any] | None = None  # what admission counts (service.admission)
-
-    @classmethod
-    def of(cls, row: JobRow) -> Job:
-        return cls(
-            id=row.id,
-            name=row.name,
-            state=JobState(row.state),
-            spec=dict(row.spec),
-            idempotency_key=row.idempotency_key,
-            submission_id=row.submission_id,
-            created_at=row.created_at,
-            updated_at=row.updated_at,
-            started_at=row.started_at,
-            finished_at=row.finished_at,
-            failure_reason=row.failure_reason,
-            step=row.step,
-            total_steps=row.total_steps,
-            latest=dict(row.latest or {}),
-            tuner=row.tuner,
-            sweep=row.sweep,
-            cursor=row.cursor,
-            attempts=row.attempts,
-            resumes=row.resumes or 0,
-            seq_base=row.seq_base or 0,
-            resources=row.resources,
-        )
-
-
-@dataclass(frozen=True)
-class Transition:
-    job_id: str
-    from_state: JobState | None  # None for the first, "submit"
-    to_state: JobState
-    event: str  # a JobEvent's value, or "submit"
-    reason: str | None
-    at: float
-
-
-@dataclass(frozen=True)
-class Metric:
-    seq: int
-    kind: str
-    step: int | None
-    at: float
-    values: dict[str, Any]
-
-
-@dataclass
-class Progress:
-    """What one batch of progress records changes on a job (see ``JobStore.add_progress``)."""
-
-    cursor: int
-    metrics: list[Metric] = field(default_factory=list)
-    step: int | None = None
-    total_steps: int | None = None
-    latest: dict[str, Any] = field(default_factory=dict)
-    tuner: dict[str, Any] | None = None
-    sweep: dict[str, Any] | None = None  # the whole sweep view, merged (replaces the stored one)
-    attempts: int | None = None
-    events: list[JobEvent] = field(default_factory=list)  # state changes, in order
-    # Worker groups that started from a checkpoint at step ``from_step``, the start record
-    # numbered ``seq``: the records of earlier attempts past that step were of training it
-    # does again, and are dropped (the history goes on from the checkpoint, no step twice).
-    restarts: list[tuple[int, int]] = field(default_factory=list)  # (from_step, seq)
+def job_of(row: JobRow) -> Job:
+    """The job a row holds, as a snapshot."""
+    return Job(
+        id=row.id,
+        name=row.name,
+        state=JobState(row.state),
+        spec=dict(row.spec),
+        idempotency_key=row.idempotency_key,
+        submission_id=row.submission_id,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+        failure_reason=row.failure_reason,
+        step=row.step,
+        total_steps=row.total_steps,
+        latest=dict(row.latest or {}),
+        tuner=row.tuner,
+        sweep=row.sweep,
+        cursor=row.cursor,
+        attempts=row.attempts,
+        resumes=row.resumes or 0,
+        seq_base=row.seq_base or 0,
+        resources=row.resources,
+    )
 
 
 def _move(session: Session, row: JobRow, event: JobEvent, reason: str | None) -> None:
@@ -236,7 +170,7 @@ class JobStore:
                             f"idempotency key {idempotency_key!r} was used for job {found.id} "
                             "with a different spec; use a new key for a new job"
                         )
-                    return Job.of(found), False
+                    return job_of(found), False
             now = time.time()
             row = JobRow(
                 id=new_job_id(),
@@ -269,14 +203,14 @@ class JobStore:
                 session.flush()
             except IntegrityError as err:  # pragma: no cover - the lock rules this out
                 raise JobConflictError(f"idempotency key {idempotency_key!r} is taken") from err
-            return Job.of(row), True
+            return job_of(row), True
 
     def get(self, job_id: str) -> Job:
         with self._sessions() as session:
             row = session.get(JobRow, job_id)
             if row is None:
                 raise JobNotFoundError(job_id)
-            return Job.of(row)
+            return job_of(row)
 
     def page(
         self, *, states: Iterable[JobState] = (), limit: int = 50, offset: int = 0
@@ -292,7 +226,7 @@ class JobStore:
         with self._sessions() as session:
             rows = session.scalars(query.limit(limit).offset(offset)).all()
             total = session.scalar(count) or 0
-            return [Job.of(r) for r in rows], total
+            return [job_of(r) for r in rows], total
 
     def active(self) -> list[Job]:
         """Jobs that are not finished, oldest first (what the follower follows)."""
@@ -302,7 +236,7 @@ class JobStore:
             .order_by(JobRow.created_at)
         )
         with self._sessions() as session:
-            return [Job.of(r) for r in session.scalars(query).all()]
+            return [job_of(r) for r in session.scalars(query).all()]
 
     def following(self, queued: int) -> list[Job]:
         """What the follower follows: every job in Ray or being cancelled, and the first
@@ -317,7 +251,7 @@ class JobStore:
         first = select(JobRow).where(waiting).order_by(JobRow.created_at, JobRow.id).limit(queued)
         with self._sessions() as session:
             rows = [*session.scalars(in_ray).all(), *session.scalars(first).all()]
-        return sorted((Job.of(r) for r in rows), key=lambda job: (job.created_at, job.id))
+        return sorted((job_of(r) for r in rows), key=lambda job: (job.created_at, job.id))
 
     def counts(self) -> dict[JobState, int]:
         with self._sessions() as session:
@@ -345,7 +279,7 @@ class JobStore:
         with self._writing() as session:
             row = self._row(session, job_id)
             _move(session, row, event, reason)
-            return Job.of(row)
+            return job_of(row)
 
     def cancel(self, job_id: str, reason: str = "cancelled by a user") -> Job:
         """Ask for a job to stop, checked and applied in one transaction: CANCELLING (or
@@ -356,13 +290,13 @@ class JobStore:
             row = self._row(session, job_id)
             state = JobState(row.state)
             if state in (JobState.CANCELLING, JobState.CANCELLED):
-                return Job.of(row)
+                return job_of(row)
             if state in FINISHED:
                 raise JobConflictError(
                     f"job {job_id} already finished as {state}; nothing to cancel"
                 )
             _move(session, row, JobEvent.CANCEL, reason)
-            return Job.of(row)
+            return job_of(row)
 
     def queue(self) -> list[str]:
         """The jobs waiting for admission (QUEUED, not yet sent to Ray), first in line first."""
@@ -399,7 +333,7 @@ class JobStore:
             .order_by(JobRow.created_at, JobRow.id)
         )
         with self._sessions() as session:
-            return [Job.of(r) for r in session.scalars(query).all()]
+            return [job_of(r) for r in session.scalars(query).all()]
 
     def resume(self, job_id: str, reason: str) -> Job:
         """An INTERRUPTED job back in the queue (first in line: the oldest), to be submitted
@@ -417,13 +351,13 @@ class JobStore:
                 # A sweep starts over (Ray Tune does not resume its trials here): its view of
                 # the trials is of the life that was stopped.
                 row.sweep, row.step, row.total_steps = None, 0, None
-            return Job.of(row)
+            return job_of(row)
 
     def set_submission(self, job_id: str, submission_id: str) -> Job:
         with self._writing() as session:
             row = self._row(session, job_id)
             row.submission_id, row.updated_at = submission_id, time.time()
-            return Job.of(row)
+            return job_of(row)
 
     def transitions(self, job_id: str) -> list[Transition]:
         return self.detail(job_id)[1]
@@ -437,7 +371,7 @@ class JobStore:
             row = session.get(JobRow, job_id)
             if row is None:
                 raise JobNotFoundError(job_id)
-            return Job.of(row), [
+            return job_of(row), [
                 Transition(
                     job_id=r.job_id,
                     from_state=JobState(r.from_state) if r.from_state else None,
@@ -459,7 +393,7 @@ class JobStore:
         with self._writing() as session:
             row = self._row(session, job_id)
             if progress.cursor < row.cursor:
-                return Job.of(row)  # an older read than what is stored: nothing new
+                return job_of(row)  # an older read than what is stored: nothing new
             for from_step, seq in progress.restarts:
                 session.execute(
                     delete(MetricRow).where(
@@ -506,7 +440,7 @@ class JobStore:
                     _move(session, row, event, None)
                 except IllegalTransitionError:
                     continue
-            return Job.of(row)
+            return job_of(row)
 
     def metrics(
         self, job_id: str, *, kinds: Iterable[str] = (), since: int = 0, limit: int = 10_000

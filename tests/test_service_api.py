@@ -33,10 +33,13 @@ from kaisa_ray.train.records import (
     TunerRecord,
 )
 from service.app import create_app
+from service.database import sole_writer
+from service.errors import DatabaseInUseError
+from service.job_data import Job
 from service.lifecycle import JobEvent, JobState
 from service.runner import RayJobStatus, submission_id
 from service.settings import Settings
-from service.store import DatabaseInUseError, Job, JobStore, sole_writer
+from service.store import JobStore
 
 if TYPE_CHECKING:
     import httpx

@@ -1,6 +1,6 @@
 """The job store (``service.store.JobStore``) on a real SQLite file: jobs, idempotency keys,
 pages, state transitions, progress, metric history, deletion, reopening; and the Alembic
-migrations against the tables of ``service.tables``."""
+migrations against the tables of ``service.rows``."""
 
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ from sqlalchemy import (
 
 from service.database import MIGRATIONS
 from service.errors import JobConflictError, JobNotFoundError
+from service.job_data import Job, Metric, Progress, Transition
 from service.lifecycle import IllegalTransitionError, JobEvent, JobState
-from service.store import Job, JobStore, Metric, Progress, Transition
-from service.tables import Base, JobRow, MetricRow, TransitionRow
+from service.rows import Base, JobRow, MetricRow, TransitionRow
+from service.store import JobStore
 
 
 def spec(name: str = "job", **extra: Any) -> dict[str, Any]:

@@ -12,9 +12,9 @@ from typing import Any
 from test_service_sweeps import queued
 
 from service.hub import Hub, Update
+from service.job_data import Job
 from service.job_routes import _stream
 from service.lifecycle import JobState
-from service.store import Job
 
 
 @dataclass

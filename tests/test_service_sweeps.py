@@ -20,10 +20,10 @@ import kaisa_ray.train.cli as train_cli
 from kaisa_ray.train.records import TrialRecord, TrialState, parse_record
 from kaisa_ray.train.spec import parse_job_spec
 from service.cli import main as kaisa_ray_cli
-from service.jobs import Reading, interpret
+from service.interpretation import Reading, interpret
+from service.job_data import Job
 from service.lifecycle import JobEvent, JobState, transition
 from service.runner import entrypoint
-from service.store import Job
 from service.sweeps import ended, merge, plan
 
 SPACE: dict[str, Any] = {

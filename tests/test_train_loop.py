@@ -12,11 +12,13 @@ from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.job import run_job
 from kaisa_ray.train.optimizers import build_optimizer, lr_factor
 from kaisa_ray.train.progress import ProgressStore
+from kaisa_ray.train.session import LocalSession
 from kaisa_ray.train.shard import load_shard
 from kaisa_ray.train.spec import OptimizerSpec, ScheduleSpec, parse_job_spec
-from kaisa_ray.train.state import load_checkpoint_file
+from kaisa_ray.train.state import CHECKPOINT_FILE, load_checkpoint_file
 from kaisa_ray.train.trainer import unique_run_name
-from kaisa_ray.train.worker import Window
+from kaisa_ray.train.worker import Window, train
+from kaisa_ray.train.worker_config import TrainConfig
 
 
 def spec(**overrides: Any) -> Any:
@@ -136,3 +138,42 @@ def test_run_job_refuses_bad_arguments_before_starting_ray(tmp_path: Path) -> No
         run_job(spec(), storage_path=tmp_path, progress_every=0)
     with pytest.raises(ConfigurationError, match=r"no state\.pt"):
         load_checkpoint_file(tmp_path)
+
+
+class _Keeping(LocalSession):
+    """This process, keeping the checkpoints it is given as a file would (torch.save)."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(lambda _record: None)
+        self.keeps_checkpoints = True
+        self.folder = folder
+        self.saved: list[Path] = []
+
+    def report(self, metrics: dict[str, Any], state: dict[str, Any] | None) -> None:
+        if state is not None:
+            path = self.folder / f"{len(self.saved)}" / CHECKPOINT_FILE
+            path.parent.mkdir()
+            torch.save(state, path)
+            self.saved.append(path.parent)
+
+
+def test_a_checkpoint_loads_with_torch_s_weights_only_loader(tmp_path: Path) -> None:
+    """Everything a checkpoint holds is what ``torch.load(weights_only=True)`` reads: no
+    class of the project (an enum as a key of the best metrics once made every resume fail)."""
+    spec = parse_job_spec(
+        {
+            "name": "kept",
+            "model": {"name": "mlp"},
+            "dataset": {"name": "synthetic", "batch_size": 16, "limit": 64},
+            "kfac": {"strategy": "comm-opt", "factor_update_steps": 1, "inv_update_steps": 2},
+            "stop": {"max_steps": 4, "target": {"metric": "test_accuracy", "value": 0.99}},
+            "eval_every": 2,
+            "checkpoint": {"every_steps": 2},
+        }
+    )
+    session = _Keeping(tmp_path)
+    train(TrainConfig(spec=spec, run="kept"), session)
+    assert session.saved
+    state = load_checkpoint_file(session.saved[-1])
+    assert set(state["best"]) == {"test_accuracy"}
+    assert type(next(iter(state["best"]))) is str

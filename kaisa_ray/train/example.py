@@ -115,7 +115,7 @@ def run_example(
             "model": {"name": "lenet"},
             "dataset": dataset,
             "optimizer": {
-                "name": OptimizerName.SGD,
+                "name": OptimizerName.SGD.value,
                 "lr": lr,
                 "momentum": momentum,
                 "nesterov": True,
@@ -156,7 +156,7 @@ def run_example(
                 {
                     "step": record.step,
                     "loss": losses.get(record.step),
-                    EvalMetric.TEST_ACCURACY: record.test_accuracy,
+                    EvalMetric.TEST_ACCURACY.value: record.test_accuracy,
                     "elapsed_s": record.elapsed_s,
                 }
             )

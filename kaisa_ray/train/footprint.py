@@ -74,7 +74,7 @@ def footprint(
     *,
     batch_size: int,
     precision: str = Precision.FP32,
-    optimizer: str = OptimizerName.SGD,
+    optimizer: str = OptimizerName.SGD.value,
     kfac: bool = True,
     kfac_approx: str = KFACApprox.REDUCE,
     compute_method: str = ComputeMethod.INVERSE,

@@ -124,7 +124,7 @@ class PlanRequest:
     compute_method: str = ComputeMethod.EIGEN
     scaling: str = Scaling.KRONECKER
     skip_layers: tuple[str, ...] | None = None  # None: the model's default (KAISA's)
-    optimizer: str = OptimizerName.SGD
+    optimizer: str = OptimizerName.SGD.value
     accumulation_steps: int = 1
     gpus_per_node: int | None = None  # None: the hardware's
     spec_strategy: float | str | None = None  # a JobSpec's own choice, marked in the report

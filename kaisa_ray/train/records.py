@@ -128,7 +128,12 @@ class SweepMetric(enum.StrEnum):
         return "time_to_target_s" if self is SweepMetric.TIME_TO_TARGET else self.value
 
 
-TRIAL_METRICS = (EvalMetric.TEST_ACCURACY, EvalMetric.TEST_LOSS, "train_s", "time_to_target_s")
+TRIAL_METRICS = (
+    EvalMetric.TEST_ACCURACY.value,
+    EvalMetric.TEST_LOSS.value,
+    "train_s",
+    "time_to_target_s",
+)
 """What a trial's evaluations report (``TrialRecord``'s metric fields)."""
 
 PHASE_FIELDS = (

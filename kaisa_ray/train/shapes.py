@@ -123,7 +123,7 @@ def workload(
     precision: str = Precision.FP32,
     kfac_approx: str = KFACApprox.EXPAND,
     skip_layers: Iterable[str] | None = None,
-    optimizer: str = OptimizerName.SGD,
+    optimizer: str = OptimizerName.SGD.value,
     compute_method: str = ComputeMethod.EIGEN,
     scaling: str = Scaling.KRONECKER,
 ) -> Workload:

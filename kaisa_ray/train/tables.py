@@ -191,7 +191,7 @@ def intervals_timeline(records: list[IntervalsRecord]) -> str:
 class TrialTable:
     """A sweep's trials as a text table, built from its ``trial`` records."""
 
-    COLUMNS = ("step", EvalMetric.TEST_ACCURACY, EvalMetric.TEST_LOSS, "train_s")
+    COLUMNS = ("step", EvalMetric.TEST_ACCURACY.value, EvalMetric.TEST_LOSS.value, "train_s")
 
     def __init__(self, paths: list[str]) -> None:
         self.paths = paths

@@ -353,8 +353,8 @@ def _loop(training: Training, session: Session, config: TrainConfig) -> None:
                 training.net, training.shard, training.device, precision=training.precision
             )
             test_loss, test_accuracy = last_eval
-            training.best[EvalMetric.TEST_ACCURACY] = max(
-                training.best.get(EvalMetric.TEST_ACCURACY, 0.0), test_accuracy
+            training.best[EvalMetric.TEST_ACCURACY.value] = max(
+                training.best.get(EvalMetric.TEST_ACCURACY.value, 0.0), test_accuracy
             )
             if session.rank == 0:
                 session.push(
@@ -374,7 +374,9 @@ def _loop(training: Training, session: Session, config: TrainConfig) -> None:
             # "finished": the job met its stop condition ("done" is Ray Tune's own key).
             metrics: dict[str, Any] = {"step": step, "finished": done, "train_s": train_s}
             if last_eval is not None:
-                metrics[EvalMetric.TEST_LOSS], metrics[EvalMetric.TEST_ACCURACY] = last_eval
+                loss, accuracy = last_eval
+                metrics[EvalMetric.TEST_LOSS.value] = loss
+                metrics[EvalMetric.TEST_ACCURACY.value] = accuracy
             if reached:
                 metrics["time_to_target_s"] = train_s
             keep = checkpoint_due and session.keeps_checkpoints

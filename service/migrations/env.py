@@ -6,7 +6,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection, create_engine
 
-from service.tables import Base
+from service.rows import Base
 
 config = context.config
 target_metadata = Base.metadata

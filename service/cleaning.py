@@ -1,15 +1,15 @@
 """The progress sink's records, checked before they reach the job store.
 
-A record comes from a job's own process (its rank 0, through the progress sink), so the
-service treats it as input: ``clean`` returns a copy that the store can always hold and the
-API can always serve, and says what it had to change; ``service.jobs`` then reads it as its
+A record comes from a job's own process (its rank 0, through the progress sink), so the service
+treats it as input: ``clean`` returns a copy that the store can always hold and the API can
+always serve, and says what it had to change; ``service.interpretation`` then reads it as its
 class (``kaisa_ray.train.records``, where every kind is defined), and drops one that does not
-read, saying why. Integers outside what SQLite's 64-bit
-columns and JSON's exact range hold become None (a ``total_steps`` of 2**63 once made every
-follower pass fail); non-finite floats become None (JSON has no NaN); the fields the follower
-reads as counters (``step``, ``total_steps``, ``rank``, ...) must be non-negative integers;
-anything that is not JSON is written as a short string; deep nesting and long strings are cut.
-A record that is not a mapping with a ``kind`` is dropped whole.
+read, saying why. Integers outside what SQLite's 64-bit columns and JSON's exact range hold
+become None (a ``total_steps`` of 2**63 once made every follower pass fail); non-finite floats
+become None (JSON has no NaN); the fields the follower reads as counters (``step``,
+``total_steps``, ``rank``, ...) must be non-negative integers; anything that is not JSON is
+written as a short string; deep nesting and long strings are cut. A record that is not a
+mapping with a ``kind`` is dropped whole.
 """
 
 from __future__ import annotations
