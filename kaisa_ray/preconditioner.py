@@ -27,7 +27,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,14 +44,11 @@ from kaisa_ray.enums import (
     MatmulPrecision,
     RunningAverage,
     Scaling,
-    parse_enum,
 )
 from kaisa_ray.errors import ConfigurationError, user_stacklevel
 from kaisa_ray.hyperparams import (
-    Bounds,
     FloatParam,
     IntParam,
-    check_param,
     resolve,
     resolve_int,
 )
@@ -64,6 +61,14 @@ from kaisa_ray.intervals import (
 )
 from kaisa_ray.kfac_layer import KFACLayer, fold_all
 from kaisa_ray.layers import describe_shapes
+from kaisa_ray.options import (
+    DAMPING,
+    FACTOR_DECAY,
+    KL_CLIP,
+    LR,
+    GradScalerLike,
+    PreconditionerOptions,
+)
 from kaisa_ray.plan import Options, Plan, build_plan
 from kaisa_ray.registration import discover
 from kaisa_ray.staleness import PROBES, VALUES_PER_LAYER, LayerStaleness, angle_degrees
@@ -71,29 +76,6 @@ from kaisa_ray.strategy import resolve_grad_worker_fraction
 from kaisa_ray.timing import PhaseTimes
 
 logger = logging.getLogger(__name__)
-
-DAMPING = Bounds(
-    low=0.0,
-    low_inclusive=False,
-    advice="Use a positive damping such as 0.003 (small steps damp less) to 0.1.",
-)
-FACTOR_DECAY = Bounds(
-    low=0.0,
-    high=1.0,
-    high_inclusive=False,
-    advice="Use a running-average decay in [0, 1), typically 0.95.",
-)
-KL_CLIP = Bounds(
-    low=0.0, low_inclusive=False, advice="Use a positive kl_clip such as 0.001, or None to disable."
-)
-LR = Bounds(low=0.0, advice="Pass the optimizer's learning rate (a float >= 0 or a schedule).")
-
-
-class _Scaler(Protocol):
-    def get_scale(self) -> float: ...
-
-
-GradScalerLike = _Scaler | Callable[[], float]
 
 
 @contextlib.contextmanager
@@ -282,134 +264,88 @@ class KFACPreconditioner:
             raise ConfigurationError(
                 f"model must be a torch.nn.Module; got {type(model).__name__}."
             )
-        for name, value in (
-            ("factor_update_steps", factor_update_steps),
-            ("inv_update_steps", inv_update_steps),
-        ):
-            if not callable(value):
-                resolve_int(name, value, 0)
-        check_param("damping", damping, DAMPING)
-        check_param("factor_decay", factor_decay, FACTOR_DECAY)
-        if kl_clip is not None:
-            check_param("kl_clip", kl_clip, KL_CLIP)
-        check_param("lr", lr, LR)
-        if (
-            isinstance(accumulation_steps, bool)
-            or not isinstance(accumulation_steps, int)
-            or (accumulation_steps < 1)
-        ):
-            raise ConfigurationError(
-                f"accumulation_steps={accumulation_steps!r} must be a positive integer: the "
-                "number of forward/backward passes per optimizer step (1 without accumulation)."
-            )
-        if factor_samples is not None and (
-            isinstance(factor_samples, bool)
-            or not isinstance(factor_samples, int)
-            or factor_samples < 1
-        ):
-            raise ConfigurationError(
-                f"factor_samples={factor_samples!r} must be a positive integer (the examples "
-                "of each batch the factors are built from), or None to use every example."
-            )
-        if not isinstance(pi_damping, bool):
-            raise ConfigurationError(f"pi_damping={pi_damping!r} must be True or False.")
-        if not allreduce_bucket_cap_mb > 0:
-            raise ConfigurationError(
-                f"allreduce_bucket_cap_mb={allreduce_bucket_cap_mb!r} must be positive (25 is "
-                "the usual value)."
-            )
-        if intervals is not None and not isinstance(intervals, AdaptiveIntervals):
-            raise ConfigurationError(
-                f"intervals must be a kaisa_ray.intervals.AdaptiveIntervals; got "
-                f"{type(intervals).__name__}"
-            )
-        if intervals is not None and (factor_update_steps != 1 or inv_update_steps != 1):
-            raise ConfigurationError(
-                "pass either adaptive intervals or the fixed factor_update_steps and "
-                "inv_update_steps, not both: the adaptive ones start on intervals.start's rung"
-            )
-        if intervals is not None and measure_staleness is False:
-            raise ConfigurationError(
-                "adaptive intervals decide from measured staleness: leave measure_staleness on"
-            )
-        if (
-            not callable(factor_update_steps)
-            and not callable(inv_update_steps)
-            and inv_update_steps % factor_update_steps != 0
-        ):
-            suggested = factor_update_steps * max(1, round(inv_update_steps / factor_update_steps))
-            warnings.warn(
-                f"inv_update_steps={inv_update_steps} is not a multiple of "
-                f"factor_update_steps={factor_update_steps}: some decompositions will be "
-                "recomputed from unchanged factors. Use a multiple, e.g. "
-                f"inv_update_steps={suggested}.",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
-
-        self.compute_method = parse_enum(ComputeMethod, compute_method, "compute_method")
-        self.assignment_strategy = parse_enum(
-            AssignmentStrategy, assignment_strategy, "assignment_strategy"
+        self.options = options = PreconditionerOptions.checked(
+            factor_update_steps=factor_update_steps,
+            inv_update_steps=inv_update_steps,
+            damping=damping,
+            factor_decay=factor_decay,
+            kl_clip=kl_clip,
+            lr=lr,
+            accumulation_steps=accumulation_steps,
+            allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
+            assignment_strategy=assignment_strategy,
+            colocate_factors=colocate_factors,
+            compute_method=compute_method,
+            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
+            grad_worker_fraction=grad_worker_fraction,
+            symmetry_aware=symmetry_aware,
+            grad_scaler=grad_scaler,
+            factor_dtype=factor_dtype,
+            inv_dtype=inv_dtype,
+            skip_layers=skip_layers,
+            update_factors_in_hook=update_factors_in_hook,
+            loglevel=loglevel,
+            kfac_approx=kfac_approx,
+            running_average=running_average,
+            factor_scale=factor_scale,
+            pi_damping=pi_damping,
+            factor_samples=factor_samples,
+            intervals=intervals,
+            measure_staleness=measure_staleness,
+            matmul_precision=matmul_precision,
+            scaling=scaling,
+            adam_betas=adam_betas,
+            adam_eps=adam_eps,
         )
-        self.kfac_approx = parse_enum(KFACApprox, kfac_approx, "kfac_approx")
-        self.running_average = parse_enum(RunningAverage, running_average, "running_average")
-        self.factor_scale = parse_enum(FactorScale, factor_scale, "factor_scale")
-        self.matmul_precision = parse_enum(MatmulPrecision, matmul_precision, "matmul_precision")
-        self.scaling = parse_enum(Scaling, scaling, "scaling")
-        if self.scaling is Scaling.ADAM_EIGENBASIS:
-            if self.compute_method is not ComputeMethod.EIGEN:
-                raise ConfigurationError(
-                    "scaling='adam-eigenbasis' keeps Adam's moments in the eigen method's "
-                    f"bases; compute_method={str(self.compute_method)!r} has none. Pass "
-                    "compute_method='eigen'."
-                )
-            betas = tuple(adam_betas)
-            if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-                raise ConfigurationError(
-                    f"adam_betas={adam_betas!r} must be two decays in [0, 1), e.g. (0.9, 0.95)."
-                )
-            if not adam_eps > 0:
-                raise ConfigurationError(f"adam_eps={adam_eps!r} must be positive, e.g. 1e-8.")
-            compute_eigenvalue_outer_product = False  # no eigenvalue table to build
-        self.adam_betas = (float(adam_betas[0]), float(adam_betas[1]))
-        self.adam_eps = float(adam_eps)
-        self.pi_damping = pi_damping
-        self.factor_samples = factor_samples
-        self.measures_staleness = intervals is not None or bool(measure_staleness)
+        self._build(model, options)
+
+    def _build(self, model: nn.Module, options: PreconditionerOptions) -> None:
+        """The engine from checked options: the layers and their hooks, the plan of who
+        decomposes and preconditions what, the communicator, the intervals' schedule."""
+        self.compute_method = options.compute_method
+        self.assignment_strategy = options.assignment_strategy
+        self.kfac_approx = options.kfac_approx
+        self.running_average = options.running_average
+        self.factor_scale = options.factor_scale
+        self.matmul_precision = options.matmul_precision
+        self.scaling = options.scaling
+        self.adam_betas = options.adam_betas
+        self.adam_eps = options.adam_eps
+        self.pi_damping = options.pi_damping
+        self.factor_samples = options.factor_samples
+        self.measures_staleness = options.measures_staleness
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
         self.grad_worker_fraction = resolve_grad_worker_fraction(
-            grad_worker_fraction, self.world_size
+            options.grad_worker_fraction, self.world_size
         )
 
-        self._factor_update_steps = factor_update_steps
-        self._inv_update_steps = inv_update_steps
-        self._damping = damping
-        self._factor_decay = factor_decay
-        self._kl_clip = kl_clip
-        self._lr = lr
-        self.accumulation_steps = accumulation_steps
-        self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
-        self.colocate_factors = colocate_factors
-        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
-        self.symmetry_aware = symmetry_aware
-        self.update_factors_in_hook = update_factors_in_hook
-        self.loglevel = loglevel
-        self._grad_scaler = grad_scaler
+        self._factor_update_steps = options.factor_update_steps
+        self._inv_update_steps = options.inv_update_steps
+        self._damping = options.damping
+        self._factor_decay = options.factor_decay
+        self._kl_clip = options.kl_clip
+        self._lr = options.lr
+        self.accumulation_steps = options.accumulation_steps
+        self.allreduce_bucket_cap_mb = options.allreduce_bucket_cap_mb
+        self.colocate_factors = options.colocate_factors
+        self.compute_eigenvalue_outer_product = options.compute_eigenvalue_outer_product
+        self.symmetry_aware = options.symmetry_aware
+        self.update_factors_in_hook = options.update_factors_in_hook
+        self.loglevel = options.loglevel
+        self._grad_scaler = options.grad_scaler
         self._grad_scale_cache: tuple[int, float] | None = None
         # Host seconds per phase (kaisa_ray.timing); read and zero with times.reset().
         self.times = PhaseTimes()
 
-        self.skip_layers = (
-            [skip_layers] if isinstance(skip_layers, str) else list(skip_layers or [])
-        )
+        self.skip_layers = list(options.skip_layers)
         found, skipped = discover(
             model,
             skip_layers=self.skip_layers,
             kfac_approx=self.kfac_approx,
-            factor_dtype=factor_dtype,
-            inv_dtype=inv_dtype,
+            factor_dtype=options.factor_dtype,
+            inv_dtype=options.inv_dtype,
         )
         if not found:
             raise ConfigurationError(
@@ -425,13 +361,13 @@ class KFACPreconditioner:
                 reg.name,
                 reg.helper,
                 compute_method=self.compute_method,
-                outer_product=compute_eigenvalue_outer_product,
+                outer_product=options.compute_eigenvalue_outer_product,
                 factor_dtype=reg.factor_dtype,
                 inv_dtype=reg.inv_dtype,
                 running_average=self.running_average,
                 factor_scale=self.factor_scale,
-                pi_damping=pi_damping,
-                factor_samples=factor_samples,
+                pi_damping=options.pi_damping,
+                factor_samples=options.factor_samples,
                 staleness_probes=PROBES if self.measures_staleness else 0,
                 scaling=self.scaling,
                 adam_betas=self.adam_betas,
@@ -447,11 +383,11 @@ class KFACPreconditioner:
             self.grad_worker_fraction,
             Options(
                 compute_method=self.compute_method,
-                compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
-                symmetry_aware=symmetry_aware,
+                compute_eigenvalue_outer_product=options.compute_eigenvalue_outer_product,
+                symmetry_aware=options.symmetry_aware,
                 assignment_strategy=self.assignment_strategy,
-                colocate_factors=colocate_factors,
-                allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
+                colocate_factors=options.colocate_factors,
+                allreduce_bucket_cap_mb=options.allreduce_bucket_cap_mb,
                 staleness_probes=PROBES if self.measures_staleness else 0,
                 scaling=self.scaling,
             ),
@@ -460,7 +396,7 @@ class KFACPreconditioner:
         self._comm = Communicator(
             self.plan.schedule,
             self.rank,
-            symmetric=symmetry_aware,
+            symmetric=options.symmetry_aware,
             device=self._layers[0].helper.weight().device,
         )
 
@@ -471,9 +407,11 @@ class KFACPreconditioner:
         names = [layer.name for layer in self._layers]
         # When each layer updates: fixed (the reference) or adapted to measured staleness.
         self.schedule = (
-            IntervalSchedule.adaptive(names, intervals)
-            if intervals is not None
-            else IntervalSchedule.fixed(names, factor_update_steps, inv_update_steps)
+            IntervalSchedule.adaptive(names, options.intervals)
+            if options.intervals is not None
+            else IntervalSchedule.fixed(
+                names, options.factor_update_steps, options.inv_update_steps
+            )
         )
         # What staleness measured: per layer, the latest factor change (0-dim tensors, read
         # when asked) and the latest decomposition step's measurement; interval changes not
@@ -499,7 +437,7 @@ class KFACPreconditioner:
         self.last_updates: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self._plan_step(0)
         logger.log(
-            loglevel,
+            options.loglevel,
             "KFACPreconditioner preconditions %d layers: %s; leaves to the optimizer: %s",
             len(self._layers),
             ", ".join(
