@@ -22,7 +22,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from kaisa_ray.enums import ComputeMethod, DistributedStrategy, KFACApprox, OptimizerName, Precision
-from kaisa_ray.train.records import TRIAL_METRICS, RecordKind, SweepMetric, TrialState
+from kaisa_ray.train.records import TRIAL_METRICS, RecordKind, SweepMetric, TrialState, Unit
 from kaisa_ray.train.reference import STARTER, field_defaults
 from kaisa_ray.train.registry import dataset_names, model_names
 from kaisa_ray.train.spec import AUTO, JobSpec
@@ -33,6 +33,7 @@ from service.interpretation import EVENT_OF
 from service.job_data import Job
 from service.job_logs import LogArchive
 from service.lifecycle import FINISHED, JobState
+from service.metric_views import CHARTS, COLUMNS, METRICS
 from service.responses import (
     INVALID,
     NOT_FOUND,
@@ -91,6 +92,10 @@ def registry_now() -> Registry:
         trial_metrics=list(TRIAL_METRICS),
         record_kinds=list(RecordKind),
         events={kind: name for kind, name in EVENT_OF.items()},
+        units=list(Unit),
+        metrics=METRICS,
+        charts=CHARTS,
+        columns=COLUMNS,
         defaults=_DEFAULTS(),
         starter=STARTER,
     )

@@ -18,9 +18,11 @@ from kaisa_ray.train.records import (
     SweepMetric,
     TrialState,
     TunerRecord,
+    Unit,
 )
 from service.job_data import Job, Metric, Transition
 from service.lifecycle import JobState
+from service.metric_views import ChartView, ColumnView, MetricView
 from service.sweeps import ended, plan
 
 logger = logging.getLogger(__name__)
@@ -184,7 +186,7 @@ class MetricHistory(BaseModel):
 class NamedMetric(BaseModel):
     name: SweepMetric
     direction: Direction = Field(description="whether a larger or smaller value is better")
-    unit: str = Field(description="fraction (shown in percent), seconds, or value")
+    unit: Unit = Field(description="how its values read")
 
 
 class Registry(BaseModel):
@@ -215,6 +217,13 @@ class Registry(BaseModel):
         description="the JobSpec's default of every field that has one, by dotted name "
         "(optimizer.lr): what a form starts from"
     )
+    units: list[Unit] = Field(description="how a metric's values read")
+    metrics: list[MetricView] = Field(
+        description="the fields of the step, eval and trial records a client shows: their "
+        "labels, units, charts and columns"
+    )
+    charts: list[ChartView] = Field(description="the charts of a job's metrics")
+    columns: list[ColumnView] = Field(description="the job list's metric columns")
     starter: dict[str, Any] = Field(
         description="a value for each field a new job must give that has no default (its "
         "name, its steps): an example for a form, never applied to a spec"

@@ -33,9 +33,12 @@ from kaisa_ray.train.records import (
     PHASE_FIELDS,
     Direction,
     EvalMetric,
+    EvalRecord,
     RecordKind,
     StepRecord,
+    TrialRecord,
     TrialState,
+    Unit,
 )
 from service.lifecycle import JobState
 
@@ -57,6 +60,7 @@ CLOSED_SETS: list[type[enum.Enum]] = [
     OptimizerName,
     UpdateMode,
     EvalMetric,
+    Unit,
 ]
 RECORDS = ROOT / "kaisa_ray" / "train" / "records.py"
 
@@ -105,6 +109,8 @@ def enum_members(path: Path) -> set[str]:
 # Members that are also another vocabulary's word, written as that word elsewhere.
 ALSO_ANOTHER_WORD = {
     UpdateMode.OPTIMIZER: "the JobSpec's optimizer section, a key of specs and checkpoints",
+    Unit.VALUE: "a record's or a setting's value, a key of many mappings",
+    Unit.SECONDS: "a sweep's duration, a key of the sweep's view",
 }
 
 
@@ -223,14 +229,14 @@ JS_STRING = re.compile(r"""(["'`])((?:\\.|(?!\1).)*)\1""")
 
 @pytest.mark.parametrize(
     "closed",
-    [JobState, TrialState, DistributedStrategy, ComputeMethod, KFACApprox, Precision],
+    [JobState, TrialState, DistributedStrategy, ComputeMethod, KFACApprox, Precision, Unit],
     ids=lambda e: e.__name__,
 )
 def test_the_dashboard_keeps_no_copy_of_a_closed_set(closed: type[enum.Enum]) -> None:
     assert SCRIPTS, "no dashboard scripts found"
     for script in SCRIPTS:
         strings = {match.group(2) for match in JS_STRING.finditer(script.read_text())}
-        copied = sorted(strings & {str(m.value) for m in closed})
+        copied = sorted(strings & {str(m.value) for m in closed if m not in ALSO_ANOTHER_WORD})
         assert not copied, f"{script.name} writes {copied} of {closed.__name__}: read /v1/registry"
 
 
@@ -306,3 +312,50 @@ def test_the_registry_states_the_job_spec_s_defaults() -> None:
             node = node.setdefault(section, {})
         node[leaf] = value
     assert parse_job_spec(spec).optimizer.lr == OptimizerSpec().lr
+
+
+# Fields of the records the page shows; the page names none of them, it reads them from the
+# registry's metrics, charts and columns. Words the page uses for its own things are left out.
+SHOWN_RECORDS = (StepRecord, EvalRecord, TrialRecord)
+OWN_WORDS = {"kind", "seq", "time", "step", "epoch", "trial", "state", "params", "error"}
+# The tuner's table and the intervals' chart show records of their own kinds, field by field.
+RECORD_VIEWS = {"tuner.js", "intervals.js"}
+JS_PROPERTY = re.compile(r"\.([A-Za-z_]\w*)\b")
+
+
+def record_fields_written(script: str, fields: set[str]) -> set[str]:
+    """The fields in ``fields`` a script writes, as a string or as a property it reads."""
+    strings = {match.group(2) for match in JS_STRING.finditer(script)}
+    code = JS_STRING.sub('""', script)  # "kfac.damping" is a string, not a property read
+    properties = {match.group(1) for match in JS_PROPERTY.finditer(code)}
+    return (strings | properties) & fields
+
+
+def test_the_dashboard_names_no_field_of_the_records_it_charts() -> None:
+    fields = set().union(*(cls.model_fields for cls in SHOWN_RECORDS)) - OWN_WORDS
+    for script in SCRIPTS:
+        if script.name in RECORD_VIEWS:
+            continue
+        written = record_fields_written(script.read_text(), fields)
+        assert not written, f"{script.name} names {sorted(written)}: read the registry's metrics"
+
+
+def test_the_check_sees_a_field_written_in_a_script() -> None:
+    """The job list as it was: its accuracy column named two fields."""
+    old = 'const accuracy = m.test_accuracy ?? m.accuracy;\nfor (const key of ["loss"]) {}\n'
+    assert record_fields_written(old, {"test_accuracy", "accuracy", "loss", "lr"}) == {
+        "test_accuracy",
+        "accuracy",
+        "loss",
+    }
+
+
+def test_every_metric_the_page_shows_is_a_field_of_its_record() -> None:
+    from service.metric_views import CHARTS, COLUMNS, METRICS, RECORD_CLASSES
+
+    charts, columns = {c.id for c in CHARTS}, {c.id for c in COLUMNS}
+    for metric in METRICS:
+        assert metric.field in RECORD_CLASSES[metric.kind].model_fields, metric
+        assert metric.chart is None or metric.chart in charts, metric
+        assert metric.column is None or metric.column in columns, metric
+    assert {m.chart for m in METRICS if m.chart} == charts  # every chart draws something

@@ -56,6 +56,7 @@ __all__ = [
     "TrialState",
     "TunerErrorRecord",
     "TunerRecord",
+    "Unit",
     "WorkerRecord",
     "parse_record",
     "try_record",
@@ -102,6 +103,16 @@ class Direction(enum.StrEnum):
     MIN = "min"
 
 
+class Unit(enum.StrEnum):
+    """How a metric's values read."""
+
+    VALUE = "value"  # a plain number (a loss)
+    FRACTION = "fraction"  # a share, shown in percent
+    SECONDS = "seconds"
+    MS = "ms"  # milliseconds
+    PER_SECOND = "per second"
+
+
 class SweepMetric(enum.StrEnum):
     """What ranks a sweep's trials."""
 
@@ -115,12 +126,11 @@ class SweepMetric(enum.StrEnum):
         return Direction.MAX if self is SweepMetric.TEST_ACCURACY else Direction.MIN
 
     @property
-    def unit(self) -> str:
-        """How its values read: ``fraction`` (a share, shown in percent), ``seconds``, or
-        ``value`` (a loss)."""
+    def unit(self) -> Unit:
+        """How its values read: a share (accuracy), seconds, or a plain number (a loss)."""
         if self is SweepMetric.TEST_ACCURACY:
-            return "fraction"
-        return "seconds" if self is SweepMetric.TIME_TO_TARGET else "value"
+            return Unit.FRACTION
+        return Unit.SECONDS if self is SweepMetric.TIME_TO_TARGET else Unit.VALUE
 
     @property
     def reported(self) -> str:

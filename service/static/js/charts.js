@@ -4,21 +4,15 @@
 import { api } from "./api.js";
 import { h } from "./dom.js";
 
-/** The charts of a job, by the kind of record (the registry's) and field each trace reads. */
-function chartsOf(kind) {
-  return [
-    { id: "chart-loss", title: "Loss", y: "loss", traces: [
-      { kind: kind.step, field: "loss", name: "training loss" },
-      { kind: kind.eval, field: "test_loss", name: "test loss" },
-    ] },
-    { id: "chart-accuracy", title: "Accuracy", y: "accuracy", percent: true, traces: [
-      { kind: kind.eval, field: "test_accuracy", name: "test accuracy" },
-      { kind: kind.step, field: "accuracy", name: "training accuracy" },
-    ] },
-    { id: "chart-throughput", title: "Throughput", y: "samples / s", traces: [
-      { kind: kind.step, field: "samples_per_s", name: "samples / s" },
-    ] },
-  ];
+/** The charts of a job as the registry describes them: each trace a metric (its record kind
+ *  and field) that names the chart. */
+function chartsOf(sets) {
+  return sets.charts.map((chart) => ({
+    id: `chart-${chart.id}`, title: chart.title, y: chart.y,
+    percent: chart.unit === sets.unit.fraction,
+    traces: sets.metrics.filter((m) => m.chart === chart.id)
+      .map((m) => ({ kind: m.kind, field: m.field, name: m.label })),
+  }));
 }
 
 /** The curves of job ``id`` in ``box``: ``load()`` reads the history (again after a
@@ -26,7 +20,7 @@ function chartsOf(kind) {
  *  in, then merged after it); ``draw(now)`` redraws (at most twice a second unless now). */
 export function curves(box, id, sets, signal) {
   const kind = sets.kind;
-  const charts = chartsOf(kind);
+  const charts = chartsOf(sets);
   const points = { [kind.step]: [], [kind.eval]: [] };
   let xAxis = "step";
   let lastTime = 0;

@@ -56,10 +56,22 @@ export function progressBar(job, sets) {
 }
 
 /** A sweep metric's value in its unit (the registry says which). */
-export function metricText(metric, value, sets) {
+/** A value as its unit reads (the registry's units): a fraction in percent, seconds with
+ *  their unit, anything else as a number. */
+export function valueText(unit, value, sets, digits = 3) {
   if (value === null || value === undefined) return "–";
-  const unit = (sets.metric[metric] || {}).unit;
-  if (unit === "fraction") return percent(value);
-  if (unit === "seconds") return `${fmt(value)} s`;
-  return fmt(value, 4);
+  if (unit === sets.unit.fraction) return percent(value);
+  if (unit === sets.unit.seconds) return `${fmt(value)} s`;
+  return fmt(value, digits);
+}
+
+export function metricText(metric, value, sets) {
+  return valueText((sets.metric[metric] || {}).unit, value, sets, 4);
+}
+
+/** A job's value for a column of the list (the first of the column's metrics it has). */
+export function columnValue(column, metrics, sets) {
+  const shown = sets.metrics.find((m) => m.column === column.id &&
+    metrics[m.field] !== undefined && metrics[m.field] !== null);
+  return shown ? valueText(shown.unit, metrics[shown.field], sets) : "–";
 }

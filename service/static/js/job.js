@@ -5,8 +5,8 @@
 
 import { api, follow } from "./api.js";
 import { curves } from "./charts.js";
-import { badge, elapsedText, metricText, progressBar, strategy } from "./display.js";
-import { every, fmt, h, percent, sleep, when } from "./dom.js";
+import { badge, elapsedText, metricText, progressBar, strategy, valueText } from "./display.js";
+import { every, fmt, h, sleep, when } from "./dom.js";
 import { intervals } from "./intervals.js";
 import { registry } from "./registry.js";
 import { renderSweep, withTrial } from "./sweep.js";
@@ -24,11 +24,7 @@ function facts(job, sets) {
       ["at once", fmt(sweep.concurrent)], ["metric", `${sweep.metric} (${sweep.mode})`],
       ["best", sweep.best ? metricText(sweep.metric, sweep.best.value, sets) : "–"],
       ["sweep took", sweep.seconds === null || sweep.seconds === undefined ? "–" : `${fmt(sweep.seconds)} s`],
-    ] : [
-      ["loss", fmt(m.loss)], ["test accuracy", m.test_accuracy === undefined ? "–" : percent(m.test_accuracy)],
-      ["samples / s", fmt(m.samples_per_s)], ["ms / step", fmt(m.ms_per_step)],
-      ["K-FAC ms / step", fmt(m.kfac_ms_per_step)],
-    ]),
+    ] : sets.metrics.filter((x) => x.fact).map((x) => [x.label, valueText(x.unit, m[x.field], sets)])),
   ];
 }
 

@@ -2,8 +2,8 @@
 // (the states from the registry).
 
 import { api, follow } from "./api.js";
-import { badge, elapsedText, progressBar, strategy } from "./display.js";
-import { every, fmt, h, percent, when } from "./dom.js";
+import { badge, columnValue, elapsedText, progressBar, strategy } from "./display.js";
+import { every, h, when } from "./dom.js";
 import { registry } from "./registry.js";
 
 export async function listPage(view, hash, signal) {
@@ -28,8 +28,8 @@ export async function listPage(view, hash, signal) {
       h("div", { class: "heading" }, h("h1", {}, "Jobs"), filters),
       h("table", { class: "jobs" },
         h("thead", {}, h("tr", {},
-          ["name", "state", "progress", "loss", "accuracy", "strategy", "started", "elapsed"]
-            .map((c) => h("th", {}, c)))),
+          ["name", "state", "progress", ...sets.columns.map((c) => c.label), "strategy",
+            "started", "elapsed"].map((c) => h("th", {}, c)))),
         body),
       loading, empty));
 
@@ -48,13 +48,11 @@ export async function listPage(view, hash, signal) {
       return;
     }
     const m = job.metrics || {};
-    const accuracy = m.test_accuracy ?? m.accuracy;
     const cells = [
       h("td", {}, h("a", { href: `#/jobs/${job.id}`, class: "job-link" }, job.name)),
       h("td", {}, badge(job.state)),
       h("td", { class: "progress" }, progressBar(job, sets)),
-      h("td", { class: "num", "data-col": "loss" }, fmt(m.loss)),
-      h("td", { class: "num", "data-col": "accuracy" }, accuracy === undefined ? "–" : percent(accuracy)),
+      ...sets.columns.map((c) => h("td", { class: "num", "data-col": c.id }, columnValue(c, m, sets))),
       h("td", {}, strategy(job)),
       h("td", {}, when(job.started_at)),
       h("td", { class: "num", "data-col": "elapsed" }, elapsedText(job)),
@@ -103,8 +101,8 @@ export async function listPage(view, hash, signal) {
       return;
     }
     const metrics = { ...job.metrics };
-    for (const key of ["loss", "accuracy", "samples_per_s", "test_accuracy", "test_loss"]) {
-      if (data[key] !== undefined) metrics[key] = data[key];
+    for (const { kind, field } of sets.metrics) {
+      if (kind === data.kind && data[field] !== undefined) metrics[field] = data[field];
     }
     const step = data.step ?? job.progress.step;
     const total = job.progress.total;

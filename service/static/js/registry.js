@@ -1,5 +1,6 @@
-// What the service says a job may name, and every closed set its answers use (job and trial
-// states, strategies, optimizers, sweep metrics, record kinds), read once from
+// What the service says a job may name, every closed set its answers use (job and trial
+// states, strategies, optimizers, sweep metrics, record kinds, units), and which fields of the
+// records the page shows (metrics, charts, the list's columns), read once from
 // GET /v1/registry: the page keeps no copy of them.
 
 import { api } from "./api.js";
@@ -18,6 +19,7 @@ export function registry() {
     trialEnded: new Set(r.ended_trial_states),
     kind: byName(r.record_kinds), // a record kind by its name: sets.kind.step
     metric: Object.fromEntries(r.sweep_metrics.map((m) => [m.name, m])),
+    unit: byName(r.units), // a unit by its name: sets.unit.fraction
   })).catch((err) => {
     loading = null; // asked again by the next view
     throw err;

@@ -2,8 +2,8 @@
 // trial with its checkpoint and spec (a job file, as the service renders it), which can be
 // submitted as a job of its own.
 
-import { badge, metricText } from "./display.js";
-import { fmt, h, percent, short } from "./dom.js";
+import { badge, metricText, valueText } from "./display.js";
+import { fmt, h, short } from "./dom.js";
 import { submitJob } from "./form.js";
 
 /** The sweep section of ``job`` (empty and hidden for a job without a sweep). */
@@ -24,6 +24,7 @@ export function renderSweep(box, job, sets) {
     return `${path} ~ ${kind} [${(values || []).map((v) => short(v)).join(", ")}]`;
   }).join("; ");
   const ended = sweep.seconds !== null && sweep.seconds !== undefined;
+  const shown = sets.metrics.filter((m) => m.kind === sets.kind.trial);
   box.replaceChildren(...[
     h("h2", {}, "Trials"),
     h("p", { class: "plan" },
@@ -31,8 +32,8 @@ export function renderSweep(box, job, sets) {
       `ranked by ${sweep.metric} (${sweep.mode === "max" ? "higher" : "lower"} is better). Space: `,
       space || "–", "."),
     h("table", { class: "trials", id: "trials" },
-      h("thead", {}, h("tr", {}, ["trial", "state", ...paths, "step", "test accuracy",
-        "test loss", "train s", ""].map((c) => h("th", {}, c)))),
+      h("thead", {}, h("tr", {}, ["trial", "state", ...paths, "step", ...shown.map((m) => m.label),
+        ""].map((c) => h("th", {}, c)))),
       h("tbody", {}, sweep.trials.map((t) => h("tr", {
         class: isBest(t) ? "best" : "", "data-trial": t.trial_id, "data-state": t.state,
       },
@@ -40,10 +41,7 @@ export function renderSweep(box, job, sets) {
         h("td", {}, badge(t.state)),
         paths.map((path) => h("td", { class: "num" }, short((t.params || {})[path]))),
         h("td", { class: "num" }, fmt(t.step)),
-        h("td", { class: "num" }, (t.metrics || {}).test_accuracy === undefined ||
-          t.metrics.test_accuracy === null ? "–" : percent(t.metrics.test_accuracy)),
-        h("td", { class: "num" }, fmt((t.metrics || {}).test_loss)),
-        h("td", { class: "num" }, fmt((t.metrics || {}).train_s)),
+        shown.map((m) => h("td", { class: "num" }, valueText(m.unit, (t.metrics || {})[m.field], sets))),
         h("td", { class: "note" }, note(t)))))),
     sweep.trials.length ? null : h("p", { class: "empty" }, "No trial has started yet."),
     best ? bestBlock(sweep, sets) : ended

@@ -41,7 +41,7 @@ export function renderTuner(box, job) {
       record.cache === "hit" ? "came from the tuner's cache" : `took ${fmt(record.profile_s)} s`,
       `; the plain step (no K-FAC) takes ${fmt(record.plain_ms_per_step)} ms.`),
     h("table", { class: "candidates" },
-      h("thead", {}, h("tr", {}, ["fraction", "factor / inverse every", "predicted memory",
+      h("thead", {}, h("tr", {}, ["worker fraction", "factor / inverse every", "predicted memory",
         "K-FAC state", "predicted ms / step", "verdict"].map((c) => h("th", {}, c)))),
       h("tbody", {}, candidates.map((c) => h("tr", {
         class: same(c) ? "chosen" : c.rejected ? "rejected" : "",
