@@ -10,7 +10,7 @@ about 17 minutes on 2 cores.
 Beside it, throughout: another user's ``ray start --head`` on Ray's default ports and temp
 directory (it writes ``/tmp/ray/ray_current_cluster``), and a second ``kaisa-ray serve`` with
 its embedded head running ``examples/quickstart.yaml``, as ``make run`` does (both from
-``tests/neighbours.py``). The sweep runs as a new user runs it: in a fresh clone of this
+``tests/support/neighbours.py``). The sweep runs as a new user runs it: in a fresh clone of this
 commit (its ``.venv`` linked to this checkout's), a fresh home, no Ray or kaisa-ray variables,
 the README's command line through ``bash``.
 
@@ -43,9 +43,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tests"))
-from cli_process import ANY_OTHER, connected_to, own_heads_left, user_env  # noqa: E402
-from neighbours import neighbours  # noqa: E402
 from report import machine, write_block  # noqa: E402
+from support.cli_process import ANY_OTHER, connected_to, own_heads_left, user_env  # noqa: E402
+from support.neighbours import neighbours  # noqa: E402
 
 from kaisa_ray.train.records import TrialState  # noqa: E402
 

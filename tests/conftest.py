@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from support.browser import browser  # noqa: F401 - the fixture, for every module
 
 if TYPE_CHECKING:
-    from ray_head import RayHead
+    from support.ray_head import RayHead
 
 HEAD = pytest.StashKey["RayHead"]()
 
@@ -62,7 +63,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_configure(config: pytest.Config) -> None:
     # Ray reads its auth settings when it is first imported, so they are set before any test
     # module imports it: token auth, as on a real cluster, with a token made for this run.
-    from ray_head import TEST_ENV
+    from support.ray_head import TEST_ENV
 
     os.environ.update(TEST_ENV)
     os.environ["RAY_AUTH_MODE"] = "token"
@@ -76,7 +77,7 @@ def ray_head(
 ) -> Iterator[RayHead]:
     """One real Ray head (job server, token auth) for the run; this process is connected."""
     import ray
-    from ray_head import start_head
+    from support.ray_head import start_head
 
     head = start_head(tmp_path_factory.mktemp("ray"), token=os.environ["RAY_AUTH_TOKEN"])
     request.config.stash[HEAD] = head
@@ -97,6 +98,6 @@ def _no_ray_job_outlives_its_module(request: pytest.FixtureRequest) -> Iterator[
     yield
     head = request.config.stash.get(HEAD, None)
     if head is not None and head.alive():
-        from ray_head import stop_unfinished_jobs
+        from support.ray_head import stop_unfinished_jobs
 
         stop_unfinished_jobs(head)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from models import repeated_shapes
+from support.models import repeated_shapes
 from torch import nn
 
 from kaisa_ray import KFACPreconditioner

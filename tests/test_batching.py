@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 import torch.nn.functional as F
-from models import grouped_and_odd, repeated_shapes
+from support.models import grouped_and_odd, repeated_shapes
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 

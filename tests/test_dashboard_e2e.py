@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from service_process import ServiceProcess, reusable_port, start_service
+from support.browser import CHROMEDRIVER, CHROMIUM, text_of, wait
+from support.service_process import ServiceProcess, reusable_port, start_service
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
 from service.head import RayHead
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 TOKEN = "dashboard-e2e-token"
 
 pytestmark = [
@@ -78,29 +77,6 @@ def browser(tmp_path: Path) -> Iterator[Any]:
         yield driver
     finally:
         driver.quit()
-
-
-def wait(check: Callable[[], T | None], what: str, timeout_s: float = 30) -> T:
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            found = check()
-        except Exception as err:  # the page is changing under us: try again
-            last = err
-            found = None
-        if found:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last error: {last})")
-
-
-def text_of(driver: Any, css: str) -> str:
-    """The text of the first element ``css`` finds ("" if none), read in the page in one step:
-    the list redraws its rows as events come, so an element found and then read could be
-    gone in between."""
-    script = "const e = document.querySelector(arguments[0]); return e ? e.innerText : '';"
-    return str(driver.execute_script(script, css))
 
 
 def points(driver: Any, chart: str) -> int:

@@ -17,11 +17,15 @@ from typing import Any
 
 import httpx
 import pytest
-from fake_runner import FakeRunner
 from fastapi import Request, Response
-from test_dashboard_e2e import CHROMEDRIVER, CHROMIUM, text_of, wait
-from test_plan_dashboard import browser  # noqa: F401 - the fixture
-from test_service_cli import serve
+from support.browser import (
+    CHROMEDRIVER,
+    CHROMIUM,
+    text_of,
+    wait,
+)
+from support.fake_runner import FakeRunner
+from support.served import serve
 
 from service.app import create_app
 from service.settings import Settings
@@ -62,7 +66,7 @@ def held_site(tmp_path: Path) -> Iterator[tuple[str, threading.Event]]:
     reason="needs Debian's chromium and chromium-driver (make setup installs them)",
 )
 def test_the_job_list_shows_before_the_event_stream_connects(
-    browser: Any,  # noqa: F811 - the fixture
+    browser: Any,
     held_site: tuple[str, threading.Event],
 ) -> None:
     url, release = held_site

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from harness import run_distributed
-from kfac_workers import (
+from support.harness import run_distributed
+from support.kfac_workers import (
     STEPS,
     checkpoint_worker,
     equivalence_worker,

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_distributed
-from kfac_workers import equivalence_worker, reference_params
-from models import repeated_shapes
+from support.harness import run_distributed
+from support.kfac_workers import equivalence_worker, reference_params
+from support.models import repeated_shapes
 from torch import nn
 
 from kaisa_ray import KFACPreconditioner

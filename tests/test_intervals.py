@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from test_preconditioner import batches, small_cnn, train
+from support.kfac_training import batches, small_cnn, train
 
 from kaisa_ray import KFACPreconditioner
 from kaisa_ray.errors import ConfigurationError

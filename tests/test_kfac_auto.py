@@ -13,8 +13,8 @@ import pytest
 import ray
 import yaml
 from click.testing import CliRunner
-from ray_head import RayHead
-from test_ray_train import job, records
+from support.ray_head import RayHead
+from support.ray_jobs import job, records
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
 from kaisa_ray.train.job import run_job

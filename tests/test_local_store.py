@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_tuner_cost import profile
+from support.profiles import profile
 
 from kaisa_ray.train.connection import cluster_address
 from kaisa_ray.train.head import free_port, reachable

@@ -12,7 +12,7 @@ from typing import Any
 import heavyball
 import pytest
 import torch
-from ray_head import RayHead
+from support.ray_head import RayHead
 from torch import nn
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset

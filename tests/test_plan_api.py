@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from fake_runner import FakeRunner
-from test_service_api import TOKEN, anonymous, start
+from support.fake_runner import FakeRunner
+from support.service_app import TOKEN, anonymous, start
 
 from kaisa_ray.train.planning import PlanRequest, plan_job
 

@@ -14,10 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_runner import FakeRunner
 from pydantic import SecretStr
-from test_dashboard_e2e import CHROMEDRIVER, CHROMIUM, text_of, wait
-from test_service_cli import serve
+from support.browser import (
+    CHROMEDRIVER,
+    CHROMIUM,
+    text_of,
+    wait,
+)
+from support.fake_runner import FakeRunner
+from support.served import serve
 
 from service.app import create_app
 from service.settings import Settings
@@ -41,33 +46,6 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, FakeRu
         server.should_exit = True
         thread.join(timeout=15)
         assert not thread.is_alive(), "uvicorn did not shut down"
-
-
-@pytest.fixture
-def browser(tmp_path: Path) -> Iterator[Any]:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        f"--user-data-dir={tmp_path / 'chromium'}",
-        "--window-size=1440,1000",
-    ):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def test_the_form_prices_the_job_before_it_is_submitted(

@@ -12,7 +12,7 @@ import ray.train
 import torch
 import torch.nn.functional as F
 from ray.train.torch import TorchTrainer
-from ray_head import RayHead
+from support.ray_head import RayHead
 from torch import nn
 
 from kaisa_ray import KFACPreconditioner

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_distributed
+from support.harness import run_distributed
 from torch import nn
 from torch.func import functional_call
 

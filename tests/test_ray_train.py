@@ -19,14 +19,14 @@ import torch
 import yaml
 from click.testing import CliRunner
 from ray.job_submission import JobStatus, JobSubmissionClient
-from ray_head import RAY, RayHead
+from support.ray_head import RAY, RayHead
+from support.ray_jobs import LIMIT, job, records
 
 from kaisa_ray import KFACPreconditioner
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset
 from kaisa_ray.train.example import evaluate
 from kaisa_ray.train.job import JobResult, run_job
 from kaisa_ray.train.models import LeNetCNN
-from kaisa_ray.train.progress import read_progress
 from kaisa_ray.train.spec import parse_job_spec
 from kaisa_ray.train.state import load_checkpoint_file
 from service.cli import main
@@ -38,29 +38,6 @@ pytestmark = [
         not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
     ),
 ]
-
-LIMIT = 2048
-
-
-def job(**overrides: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "name": "e2e",
-        "model": {"name": "lenet"},
-        "dataset": {"name": "fashion-mnist", "batch_size": 64, "limit": LIMIT},
-        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
-        "kfac": {"strategy": "comm-opt", "factor_update_steps": 5, "inv_update_steps": 20},
-        "scaling": {"workers": 2},
-        "stop": {"max_steps": 40},
-        "eval_every": 20,
-        "checkpoint": {"every_steps": 20, "keep": 10},
-        "seed": 3,
-    }
-    spec.update(overrides)
-    return spec
-
-
-def records(run: str, kind: str) -> list[dict[str, Any]]:
-    return list(read_progress(run, kinds=[kind])["records"])
 
 
 def test_two_worker_kfac_job_end_to_end(ray_head: RayHead, tmp_path: Path) -> None:

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import yaml
 from click.testing import CliRunner
-from fake_runner import FakeRunner
-from polling import wait_for
 from pydantic import ValidationError
-from test_service_api import Service, spec, start
+from support.fake_runner import FakeRunner
+from support.polling import wait_for
+from support.service_app import Service, spec, start
 
 from kaisa_ray.train.reference import DOC, render
 from service.admission import Capacity, admit

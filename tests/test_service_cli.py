@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,13 +19,13 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
-import uvicorn
 import yaml
 from click.testing import CliRunner, Result
-from fake_runner import FakeRunner
 from fastapi import FastAPI
-from polling import wait_for, wait_for_job
 from pydantic import SecretStr
+from support.fake_runner import FakeRunner
+from support.polling import wait_for, wait_for_job
+from support.served import serve
 
 from kaisa_ray.train.records import KFACChoice, TunerRecord
 from service.app import create_app
@@ -121,23 +120,6 @@ class Service:
         finally:
             self.fake.finish(found, status, message)
         return found
-
-
-def serve(app: FastAPI, sock: socket.socket) -> tuple[uvicorn.Server, threading.Thread, str]:
-    """``app`` under uvicorn in a thread, on a loopback port the OS picked."""
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app, lifespan="on", log_config=None, access_log=False, timeout_graceful_shutdown=5
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(
-        target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True
-    )
-    thread.start()
-    wait_for(lambda: server.started or not thread.is_alive(), "uvicorn to start")
-    assert server.started, "uvicorn stopped during start-up (see the log)"
-    return server, thread, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ import pytest
 import yaml
 from ray.job_submission import JobStatus, JobSubmissionClient
 from ray.util.state import list_actors
-from ray_head import RayHead
-from service_process import ServiceProcess, start_service
+from support.ray_head import RayHead
+from support.service_process import ServiceProcess, start_service
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
 from kaisa_ray.train.job import run_job

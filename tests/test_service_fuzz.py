@@ -30,8 +30,6 @@ from typing import Any
 
 import pytest
 import schemathesis
-import test_service_sweeps as sweeps
-from fake_runner import FakeRunner
 from fastapi import FastAPI
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -47,6 +45,8 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from support import sweep_data as sweeps
+from support.fake_runner import FakeRunner
 
 from kaisa_ray.train.records import CandidateRow, KFACChoice, TunerRecord
 from service.app import create_app

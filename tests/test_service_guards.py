@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fake_runner import FakeRunner
 from pydantic import ValidationError
-from test_service_api import TOKEN, Service, make_client, spec, start
+from support.fake_runner import FakeRunner
+from support.service_app import TOKEN, Service, make_client, spec, start
 
 from kaisa_ray.train.corpus import DEFAULT_FORTUNES_DIR
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_runner import FakeRunner
-from polling import wait_for
-from slow_plugin import slow_plugin  # noqa: F401 (a fixture)
-from test_service_api import Service, spec, start
+from support.fake_runner import FakeRunner
+from support.polling import wait_for
+from support.service_app import Service, spec, start
+from support.slow_plugin import slow_plugin  # noqa: F401 (a fixture)
 
 from service.admission import PROCESS_BYTES
 from service.runner import RayJobStatus

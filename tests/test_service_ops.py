@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from service_process import ServiceProcess, start_service
+from support.service_process import ServiceProcess, start_service
 
 from service.head import RayHead, descendants
 

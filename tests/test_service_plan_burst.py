@@ -18,9 +18,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from polling import wait_for
-from service_process import ServiceProcess, start_service
-from slow_plugin import with_slow_plugin
+from support.polling import wait_for
+from support.service_process import ServiceProcess, start_service
+from support.slow_plugin import with_slow_plugin
 
 from service.head import RayHead, descendants
 

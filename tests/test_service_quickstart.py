@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from ray_head import TEST_ENV
-from service_process import reusable_port
+from support.ray_head import TEST_ENV
+from support.service_process import reusable_port
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
 

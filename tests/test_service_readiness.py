@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fake_runner import FakeRunner
-from test_service_api import Service, spec, start
+from support.fake_runner import FakeRunner
+from support.service_app import Service, spec, start
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from polling import wait_for
-from service_process import ServiceProcess, start_service
+from support.polling import wait_for
+from support.service_process import ServiceProcess, start_service
 
 from service.head import RayHead
 from service.runner import submission_id

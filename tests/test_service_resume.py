@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import test_service_sweeps as sweeps
-from fake_runner import FakeRunner
-from test_service_api import Service, start
+from support import sweep_data as sweeps
+from support.fake_runner import FakeRunner
+from support.service_app import Service, start
 
 from service.app import FOLLOWER_STOP_S, RAY_CLOSE_S
 from service.restart import READS_S

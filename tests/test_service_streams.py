@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
-from test_service_sweeps import queued
+from support.sweep_data import queued
 
 from service.hub import Hub, Update
 from service.job_data import Job

@@ -17,8 +17,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_process import ANY_OTHER, KAISA_RAY, ROOT, connected_to, own_heads_left, run, user_env
-from neighbours import DefaultPortsRay, MakeRun, neighbours
+from support.cli_process import (
+    ANY_OTHER,
+    KAISA_RAY,
+    ROOT,
+    connected_to,
+    own_heads_left,
+    run,
+    user_env,
+)
+from support.neighbours import DefaultPortsRay, MakeRun, neighbours
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
 from kaisa_ray.train.head import start_head

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import yaml
-from cli_process import KAISA_RAY, own_heads_left, run, user_env
 from click.testing import CliRunner
-from ray_head import RayHead
+from support.cli_process import KAISA_RAY, own_heads_left, run, user_env
+from support.ray_head import RayHead
 
 from kaisa_ray.train.records import TrialOutcome, TrialRecord, TrialState
 from kaisa_ray.train.spec import JobSpecError, parse_job_spec, trial_spec

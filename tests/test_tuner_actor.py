@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tuner_cost import EVEN, MIB, profile
+from support.profiles import EVEN, MIB, profile
 
 from kaisa_ray.train.auto_choice import candidate_rows
 from kaisa_ray.train.models import MLP, LeNetCNN

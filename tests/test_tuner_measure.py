@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
-from harness import run_distributed
+from support.harness import run_distributed
 
 from tuner.cost import CubicFit, LinkFit
 from tuner.measure import (

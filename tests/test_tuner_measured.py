@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_distributed
+from support.harness import run_distributed
 from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray.train.optimizers import build_optimizer

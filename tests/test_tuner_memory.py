@@ -7,7 +7,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from harness import run_distributed
+from support.harness import run_distributed
 
 from kaisa_ray import KFACPreconditioner
 from kaisa_ray.plan import plan

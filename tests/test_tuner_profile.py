@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from harness import run_distributed
+from support.harness import run_distributed
 from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray.train.models import LeNetCNN

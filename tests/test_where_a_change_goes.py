@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from fake_runner import FakeRunner
 from fastapi import APIRouter
 from pydantic import BaseModel
-from test_service_api import TOKEN, make_client
+from support.fake_runner import FakeRunner
+from support.service_app import TOKEN, make_client
 from torch import nn
 
 from kaisa_ray.train import registry, shapes

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from polling import wait_for
+from support.polling import wait_for
 
 from service.worker_pool import PoolCancelledError, PoolStoppedError, WorkerPool
 

@@ -21,10 +21,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ray_head import RAY, TEST_ENV
-from service_process import KAISA_RAY, reusable_port
-
 from service.head import venv_path
+from support.ray_head import RAY, TEST_ENV
+from support.service_process import KAISA_RAY, reusable_port
 
 ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")
 DEFAULT_PORTS = {"gcs": 6379, "dashboard": 8265, "dashboard agent": 52365, "client server": 10001}

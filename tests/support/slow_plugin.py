@@ -11,7 +11,7 @@ import pytest
 
 from kaisa_ray.train import registry
 
-PLUGINS = Path(__file__).parent / "plugins"
+PLUGINS = Path(__file__).parents[1] / "plugins"
 
 
 def with_slow_plugin() -> str:

@@ -9,11 +9,10 @@ import re
 import subprocess
 from pathlib import Path
 
-from ray_head import TEST_ENV
-
 from kaisa_ray.train.head import HEAD_PREFIX
+from support.ray_head import TEST_ENV
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KAISA_RAY = str(ROOT / ".venv" / "bin" / "kaisa-ray")
 ANY_OTHER = "Found multiple active Ray instances"  # Ray's cleaners, lost among several Rays
 
