@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from support.browser import browser  # noqa: F401 - the fixture, for every module
+
+# Fixtures for every module (a module that defines its own of the same name uses its own).
+from support.browser import browser  # noqa: F401
+from support.service_app import service  # noqa: F401
 
 if TYPE_CHECKING:
     from support.ray_head import RayHead
@@ -40,7 +43,7 @@ LONGEST_FIRST = [
     "test_multinode.py",
     "test_distributed.py",
     "test_dashboard_e2e.py",
-    "test_service_api.py",
+    "test_service_jobs_api.py",
 ]
 
 

@@ -4,13 +4,15 @@ Starlette's test client: what the API tests share."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pytest
 from fastapi import FastAPI
 
+from kaisa_ray.train.records import CandidateRow, KFACChoice, TunerRecord
 from service.app import create_app
 from service.settings import Settings
 from service.store import JobStore
@@ -133,3 +135,73 @@ def anonymous(client: TestClient, method: str, url: str, **kwargs: Any) -> httpx
     del request.headers["Authorization"]
     response: httpx.Response = client.send(request)
     return response
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[Service]:
+    fake = FakeRunner()
+    app, client = start(tmp_path, fake)
+    with client:
+        yield Service(app, client, fake)
+
+
+def fields(response: httpx.Response) -> list[str]:
+    assert response.status_code == 422, response.text
+    assert "Traceback" not in response.text
+    body = response.json()
+    assert set(body) == {"detail", "problems"}
+    assert body["detail"].startswith(f"{len(body['problems'])} problem(s): ")
+    return [problem["field"] for problem in body["problems"]]
+
+
+def history(job: dict[str, Any]) -> list[tuple[str | None, str, str]]:
+    return [(t["from_state"], t["to_state"], t["event"]) for t in job["transitions"]]
+
+
+CHOSEN = KFACChoice(grad_worker_fraction=1.0, factor_update_steps=5, inv_update_steps=50)
+CANDIDATES = [
+    CandidateRow(
+        grad_worker_fraction=1.0,
+        factor_update_steps=5,
+        inv_update_steps=50,
+        memory_bytes=1000,
+        kfac_state_bytes=400,
+        ms_per_step=12.5,
+        rejected=None,
+    ),
+    CandidateRow(
+        grad_worker_fraction=0.5,
+        factor_update_steps=5,
+        inv_update_steps=50,
+        memory_bytes=1200,
+        kfac_state_bytes=600,
+        ms_per_step=20.0,
+        rejected="needs 1.17 KiB, over the budget by 0.17 KiB",
+    ),
+]
+
+TUNER = TunerRecord(
+    cache="miss",
+    profile_s=1.5,
+    budget_bytes=1100,
+    base_memory_bytes=500,
+    kfac_transient_bytes=100,
+    plain_ms_per_step=9.0,
+    chosen=CHOSEN,
+    candidates=CANDIDATES,
+)
+
+
+def events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
+    """(event, data) of each server-sent event in ``lines``."""
+    kind = "message"
+    data: list[str] = []
+    for line in lines:
+        if line == "":
+            if data:
+                yield kind, "\n".join(data)
+            kind, data = "message", []
+        elif line.startswith("event:"):
+            kind = line.removeprefix("event:").strip()
+        elif line.startswith("data:"):
+            data.append(line.removeprefix("data:").removeprefix(" "))
