@@ -284,7 +284,113 @@ def train(config: TrainConfig, session: Session) -> None:
         session.push(EndRecord(step=training.step), wait=True)
 
 
+@dataclass
+class Report:
+    """What every rank reports to Ray Train after a step that checkpoints or (in a sweep's
+    trial) evaluates: Ray Tune's metrics of the trial."""
+
+    step: int
+    finished: bool  # the job met its stop condition ("done" is Ray Tune's own key)
+    train_s: float  # seconds in training steps since this attempt began
+    last_eval: tuple[float, float] | None  # (test loss, test accuracy)
+    reached: bool  # the stop target was met
+
+    def metrics(self) -> dict[str, Any]:
+        metrics: dict[str, Any] = {
+            "step": self.step,
+            "finished": self.finished,
+            "train_s": self.train_s,
+        }
+        if self.last_eval is not None:
+            loss, accuracy = self.last_eval
+            metrics[EvalMetric.TEST_LOSS.value] = loss
+            metrics[EvalMetric.TEST_ACCURACY.value] = accuracy
+        if self.reached:
+            metrics["time_to_target_s"] = self.train_s
+        return metrics
+
+
+def _diverged(training: Training, step: int, loss: float) -> TrainingDivergedError:
+    fix = (
+        "Raise kfac.min_damping (the floor of the quadratic model's adapted damping, "
+        f"now {training.quadratic.min_damping:g}) or kfac.damping (its start), or set "
+        "kfac.update: optimizer: the quadratic-model step is for large batches"
+        if training.quadratic is not None
+        else "Lower optimizer.lr, raise kfac.damping or tighten kfac.kl_clip"
+    )
+    return TrainingDivergedError(
+        f"the training loss is {loss} at step {step} on rank {training.rank}: "
+        f"the run diverged. {fix}"
+    )
+
+
+def _train_step(training: Training, criterion: nn.Module, step: int, window: Window) -> float:
+    """One optimizer step on the step's batch, added to ``window``; its seconds."""
+    tick = time.perf_counter()
+    x, y = training.shard.batch(step)
+    x = x.to(training.device, non_blocking=True)
+    y = y.to(training.device, non_blocking=True)
+    training.optimizer.zero_grad(set_to_none=True)
+    with training.precision.autocast():
+        logits = training.net(x)
+        loss = criterion(logits, y)
+    loss_value = float(loss.detach())
+    if not math.isfinite(loss_value):
+        raise _diverged(training, step, loss_value)
+    training.update(loss, x, y)
+    if training.preconditioner is not None:
+        window.add_kfac(training.preconditioner.times.reset())
+    training.step = step
+    window.steps += 1
+    window.loss += loss_value
+    window.correct += int((logits.detach().argmax(dim=1) == y).sum())
+    window.samples += y.shape[0]
+    took = time.perf_counter() - tick
+    window.step_s += took
+    return took
+
+
+def _send_progress(training: Training, session: Session, step: int, window: Window) -> None:
+    """The window's step record and, where staleness is measured, the intervals record."""
+    if session.rank == 0:
+        epoch, _ = training.shard.position(step)
+        quadratic = None if training.quadratic is None else training.quadratic.last
+        session.push(
+            window.record(
+                step=step, epoch=epoch, lr=training.lr, world=training.world, quadratic=quadratic
+            )
+        )
+    intervals = intervals_record(training.preconditioner, step)  # every rank drains its own
+    if session.rank == 0 and intervals is not None:
+        session.push(intervals)
+
+
+def _evaluate(
+    training: Training, session: Session, step: int, began: float, train_s: float
+) -> tuple[float, float]:
+    """The test loss and accuracy now (every rank), kept as the best so far and sent."""
+    test_loss, test_accuracy = evaluate_shard(
+        training.net, training.shard, training.device, precision=training.precision
+    )
+    training.best[EvalMetric.TEST_ACCURACY.value] = max(
+        training.best.get(EvalMetric.TEST_ACCURACY.value, 0.0), test_accuracy
+    )
+    if session.rank == 0:
+        session.push(
+            EvalRecord(
+                step=step,
+                test_loss=test_loss,
+                test_accuracy=test_accuracy,
+                elapsed_s=time.perf_counter() - began,
+                train_s=train_s,
+            )
+        )
+    return test_loss, test_accuracy
+
+
 def _loop(training: Training, session: Session, config: TrainConfig) -> None:
+    """Steps to the stop condition: train, send progress, evaluate, report (with a checkpoint
+    when one is due), each a step of its own."""
     spec = training.spec
     criterion = nn.CrossEntropyLoss()
     window = Window()
@@ -295,91 +401,25 @@ def _loop(training: Training, session: Session, config: TrainConfig) -> None:
     training.net.train()
     while training.step < training.max_steps:
         step = training.step + 1
-        tick = time.perf_counter()
-        x, y = training.shard.batch(step)
-        x = x.to(training.device, non_blocking=True)
-        y = y.to(training.device, non_blocking=True)
-        training.optimizer.zero_grad(set_to_none=True)
-        with training.precision.autocast():
-            logits = training.net(x)
-            loss = criterion(logits, y)
-        loss_value = float(loss.detach())
-        if not math.isfinite(loss_value):
-            fix = (
-                "Raise kfac.min_damping (the floor of the quadratic model's adapted damping, "
-                f"now {training.quadratic.min_damping:g}) or kfac.damping (its start), or set "
-                "kfac.update: optimizer: the quadratic-model step is for large batches"
-                if training.quadratic is not None
-                else "Lower optimizer.lr, raise kfac.damping or tighten kfac.kl_clip"
-            )
-            raise TrainingDivergedError(
-                f"the training loss is {loss_value} at step {step} on rank {training.rank}: "
-                f"the run diverged. {fix}"
-            )
-        training.update(loss, x, y)
-        if training.preconditioner is not None:
-            window.add_kfac(training.preconditioner.times.reset())
-        training.step = step
-        window.steps += 1
-        window.loss += loss_value
-        window.correct += int((logits.detach().argmax(dim=1) == y).sum())
-        window.samples += y.shape[0]
-        took = time.perf_counter() - tick
-        window.step_s += took
-        train_s += took
+        train_s += _train_step(training, criterion, step, window)
 
         done = step >= training.max_steps
         if step % config.progress_every == 0 or done:
-            if session.rank == 0:
-                epoch, _ = training.shard.position(step)
-                quadratic = None if training.quadratic is None else training.quadratic.last
-                session.push(
-                    window.record(
-                        step=step,
-                        epoch=epoch,
-                        lr=training.lr,
-                        world=training.world,
-                        quadratic=quadratic,
-                    )
-                )
-            intervals = intervals_record(training.preconditioner, step)
-            if session.rank == 0 and intervals is not None:
-                session.push(intervals)
+            _send_progress(training, session, step, window)
             window = Window()
 
         evaluated = step % spec.eval_every == 0 or done
         if evaluated:
-            last_eval = evaluate_shard(
-                training.net, training.shard, training.device, precision=training.precision
-            )
-            test_loss, test_accuracy = last_eval
-            training.best[EvalMetric.TEST_ACCURACY.value] = max(
-                training.best.get(EvalMetric.TEST_ACCURACY.value, 0.0), test_accuracy
-            )
-            if session.rank == 0:
-                session.push(
-                    EvalRecord(
-                        step=step,
-                        test_loss=test_loss,
-                        test_accuracy=test_accuracy,
-                        elapsed_s=time.perf_counter() - began,
-                        train_s=train_s,
-                    )
-                )
-            if _target_met(spec, test_loss, test_accuracy):
+            last_eval = _evaluate(training, session, step, began, train_s)
+            if _target_met(spec, *last_eval):
                 done = reached = True
 
         checkpoint_due = done or step % spec.checkpoint.every_steps == 0
         if checkpoint_due or (config.report_evals and evaluated):
-            # "finished": the job met its stop condition ("done" is Ray Tune's own key).
-            metrics: dict[str, Any] = {"step": step, "finished": done, "train_s": train_s}
-            if last_eval is not None:
-                loss, accuracy = last_eval
-                metrics[EvalMetric.TEST_LOSS.value] = loss
-                metrics[EvalMetric.TEST_ACCURACY.value] = accuracy
-            if reached:
-                metrics["time_to_target_s"] = train_s
+            report = Report(
+                step=step, finished=done, train_s=train_s, last_eval=last_eval, reached=reached
+            )
             keep = checkpoint_due and session.keeps_checkpoints
-            session.report(metrics, snapshot(training) if keep else None)
+            session.report(report.metrics(), snapshot(training) if keep else None)
         if done:
             break
