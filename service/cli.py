@@ -79,7 +79,12 @@ def program() -> str:
 
 @main.command()
 @click.option("--host", default=None, help="Interface to listen on [default: 127.0.0.1].")
-@click.option("--port", type=click.IntRange(0, 65535), default=None, help="[default: 8000]")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="[default: 8000]; 0: a free one the OS picks (uvicorn's start line names it).",
+)
 @click.option(
     "--ray-address",
     default=None,
@@ -243,6 +248,8 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
             pass
     except DatabaseInUseError as err:
         raise click.ClickException(str(err)) from err
+    if submit_file is not None and settings.port == 0:
+        raise click.UsageError("--submit posts to the service's own port: give --port a number")
     app = create_app(settings)
     base = f"http://{settings.host}:{settings.port}"
     token = settings.token.get_secret_value() if settings.token else None
@@ -250,7 +257,11 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
         threading.Thread(
             target=_submit_when_up, args=(base, token, submit_file), daemon=True
         ).start()
-    click.echo(f"kaisa-ray service on {base} (API docs at {base}/docs); Ctrl-C stops it")
+    if settings.port == 0:
+        click.echo(f"kaisa-ray service on {settings.host}, a port the OS picks (uvicorn's line "
+                   "below names it); Ctrl-C stops it")  # fmt: skip
+    else:
+        click.echo(f"kaisa-ray service on {base} (API docs at {base}/docs); Ctrl-C stops it")
     # uvicorn drains on SIGTERM as on SIGINT (what systemd, Docker and Kubernetes send): the
     # lifespan then stops the follower and the embedded Ray head, and logs "shutdown complete".
     logging.getLogger("service").setLevel(logging.INFO)

@@ -453,3 +453,15 @@ def test_cancel_stops_the_job_on_ray(service: Service) -> None:
 def test_cancel_of_an_unknown_job_is_an_error(service: Service) -> None:
     error = failed_with(kaisa_ray(service, "cancel", "no-such-job"))
     assert error == "Error: 404: no job 'no-such-job'; GET /v1/jobs lists the jobs there are\n"
+
+
+def test_serve_submit_needs_a_port_it_can_post_to(tmp_path: Path) -> None:
+    """``--port 0`` (a port the OS picks) serves, but ``--submit`` posts to the service's own
+    port, which it cannot name before uvicorn binds: refused before anything starts."""
+    result = CliRunner().invoke(
+        main,
+        ["serve", "--port", "0", "--data-dir", str(tmp_path), "--submit", str(job_file(tmp_path))],
+    )
+    assert result.exit_code == 2, result.output
+    assert "--submit posts to the service's own port: give --port a number" in result.output
+    assert not (tmp_path / "head.json").exists()  # no Ray head was started

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -83,17 +84,11 @@ def start_service(
     log_name: str = "service.log",
     port: int | None = None,
 ) -> ServiceProcess:
-    """``kaisa-ray serve`` on ``port`` (a free loopback one by default); returns once
-    ``/readyz`` says ready. A port of our choosing that something else took between the choice
-    and uvicorn's bind (the service's own Ray head opens dozens while it starts) is chosen again."""
-    for attempt in range(3):
-        chosen = port or reusable_port()
-        try:
-            return _start_service(data_dir, chosen, token, ray_address, env, timeout_s, log_name)
-        except PortTakenError:
-            if port is not None or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    """``kaisa-ray serve`` on ``port``, or by default on a port the OS picks as uvicorn binds
+    (``--port 0``: no port is chosen, released and bound again); returns once ``/readyz`` says
+    ready. A given port (a restart's) that something else took meanwhile fails with
+    ``PortTakenError``."""
+    return _start_service(data_dir, port or 0, token, ray_address, env, timeout_s, log_name)
 
 
 def _written_since(log: Path, offset: int) -> str:
@@ -137,6 +132,10 @@ def _start_service(
         start = out.tell()  # a restart appends: only what this process writes counts
         process = subprocess.Popen(command, env=child_env, stdout=out, stderr=subprocess.STDOUT)
     service = ServiceProcess(process, f"http://127.0.0.1:{port}", token, log)
+    # Its own uvicorn's start line (a service of another test may answer on a port before
+    # this one binds it): the port, when the OS picked it.
+    bound = str(port) if port else r"\d+"
+    running = re.compile(rf"Uvicorn running on (http://127\.0\.0\.1:{bound}) ")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -147,9 +146,9 @@ def _start_service(
                 else RuntimeError
             )
             raise error(f"kaisa-ray serve exited with {process.returncode}:\n{text}")
-        # Only once uvicorn says it listens on the port: before that, a service of another
-        # test on the same port would answer /readyz in its place.
-        if f"Uvicorn running on http://127.0.0.1:{port} " in _written_since(log, start):
+        found = running.search(_written_since(log, start))
+        if found:
+            service.url = found[1]
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{service.url}/readyz", timeout=2).status_code == 200:
                     return service
