@@ -1,8 +1,8 @@
 """The FastAPI application: the REST API under ``/v1``, health, readiness and Prometheus, the
 dashboard and the API docs.
 
-``create_app(settings)`` builds it from module-level routers (``job_routes``,
-``plan_routes``, ``health_routes``, ``page_routes``) that read the service's state from
+``create_app(settings)`` builds it from module-level routers (``service.routes``: ``jobs``,
+``plan``, ``health``, ``pages``) that read the service's state from
 ``app.state.runtime``; its lifespan opens the store, connects to Ray (or starts the embedded
 head), and runs the follower. Tests pass a fake ``runner``. The token is checked in one place,
 the ``BearerAuth`` middleware; domain errors map to HTTP in one handler.
@@ -34,31 +34,31 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kaisa_ray.train.records import Record
 from kaisa_ray.train.spec import field_problems
-from service import readiness
-from service.database import sole_writer
+from service.domain import readiness
+from service.domain.follower import Follower
+from service.domain.hub import Hub
+from service.domain.job_logs import LogArchive
+from service.domain.jobs import Jobs
+from service.domain.limits import Pricer
+from service.domain.restart import interrupt, resume, stop_training, within
+from service.domain.sandbox import DataRoots
+from service.domain.views import ViewCache
 from service.errors import ServiceError, TookTooLongError
-from service.follower import Follower
 from service.head import RayHead
-from service.health_routes import router as health_router
-from service.hub import Hub
-from service.job_logs import LogArchive
-from service.job_routes import router as job_router
-from service.jobs import Jobs
-from service.limits import Pricer
 from service.metrics import ServiceMetrics
 from service.middleware import BearerAuth, BodyLimit, RateLimit, SecurityHeaders, SpecBody, Timing
 from service.origin import SameOrigin
-from service.page_routes import SECURITY_HEADERS, STATIC, swagger_ui
-from service.page_routes import router as page_router
-from service.plan_routes import router as plan_router
-from service.restart import interrupt, resume, stop_training, within
+from service.routes.health import router as health_router
+from service.routes.jobs import router as job_router
+from service.routes.pages import SECURITY_HEADERS, STATIC, swagger_ui
+from service.routes.pages import router as page_router
+from service.routes.plan import router as plan_router
+from service.routes.schemas import ErrorBody, FieldProblem, ValidationErrorBody
 from service.runner import RayRunner, Runner
 from service.runtime import Runtime
-from service.sandbox import DataRoots
-from service.schemas import ErrorBody, FieldProblem, ValidationErrorBody
 from service.settings import Settings
-from service.store import JobStore
-from service.views import ViewCache
+from service.store.database import sole_writer
+from service.store.repository import JobStore
 from service.worker_pool import WorkerPool
 
 __all__ = ["API_VERSION", "create_app"]
@@ -99,7 +99,7 @@ def create_app(
 ) -> FastAPI:
     """The service. ``runner``: a fake Ray for tests (default: the real one).
     ``jobs_stop_with_service``: whether stopping the service stops its Ray Jobs, so that it
-    interrupts them and resumes them at its next start (``service.restart``) [default: with
+    interrupts them and resumes them at its next start (``service.domain.restart``) [default: with
     the embedded head; a test's fake runner says so itself]."""
     settings = settings or Settings()
 
@@ -360,7 +360,7 @@ def _handlers(app: FastAPI) -> None:
     @app.exception_handler(OperationalError)
     async def database_unavailable(request: Request, err: OperationalError) -> JSONResponse:
         # Another process's lock, a full disk, a read-only file: the service's condition,
-        # which passes; never a 500 (service.readiness).
+        # which passes; never a 500 (service.domain.readiness).
         logger.warning("database: %s on %s %s", err.orig, request.method, request.url.path)
         return JSONResponse(
             ErrorBody(detail=readiness.database_unavailable(err)).model_dump(),

@@ -21,7 +21,7 @@ import click
 
 from kaisa_ray.enums import EvalMetric
 from service.client import ServiceClient, ServiceClientError
-from service.lifecycle import JobState
+from service.model.lifecycle import JobState
 
 __all__ = ["main"]
 
@@ -215,10 +215,10 @@ def serve(submit_file: Path | None, dry_run: bool, **flags: Any) -> None:
     from pydantic import ValidationError
 
     from service.app import create_app
-    from service.database import sole_writer
     from service.errors import DatabaseInUseError
     from service.http_protocol import with_header_timeout
     from service.settings import Settings
+    from service.store.database import sole_writer
 
     if flags.get("token"):
         click.echo(

@@ -38,7 +38,7 @@ class RayUnavailableError(ServiceError):
 
 
 class TookTooLongError(ServiceError):
-    """A call that ``service.restart.within`` waited for past its time (Ray, under load)."""
+    """A call that ``service.domain.restart.within`` waited for past its time (Ray, under load)."""
 
 
 class DatabaseInUseError(ServiceError, RuntimeError):

@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from service.lifecycle import JobState
-from service.store import JobStore
+from service.model.lifecycle import JobState
+from service.store.repository import JobStore
 from service.worker_pool import WorkerPool
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)

@@ -9,14 +9,14 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from service.follower import Follower
+from service.domain.follower import Follower
+from service.domain.jobs import Jobs
+from service.domain.limits import Pricer
+from service.domain.views import ViewCache
 from service.head import RayHead
-from service.jobs import Jobs
-from service.limits import Pricer
 from service.metrics import ServiceMetrics
 from service.settings import Settings
-from service.store import JobStore
-from service.views import ViewCache
+from service.store.repository import JobStore
 from service.worker_pool import WorkerPool
 
 __all__ = ["Runtime", "RuntimeDep"]
@@ -33,7 +33,7 @@ class Runtime:
     metrics: ServiceMetrics
     views: ViewCache
     plans: WorkerPool  # POST /v1/plan's workers
-    pricer: Pricer  # models' footprints, for the caps and admission (service.limits)
+    pricer: Pricer  # models' footprints, for the caps and admission (service.domain.limits)
     head: RayHead | None = None
 
 

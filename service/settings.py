@@ -210,7 +210,7 @@ class Settings(BaseSettings):
     @property
     def roots(self) -> list[Path]:
         """The data roots in force: the configured ones, or the datasets' own folders."""
-        from service.sandbox import default_data_roots
+        from service.domain.sandbox import default_data_roots
 
         return list(self.data_roots) or default_data_roots()
 

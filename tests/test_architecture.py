@@ -130,6 +130,39 @@ def test_every_import_points_inward_core_tuner_train_service() -> None:
     assert layer_violations(graph) == []
 
 
+# The service's rooms, inner to outer; its other modules (the app, settings, the Ray adapter,
+# the CLI...) are its infrastructure, free to use them.
+SERVICE_ROOMS = ("model", "store", "domain", "routes")
+
+
+def room_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each import from one of the service's rooms into a room after it."""
+
+    def room(module: str) -> int | None:
+        parts = module.split(".")
+        if parts[0] != "service" or len(parts) < 2 or parts[1] not in SERVICE_ROOMS:
+            return None
+        return SERVICE_ROOMS.index(parts[1])
+
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if room(module) is not None and room(target) is not None and room(target) > room(module)  # type: ignore[operator]
+    )
+
+
+def test_the_service_s_rooms_import_only_the_rooms_before_them() -> None:
+    """model <- store <- domain <- routes."""
+    graph = project_graph(ROOT)
+    assert {
+        m.split(".")[1] for m in graph if m.count(".") >= 2 and m.startswith("service.")
+    } >= set(SERVICE_ROOMS)
+    assert room_violations(graph) == []
+    planted = {"service.store.repository": {"service.domain.jobs", "service.model.lifecycle"}}
+    assert room_violations(planted) == ["service.store.repository -> service.domain.jobs"]
+
+
 def test_no_module_of_the_project_reaches_itself_through_its_imports() -> None:
     """No circle anywhere (the core's plan and registration were one until ``PlannedLayer``
     moved beside ``LayerShape``; six train modules until the workers' half of ``kfac: auto``

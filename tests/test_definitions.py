@@ -40,7 +40,7 @@ from kaisa_ray.train.records import (
     TrialState,
     Unit,
 )
-from service.lifecycle import JobState
+from service.model.lifecycle import JobState
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(
@@ -202,8 +202,8 @@ def test_the_check_sees_a_record_built_by_hand(tmp_path: Path) -> None:
         "if record['step'] == 'eval':\n    pass\n"  # not a kind: not counted
     )
     assert [line.split(":")[0] for line in kind_literals(bad)] == ["line 1", "line 2", "line 4"]
-    assert "QUEUED" in string_constants(ROOT / "service" / "lifecycle.py")
-    assert "QUEUED" in enum_members(ROOT / "service" / "lifecycle.py")
+    assert "QUEUED" in string_constants(ROOT / "service" / "model" / "lifecycle.py")
+    assert "QUEUED" in enum_members(ROOT / "service" / "model" / "lifecycle.py")
 
 
 def test_every_kind_has_one_record_class_in_the_union() -> None:
@@ -351,7 +351,7 @@ def test_the_check_sees_a_field_written_in_a_script() -> None:
 
 
 def test_every_metric_the_page_shows_is_a_field_of_its_record() -> None:
-    from service.metric_views import CHARTS, COLUMNS, METRICS, RECORD_CLASSES
+    from service.domain.metric_views import CHARTS, COLUMNS, METRICS, RECORD_CLASSES
 
     charts, columns = {c.id for c in CHARTS}, {c.id for c in COLUMNS}
     for metric in METRICS:

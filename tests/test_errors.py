@@ -33,8 +33,8 @@ from service.errors import (
     ServiceError,
     TookTooLongError,
 )
-from service.lifecycle import IllegalTransitionError, JobEvent, JobState
 from service.middleware import _TooDeepError, _TooLargeError
+from service.model.lifecycle import IllegalTransitionError, JobEvent, JobState
 from service.worker_pool import (
     PoolBusyError,
     PoolCancelledError,

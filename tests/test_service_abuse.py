@@ -24,14 +24,14 @@ from support.polling import wait_for
 from support.service_app import Service, spec, start
 
 from kaisa_ray.train.reference import DOC, render
-from service.admission import Capacity, admit
 from service.cli import main
-from service.database import sole_writer, sqlite_file
+from service.domain.admission import Capacity, admit
 from service.errors import DatabaseInUseError
-from service.job_data import Job
-from service.lifecycle import JobState
+from service.model.job_data import Job
+from service.model.lifecycle import JobState
 from service.runner import RayJobStatus, entrypoint, submission_id
 from service.settings import Settings
+from service.store.database import sole_writer, sqlite_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -222,7 +222,7 @@ def test_idempotency_keys_expire_after_a_day(service: Service) -> None:
     assert again["id"] == first["id"]
     store = service.store
     with store._writing() as session:  # the job was made yesterday
-        from service.rows import JobRow
+        from service.store.rows import JobRow
 
         row = session.get(JobRow, first["id"])
         assert row is not None
@@ -298,7 +298,7 @@ def test_a_poisoned_job_and_a_vanished_one_never_stop_the_others(
     (a cancelled one and a running one), one job's progress cannot be read: a third job is
     still followed live to SUCCEEDED; the vanished ones resolve (CANCELLED, and FAILED as
     lost after the grace period), and each repeated error is logged once, with its count."""
-    caplog.set_level(logging.WARNING, logger="service.follower")
+    caplog.set_level(logging.WARNING, logger="service.domain.follower")
     poisoned = service.running("poisoned")
     cancelled = service.running("cancelled")
     lost = service.running("lost")

@@ -50,7 +50,7 @@ from support.fake_runner import FakeRunner
 
 from kaisa_ray.train.records import CandidateRow, KFACChoice, TunerRecord
 from service.app import create_app
-from service.hub import EVERY_JOB
+from service.domain.hub import EVERY_JOB
 from service.runner import RayJobStatus
 from service.settings import Settings
 

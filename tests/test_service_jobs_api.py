@@ -22,8 +22,8 @@ from support.service_app import CANDIDATES, CHOSEN, TUNER, Service, spec, start
 from kaisa_ray.train.records import (
     TunerRecord,
 )
-from service.job_data import Job
-from service.lifecycle import JobEvent
+from service.model.job_data import Job
+from service.model.lifecycle import JobEvent
 from service.runner import RayJobStatus, submission_id
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""The job lifecycle (``service.lifecycle``): every (state, event) pair either moves a job as
+"""The job lifecycle (``service.model.lifecycle``): every (state, event) pair either moves a job as
 ``TRANSITIONS`` says or raises ``IllegalTransitionError`` naming the state and the event."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pickle
 import pytest
 
 from service.errors import ServiceError
-from service.lifecycle import (
+from service.model.lifecycle import (
     ACTIVE,
     FINISHED,
     TRANSITIONS,

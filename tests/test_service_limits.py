@@ -17,7 +17,7 @@ from support.polling import wait_for
 from support.service_app import Service, spec, start
 from support.slow_plugin import slow_plugin  # noqa: F401 (a fixture)
 
-from service.admission import PROCESS_BYTES
+from service.domain.admission import PROCESS_BYTES
 from service.runner import RayJobStatus
 
 GiB = 2**30

@@ -21,9 +21,9 @@ from kaisa_ray.train.records import (
     SweepMetric,
     TrialState,
 )
-from service.database import sole_writer
 from service.errors import DatabaseInUseError
-from service.lifecycle import JobState
+from service.model.lifecycle import JobState
+from service.store.database import sole_writer
 
 if TYPE_CHECKING:
     pass

@@ -1,4 +1,4 @@
-"""A graceful restart that resumes (``service.restart``), in process: the app's lifespan on a
+"""A graceful restart that resumes (``service.domain.restart``), in process: the app's lifespan on a
 real SQLite file, ``FakeRunner`` in place of Ray, and a second app on the same data
 directory as the service's next start. The same with the real ``kaisa-ray serve``, its
 embedded Ray head and a training job is ``test_service_restart.py``."""
@@ -14,9 +14,9 @@ from support.fake_runner import FakeRunner
 from support.service_app import Service, start
 
 from service.app import FOLLOWER_STOP_S, RAY_CLOSE_S
-from service.restart import READS_S
+from service.domain.restart import READS_S
 from service.runner import RayJobStatus, submission_id
-from service.store import JobStore
+from service.store.repository import JobStore
 
 
 def steps(service: Service, job_id: str) -> list[tuple[int, float]]:

@@ -1,6 +1,6 @@
-"""The job store (``service.store.JobStore``) on a real SQLite file: jobs, idempotency keys,
-pages, state transitions, progress, metric history, deletion, reopening; and the Alembic
-migrations against the tables of ``service.rows``."""
+"""The job store (``service.store.repository.JobStore``) on a real SQLite file: jobs,
+idempotency keys, pages, state transitions, progress, metric history, deletion, reopening; and
+the Alembic migrations against the tables of ``service.store.rows``."""
 
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ from sqlalchemy import (
     text,
 )
 
-from service.database import MIGRATIONS
 from service.errors import JobConflictError, JobNotFoundError
-from service.job_data import Job, Metric, Progress, Transition
-from service.lifecycle import IllegalTransitionError, JobEvent, JobState
-from service.rows import Base, JobRow, MetricRow, TransitionRow
-from service.store import JobStore
+from service.model.job_data import Job, Metric, Progress, Transition
+from service.model.lifecycle import IllegalTransitionError, JobEvent, JobState
+from service.store.database import MIGRATIONS
+from service.store.repository import JobStore
+from service.store.rows import Base, JobRow, MetricRow, TransitionRow
 
 
 def spec(name: str = "job", **extra: Any) -> dict[str, Any]:

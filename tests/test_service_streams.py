@@ -11,10 +11,10 @@ from typing import Any
 
 from support.sweep_data import queued
 
-from service.hub import Hub, Update
-from service.job_data import Job
-from service.job_routes import _stream
-from service.lifecycle import JobState
+from service.domain.hub import Hub, Update
+from service.model.job_data import Job
+from service.model.lifecycle import JobState
+from service.routes.jobs import _stream
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Sweep jobs in the service, without Ray: the Ray Job's entrypoint (``kaisa-ray sweep`` for a
 spec with a sweep, checked against the real CLI's parser), and ``interpret`` turning a sweep's
 progress-sink records, batch by batch, into the job's state, progress and sweep view
-(``service.sweeps``) and the event streams' updates."""
+(``service.domain.sweeps``) and the event streams' updates."""
 
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ from support.sweep_data import (
 import kaisa_ray.train.cli as train_cli
 from kaisa_ray.train.records import TrialRecord, TrialState, parse_record
 from service.cli import main as kaisa_ray_cli
-from service.interpretation import interpret
-from service.lifecycle import JobEvent, JobState
+from service.domain.interpretation import interpret
+from service.domain.sweeps import ended, merge, plan
+from service.model.lifecycle import JobEvent, JobState
 from service.runner import entrypoint
-from service.sweeps import ended, merge, plan
 
 # -- the entrypoint ----------------------------------------------------------------------
 

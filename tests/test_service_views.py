@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from service.domain.views import ViewCache
 from service.errors import JobNotFoundError
-from service.lifecycle import IllegalTransitionError, JobEvent
-from service.store import JobStore
-from service.views import ViewCache
+from service.model.lifecycle import IllegalTransitionError, JobEvent
+from service.store.repository import JobStore
 
 
 class Counter:

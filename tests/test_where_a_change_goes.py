@@ -75,7 +75,7 @@ class Echo(BaseModel):
 
 
 def test_a_new_endpoint_is_a_router_the_app_includes(tmp_path: Path) -> None:
-    """A module-level router (as ``job_routes.py``, ``plan_routes.py``) included under
+    """A module-level router (as ``routes/jobs.py``, ``routes/plan.py``) included under
     ``/v1``: the token is checked for it with no code of its own (the one auth path, the
     BearerAuth middleware), and the API's schema documents it."""
     router = APIRouter(tags=["echo"])

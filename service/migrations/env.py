@@ -1,12 +1,12 @@
-"""Alembic's environment for the job store: run by ``service.store.migrate`` (the service does
-it at start-up) or by ``alembic`` with ``-x url=...``."""
+"""Alembic's environment for the job store: run by ``service.store.database.migrate`` (the
+service does it at start-up) or by ``alembic`` with ``-x url=...``."""
 
 from __future__ import annotations
 
 from alembic import context
 from sqlalchemy import Connection, create_engine
 
-from service.rows import Base
+from service.store.rows import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from kaisa_ray.train.records import CandidateRow, KFACChoice, TunerRecord
 from service.app import create_app
 from service.settings import Settings
-from service.store import JobStore
+from service.store.repository import JobStore
 from support.fake_runner import FakeRunner
 from support.polling import wait_for_job
 

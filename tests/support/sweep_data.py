@@ -7,9 +7,9 @@ from dataclasses import replace
 from typing import Any
 
 from kaisa_ray.train.spec import parse_job_spec
-from service.interpretation import Reading, interpret
-from service.job_data import Job
-from service.lifecycle import JobState, transition
+from service.domain.interpretation import Reading, interpret
+from service.model.job_data import Job
+from service.model.lifecycle import JobState, transition
 
 SPACE: dict[str, Any] = {
     "optimizer.lr": {"loguniform": [0.001, 0.1]},

@@ -3,7 +3,7 @@ cluster, tested on their own; the follower applies them every pass).
 
 A job holds CPUs and memory in Ray while it runs: its workers' (a sweep's trials at once,
 each with its own workers) and its driver's. What a job needs is worked out once, when it is
-submitted (``service.limits``: from every trial's spec and the model's predicted memory per
+submitted (``service.domain.limits``: from every trial's spec and the model's predicted memory per
 worker) and stored with it; a job stored before that (or by a test) is counted from its spec,
 CPUs only. First come, first served: a job that does not fit holds the ones behind it, so a
 large job is never starved by small ones; a job larger than the cluster is admitted alone.
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from service.job_data import Job
+from service.model.job_data import Job
 
 __all__ = ["Capacity", "Need", "admit", "job_cpus", "need_of"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.schemas import ErrorBody, ValidationErrorBody
+from service.routes.schemas import ErrorBody, ValidationErrorBody
 
 __all__ = [
     "INVALID",

@@ -12,13 +12,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from service.admission import Capacity, admit
+from service.domain.admission import Capacity, admit
+from service.domain.hub import Update
+from service.domain.interpretation import interpret, ray_outcome
+from service.domain.jobs import Jobs
 from service.errors import RayJobMissingError
-from service.hub import Update
-from service.interpretation import interpret, ray_outcome
-from service.job_data import Job
-from service.jobs import Jobs
-from service.lifecycle import IllegalTransitionError, JobEvent, JobState
+from service.model.job_data import Job
+from service.model.lifecycle import IllegalTransitionError, JobEvent, JobState
 from service.runner import RayJobInfo, RayJobStatus
 
 logger = logging.getLogger(__name__)

@@ -20,10 +20,10 @@ from kaisa_ray.train.records import (
     TunerRecord,
     Unit,
 )
-from service.job_data import Job, Metric, Transition
-from service.lifecycle import JobState
-from service.metric_views import ChartView, ColumnView, MetricView
-from service.sweeps import ended, plan
+from service.domain.metric_views import ChartView, ColumnView, MetricView
+from service.domain.sweeps import ended, plan
+from service.model.job_data import Job, Metric, Transition
+from service.model.lifecycle import JobState
 
 logger = logging.getLogger(__name__)
 

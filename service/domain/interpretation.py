@@ -25,13 +25,13 @@ from kaisa_ray.train.records import (
     WorkerRecord,
     try_record,
 )
-from service.cleaning import clean
-from service.job_data import Job, Metric, Progress
-from service.lifecycle import IllegalTransitionError, JobEvent, JobState, transition
+from service.domain.sweeps import ended as trials_ended
+from service.domain.sweeps import finite
+from service.domain.sweeps import merge as merge_sweep
+from service.model.cleaning import clean
+from service.model.job_data import Job, Metric, Progress
+from service.model.lifecycle import IllegalTransitionError, JobEvent, JobState, transition
 from service.runner import RayJobInfo, RayJobStatus
-from service.sweeps import ended as trials_ended
-from service.sweeps import finite
-from service.sweeps import merge as merge_sweep
 
 STEP_FIELDS = ("loss", "accuracy", "lr", "samples_per_s", "ms_per_step", "kfac_ms_per_step")
 EVAL_FIELDS = (EvalMetric.TEST_LOSS.value, EvalMetric.TEST_ACCURACY.value)
@@ -64,7 +64,7 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
     restarted the group). Events that do not apply in the state reached are skipped (a
     ``start`` while RUNNING changes nothing).
 
-    A sweep job's records (``service.sweeps``): ``sweep-start`` → RUN, with the trials
+    A sweep job's records (``service.domain.sweeps``): ``sweep-start`` → RUN, with the trials
     planned as its total; each ``trial`` record and the final ``sweep`` record merge into
     the job's sweep view (the one stored, ``job.sweep``: records come in batches), and its
     step is the number of trials that are over.

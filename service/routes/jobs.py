@@ -26,15 +26,15 @@ from kaisa_ray.train.records import TRIAL_METRICS, RecordKind, SweepMetric, Tria
 from kaisa_ray.train.reference import STARTER, field_defaults
 from kaisa_ray.train.registry import dataset_names, model_names
 from kaisa_ray.train.spec import AUTO, JobSpec
-from service import limits
+from service.domain import limits
+from service.domain.hub import EVERY_JOB
+from service.domain.interpretation import EVENT_OF
+from service.domain.job_logs import LogArchive
+from service.domain.metric_views import CHARTS, COLUMNS, METRICS
 from service.errors import JobNotFoundError, RayUnavailableError
-from service.hub import EVERY_JOB
-from service.interpretation import EVENT_OF
-from service.job_data import Job
-from service.job_logs import LogArchive
-from service.lifecycle import FINISHED, JobState
-from service.metric_views import CHARTS, COLUMNS, METRICS
-from service.responses import (
+from service.model.job_data import Job
+from service.model.lifecycle import FINISHED, JobState
+from service.routes.responses import (
     INVALID,
     NOT_FOUND,
     PLAIN_ROUTE_ERRORS,
@@ -45,8 +45,7 @@ from service.responses import (
     error,
     json_error,
 )
-from service.runtime import Runtime, RuntimeDep
-from service.schemas import (
+from service.routes.schemas import (
     JobDetail,
     JobList,
     JobView,
@@ -57,6 +56,7 @@ from service.schemas import (
     job_view,
     metric_point,
 )
+from service.runtime import Runtime, RuntimeDep
 
 __all__ = ["registry_now", "router"]
 
@@ -138,7 +138,7 @@ async def submit_job(
     ``queue_position`` says how many are ahead). The body is JSON, or YAML with
     ``Content-Type: application/yaml``. The job, and each trial of a sweep, must be within
     the service's caps (workers, GPUs and CPUs per worker, the model's size, the cluster's
-    memory: ``service.limits``)."""
+    memory: ``service.domain.limits``)."""
     memory = (await run_in_threadpool(runtime.follower.capacity)).memory_bytes
     need = await limits.check(spec, runtime.settings, runtime.pricer, memory)
 

@@ -11,12 +11,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from service.hub import Hub, Update
-from service.job_data import Job
-from service.job_logs import LogArchive
-from service.lifecycle import JobEvent
+from service.domain.hub import Hub, Update
+from service.domain.job_logs import LogArchive
+from service.model.job_data import Job
+from service.model.lifecycle import JobEvent
 from service.runner import Runner
-from service.store import JobStore
+from service.store.repository import JobStore
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Jobs:
 
     def keep_logs(self, job: Job) -> None:
         """Copy the log of the job's Ray Job (the life that just ended) from Ray to the
-        service's own copy (``service.job_logs``), which outlives Ray's. A log Ray cannot
+        service's own copy (``service.domain.job_logs``), which outlives Ray's. A log Ray cannot
         give now is left to Ray: ``/logs`` asks it again."""
         if self.logs is None or job.submission_id is None:
             return

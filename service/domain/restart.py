@@ -8,7 +8,7 @@ server go on), so
 that no checkpoint can be taken after the service's last read of the progress: the
 checkpoint a job resumes from is one whose records the service has. Each job that was in
 Ray is then INTERRUPTED, not FAILED: its last progress is read and its log copied
-(``service.job_logs``). A job being cancelled is CANCELLED (its Ray Job stops anyway); a job
+(``service.domain.job_logs``). A job being cancelled is CANCELLED (its Ray Job stops anyway); a job
 still waiting for admission stays QUEUED.
 
 On the next start with the same database, every INTERRUPTED job goes back to the head of the
@@ -16,8 +16,8 @@ queue (``JobStore.resume``) and, once admitted, is submitted again as a new Ray 
 same run: Ray Train finds the run's checkpoints in its storage under the run's name (the job
 id) and ``ray.train.get_checkpoint()`` gives the worker group the latest one. The records of
 the new life are numbered after the old ones, and its start record drops what the old life
-recorded past the checkpoint's step (``service.interpretation.interpret``): the history goes on
-from the checkpoint with no step twice and none missing.
+recorded past the checkpoint's step (``service.domain.interpretation.interpret``): the history
+goes on from the checkpoint with no step twice and none missing.
 
 A resume does not count against the job's ``max_failures``: that is the job's tolerance for
 its own workers failing (Ray Train counts it within one Ray Job), and a restart of the service
@@ -40,12 +40,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from kaisa_ray.train.head import descendants
+from service.domain.follower import Follower
+from service.domain.jobs import Jobs
 from service.errors import TookTooLongError
-from service.follower import Follower
 from service.head import RayHead
-from service.job_data import Job
-from service.jobs import Jobs
-from service.lifecycle import JobEvent, JobState
+from service.model.job_data import Job
+from service.model.lifecycle import JobEvent, JobState
 
 __all__ = ["interrupt", "resume", "stop_training", "within"]
 

@@ -30,8 +30,8 @@ from kaisa_ray.train.planning import (
     request_from_spec,
 )
 from kaisa_ray.train.spec import JobSpec, ModelSpec
+from service.routes.schemas import ErrorBody, ValidationErrorBody
 from service.runtime import RuntimeDep
-from service.schemas import ErrorBody, ValidationErrorBody
 from service.worker_pool import PoolTimeoutError, WorkRefusedError
 
 MAX_WORKERS = 65536

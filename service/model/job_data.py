@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.lifecycle import JobEvent, JobState
+from service.model.lifecycle import JobEvent, JobState
 
 
 @dataclass(frozen=True)
@@ -31,12 +31,12 @@ class Job:
     total_steps: int | None
     latest: dict[str, Any]
     tuner: dict[str, Any] | None
-    sweep: dict[str, Any] | None  # a sweep job's plan, trials and best (see service.sweeps)
+    sweep: dict[str, Any] | None  # a sweep job's plan, trials and best (see service.domain.sweeps)
     cursor: int
     attempts: int
     resumes: int = 0  # graceful restarts it was resumed after
     seq_base: int = 0  # what its records' numbers in this life start at
-    resources: dict[str, Any] | None = None  # what admission counts (service.admission)
+    resources: dict[str, Any] | None = None  # what admission counts (service.domain.admission)
 
 
 @dataclass(frozen=True)

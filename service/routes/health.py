@@ -1,5 +1,5 @@
 """The service's own health: ``/healthz`` (the process answers), ``/readyz`` (Ray, the
-database and the disks: ``service.readiness``) and ``/metrics`` (Prometheus; behind the
+database and the disks: ``service.domain.readiness``) and ``/metrics`` (Prometheus; behind the
 token, checked by the middleware)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service import readiness
-from service.job_routes import BEARER
-from service.responses import PLAIN_ROUTE_ERRORS
+from service.domain import readiness
+from service.routes.jobs import BEARER
+from service.routes.responses import PLAIN_ROUTE_ERRORS
+from service.routes.schemas import Health
 from service.runtime import RuntimeDep
-from service.schemas import Health
 
 __all__ = ["router"]
 
@@ -39,7 +39,7 @@ async def healthz() -> Health:
 )
 def readyz(runtime: RuntimeDep) -> JSONResponse:
     """Ray reachable, the database written (a heartbeat row), and free space on the disks
-    the service and its jobs write to (``service.readiness``)."""
+    the service and its jobs write to (``service.domain.readiness``)."""
     checks = readiness.checks(runtime)
     ok = all(v == "ok" for v in checks.values())
     body = Health(status="ok" if ok else "unavailable", checks=checks)

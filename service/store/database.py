@@ -1,6 +1,6 @@
 """The job database's file and engine: where a SQLite URL points, the locks that make the
 service its only writer, the file's mode, SQLite's settings and the schema's migrations
-(Alembic). ``service.store`` reads and writes the jobs through it."""
+(Alembic). ``service.store.repository`` reads and writes the jobs through it."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from service.errors import DatabaseInUseError
 
 __all__ = ["migrate", "private_file", "sole_writer", "sqlite_file", "sqlite_pragmas"]
 
-MIGRATIONS = Path(__file__).with_name("migrations")
+MIGRATIONS = Path(__file__).parents[1] / "migrations"
 logger = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_MS = 2000

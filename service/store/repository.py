@@ -21,11 +21,10 @@ from sqlalchemy import create_engine, delete, func, make_url, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.cleaning import plain_text
-from service.database import migrate, private_file, sqlite_file, sqlite_pragmas
 from service.errors import JobConflictError, JobNotFoundError
-from service.job_data import Job, Metric, Progress, Transition
-from service.lifecycle import (
+from service.model.cleaning import plain_text
+from service.model.job_data import Job, Metric, Progress, Transition
+from service.model.lifecycle import (
     ACTIVE,
     FINISHED,
     IllegalTransitionError,
@@ -33,7 +32,8 @@ from service.lifecycle import (
     JobState,
     transition,
 )
-from service.rows import HeartbeatRow, JobRow, MetricRow, TransitionRow
+from service.store.database import migrate, private_file, sqlite_file, sqlite_pragmas
+from service.store.rows import HeartbeatRow, JobRow, MetricRow, TransitionRow
 
 __all__ = ["JobStore", "new_job_id"]
 

@@ -15,7 +15,7 @@ of them at their largest at once. Each is held to:
 - the cluster's memory: the job's workers' predicted memory (all of its concurrent trials'),
   within Ray's ``memory`` resource.
 
-What passes is what admission counts (``service.admission.Need``): CPUs and memory, of the
+What passes is what admission counts (``service.domain.admission.Need``): CPUs and memory, of the
 largest trial. Pricing a built-in model whose every constructor argument is bounded takes
 milliseconds and runs in this process; any other (a plugin's, BERT's unbounded ``layers``)
 runs in a worker process with a time limit (``service.worker_pool``).
@@ -35,7 +35,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kaisa_ray.train.footprint import Footprint, footprint
 from kaisa_ray.train.spec import JobSpec, JobSpecError, KFACSpec, trial_spec
-from service.admission import PROCESS_BYTES, Need
+from service.domain.admission import PROCESS_BYTES, Need
 from service.settings import Settings
 from service.worker_pool import PoolTimeoutError, WorkerPool, WorkRefusedError
 
