@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kaisa_ray.train.records import Record
 from kaisa_ray.train.spec import field_problems
 from service.domain import readiness
-from service.domain.follower import Follower
+from service.domain.follower import RayJobFollower
 from service.domain.hub import Hub
 from service.domain.job_logs import LogArchive
 from service.domain.jobs import Jobs
@@ -128,7 +128,7 @@ def create_app(
                 logs=LogArchive(settings.data_dir / "logs"),
             )
             await run_in_threadpool(resume, jobs)  # what a graceful stop interrupted
-            follower = Follower(
+            follower = RayJobFollower(
                 jobs,
                 interval_s=settings.poll_interval_s,
                 status_interval_s=settings.status_interval_s,

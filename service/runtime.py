@@ -9,7 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from service.domain.follower import Follower
+from service.domain.follower import RayJobFollower
 from service.domain.jobs import Jobs
 from service.domain.limits import Pricer
 from service.domain.views import ViewCache
@@ -29,7 +29,7 @@ class Runtime:
     settings: Settings
     store: JobStore
     jobs: Jobs
-    follower: Follower
+    follower: RayJobFollower
     metrics: ServiceMetrics
     views: ViewCache
     plans: WorkerPool  # POST /v1/plan's workers

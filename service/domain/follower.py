@@ -1,4 +1,4 @@
-"""``Follower``: the background thread that submits queued jobs to Ray as admission control
+"""``RayJobFollower``: the background thread that submits queued jobs to Ray as admission control
 allows, reads their progress, and moves them by what Ray and the progress sink say (through
 ``interpretation``), containing every error to its job.
 """
@@ -33,7 +33,7 @@ class _Trouble:
     since: float = field(default_factory=time.monotonic)
 
 
-class Follower(threading.Thread):
+class RayJobFollower(threading.Thread):
     """Submits queued jobs as admission control allows, follows running ones to the end,
     stops cancelled ones.
 

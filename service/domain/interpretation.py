@@ -1,5 +1,5 @@
 """What a job's progress records and its Ray Job's status mean for the job: pure functions
-(``interpret``, ``ray_outcome``), tested on their own, that ``follower.Follower`` applies; and
+(``interpret``, ``ray_outcome``), tested on their own, that ``follower.RayJobFollower`` applies; and
 the event each record kind is streamed as.
 """
 

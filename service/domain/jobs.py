@@ -2,7 +2,7 @@
 
 Every change of a job's state goes through ``Jobs.apply`` (which uses the store's transition
 and publishes the new state to the event streams). What moves jobs along in the background is
-``follower.Follower``; what their records mean, ``interpretation``.
+``follower.RayJobFollower``; what their records mean, ``interpretation``.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from kaisa_ray.train.head import descendants
-from service.domain.follower import Follower
+from service.domain.follower import RayJobFollower
 from service.domain.jobs import Jobs
 from service.errors import TookTooLongError
 from service.head import RayHead
@@ -124,7 +124,7 @@ under load answers late, and the whole stop must end in a service manager's grac
 
 def interrupt(
     jobs: Jobs,
-    follower: Follower,
+    follower: RayJobFollower,
     stop: Callable[[], object] | None = None,
     reads_s: float = READS_S,
 ) -> list[Job]:
