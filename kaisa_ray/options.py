@@ -129,13 +129,13 @@ class PreconditionerOptions:
             **rest,
         )
         options._check()
-        if options.scaling is Scaling.ADAM_EIGENBASIS:
-            # No eigenvalue table to build.
-            options = replace(options, compute_eigenvalue_outer_product=False)
         return replace(
             options,
             adam_betas=(float(options.adam_betas[0]), float(options.adam_betas[1])),
             adam_eps=float(options.adam_eps),
+            # Adam in the eigenbasis has no eigenvalue table to build.
+            compute_eigenvalue_outer_product=options.compute_eigenvalue_outer_product
+            and options.scaling is not Scaling.ADAM_EIGENBASIS,
         )
 
     def _check(self) -> None:

@@ -24,7 +24,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from support.browser import CHROMEDRIVER, CHROMIUM, text_of, wait
@@ -46,8 +46,6 @@ pytestmark = [
         reason="needs Debian's chromium and chromium-driver (make setup installs them)",
     ),
 ]
-
-T = TypeVar("T")
 
 
 @pytest.fixture

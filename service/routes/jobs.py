@@ -10,7 +10,6 @@ A module-level router: it reads the service's state and settings from the app
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Literal
@@ -96,12 +95,9 @@ def registry_now() -> Registry:
         metrics=METRICS,
         charts=CHARTS,
         columns=COLUMNS,
-        defaults=_DEFAULTS(),
+        defaults=field_defaults(),
         starter=STARTER,
     )
-
-
-_DEFAULTS = functools.cache(field_defaults)
 
 
 @router.post(
