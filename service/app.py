@@ -18,7 +18,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -177,28 +177,54 @@ def create_app(
             finally:
                 logger.info("shutting down: the follower, Ray, the embedded head, the store")
                 clock = _PhaseClock()
-                await plans.close()
-                await checks.close()
-                clock.lap("the plan and check pools")
-                follower.stop(timeout=FOLLOWER_STOP_S)
-                clock.lap("the follower")
+                failed: list[str] = []
+
+                async def phase(name: str, step: Callable[[], Awaitable[object]]) -> None:
+                    # One phase's failure never skips the next: above all, the embedded head
+                    # (and every process it started) is stopped whatever went before.
+                    try:
+                        await step()
+                    except Exception:
+                        logger.exception("shutdown: %s failed; going on", name)
+                        failed.append(name)
+                    clock.lap(name)
+
+                async def pools() -> None:
+                    await plans.close()
+                    await checks.close()
+
+                async def ray_client() -> None:
+                    try:
+                        await run_in_threadpool(within, RAY_CLOSE_S, active.close)
+                    except TookTooLongError as err:  # the head's stop below ends it anyway
+                        logger.warning("Ray's client did not close: %s", err)
+
+                await phase("the plan and check pools", pools)
+                await phase(
+                    "the follower",
+                    lambda: run_in_threadpool(follower.stop, timeout=FOLLOWER_STOP_S),
+                )
                 stops_jobs = jobs_stop_with_service
                 if stops_jobs if stops_jobs is not None else head is not None:
                     stop = functools.partial(stop_training, head) if head else None
-                    await run_in_threadpool(interrupt, jobs, follower, stop)
-                    clock.lap("the jobs interrupted")
-                try:
-                    await run_in_threadpool(within, RAY_CLOSE_S, active.close)
-                except TookTooLongError as err:  # the head's stop below ends it anyway
-                    logger.warning("Ray's client did not close: %s", err)
-                clock.lap("Ray's client")
+                    await phase(
+                        "the jobs interrupted",
+                        lambda: run_in_threadpool(interrupt, jobs, follower, stop),
+                    )
+                await phase("Ray's client", ray_client)
                 if head is not None:
                     # Its jobs are interrupted and resume from their checkpoints: nothing on
                     # the head needs a long drain (a service manager waits 10 s, say).
-                    await run_in_threadpool(functools.partial(head.stop, grace_s=2))
-                    clock.lap("the embedded head")
-                store.close()
-                logger.info("shutdown complete (%s)", clock)
+                    embedded = head
+                    await phase(
+                        "the embedded head",
+                        lambda: run_in_threadpool(functools.partial(embedded.stop, grace_s=2)),
+                    )
+                await phase("the store", lambda: run_in_threadpool(store.close))
+                if failed:
+                    logger.error("shutdown ended; these phases failed: %s (%s)", failed, clock)
+                else:
+                    logger.info("shutdown complete (%s)", clock)
 
     metrics = ServiceMetrics()
     app = FastAPI(

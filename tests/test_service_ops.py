@@ -194,11 +194,18 @@ def test_two_services_side_by_side_each_job_sees_only_its_own_cluster(
         a.process.wait(timeout=20)
     except subprocess.TimeoutExpired:
         pytest.fail(f"20 s after SIGTERM the service still runs; its log:\n{a.log_tail()}")
-    wait_for(
-        lambda: not [pid for pid in family if alive(pid)],
-        "every process to go",
-        timeout_s=max(0.1, 20 - (time.monotonic() - began)),
-    )
+    try:
+        wait_for(
+            lambda: not [pid for pid in family if alive(pid)],
+            "every process to go",
+            timeout_s=max(0.1, 20 - (time.monotonic() - began)),
+        )
+    except AssertionError:
+        left = [f"{pid} {cmdline(pid)[:100]}" for pid in family if alive(pid)]
+        pytest.fail(
+            f"20 s after SIGTERM (the service exited {a.process.returncode}) these still run:"
+            f"\n{chr(10).join(left)}\nthe service's log:\n{a.log_tail()}"
+        )
     took = time.monotonic() - began
     assert took < 20
     assert a.process.returncode == 0

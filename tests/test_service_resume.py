@@ -5,10 +5,12 @@ embedded Ray head and a training job is ``test_service_restart.py``."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from support import sweep_data as sweeps
 from support.fake_runner import FakeRunner
 from support.service_app import Service, start
@@ -128,6 +130,32 @@ def test_a_graceful_stop_ends_in_bounded_time_when_ray_answers_late(tmp_path: Pa
         assert store.get(job["id"]).state == "INTERRUPTED"
     finally:
         store.close()
+
+
+def test_a_phase_of_the_stop_that_fails_skips_none_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The jobs' interruption raises (a store or a Ray that fails in a way nobody foresaw):
+    the stop logs it by name and goes on: Ray's client is closed and the store too (with the
+    embedded head, the head and every process it started are stopped the same way)."""
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("an interruption that fails")
+
+    monkeypatch.setattr("service.app.interrupt", broken)
+    fake = FakeRunner()
+    app, client = start(tmp_path, fake, jobs_stop_with_service=True)
+    with caplog.at_level(logging.INFO, logger="service.app"), client:
+        service = Service(app, client, fake)
+        service.running("stopped", total_steps=100)
+    assert fake.closed
+    assert "shutdown: the jobs interrupted failed; going on" in caplog.text
+    assert "an interruption that fails" in caplog.text
+    last = caplog.records[-1].getMessage()
+    assert "these phases failed: ['the jobs interrupted']" in last
+    assert "Ray's client" in last
+    assert "the store" in last
+    assert "shutdown complete" not in caplog.text
 
 
 def test_a_worker_group_restarted_from_its_checkpoint_records_no_step_twice(

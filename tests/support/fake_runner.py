@@ -29,6 +29,7 @@ class FakeRunner:
         self.address = "fake-cluster:6379"
         self.latest: dict[str, str] = {}  # job id -> its last submission id (a resume's)
         self.answer_after_s = 0.0  # progress(), logs() and close() answer this late (a busy Ray)
+        self.closed = False  # close() was called (the service's stop closes its Ray client)
 
     # -- what the test does ----------------------------------------------------------------
 
@@ -106,3 +107,4 @@ class FakeRunner:
 
     def close(self) -> None:
         time.sleep(self.answer_after_s)
+        self.closed = True
