@@ -35,6 +35,7 @@ from torch import nn
 
 from kaisa_ray import batching, checkpoint
 from kaisa_ray.comm import Communicator, unpack_into
+from kaisa_ray.compiling import eager_under_compile
 from kaisa_ray.enums import (
     AssignmentStrategy,
     ComputeMethod,
@@ -519,7 +520,7 @@ class KFACPreconditioner:
 
     # Factor work runs eagerly under torch.compile: a graph break at the hook, on factor steps
     # only (on other steps the hook returns before it, inside the compiled graph).
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    @eager_under_compile
     def _take_input(self, layer: KFACLayer, inputs: torch.Tensor) -> None:
         with torch.no_grad(), self.times.phase("factors"), self._products():
             if self.update_factors_in_hook:
@@ -527,7 +528,7 @@ class KFACPreconditioner:
             else:
                 layer.save_input(inputs)
 
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    @eager_under_compile
     def _on_grad(self, layer: KFACLayer, grad: torch.Tensor) -> None:
         with torch.no_grad():
             if not self.update_factors_in_hook:

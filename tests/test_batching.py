@@ -5,6 +5,8 @@ nothing waits for no value, and the model can be ``torch.compile``d with K-FAC a
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -364,3 +366,29 @@ def test_a_compiled_model_trains_with_kfac_as_the_eager_one() -> None:
         optimizer.step()
     for a, b in zip(eager_model.parameters(), compiled_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # The hooks found the factor methods disabled for dynamo (run eagerly), although the
+    # preconditioner was built before torch.compile loaded dynamo.
+    for method in (compiled._take_input, compiled._on_grad):
+        assert getattr(method.__func__, "_torchdynamo_disable", False), method
+
+
+def test_importing_kaisa_ray_does_not_load_dynamo() -> None:
+    """A process that never compiles (a Ray Train worker, a job's driver, the CLI) does not
+    pay for importing ``torch._dynamo``; its hooks run the plain methods."""
+    code = (
+        "import sys\n"
+        "import torch\n"
+        "from kaisa_ray import KFACPreconditioner\n"
+        "import kaisa_ray.train.cli\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 3))\n"
+        "pre = KFACPreconditioner(model)\n"
+        "model(torch.randn(8, 4)).sum().backward()\n"
+        "pre.step()\n"
+        "assert not hasattr(pre._take_input.__func__, '_torchdynamo_disable')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"
