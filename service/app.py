@@ -214,11 +214,14 @@ def create_app(
                 await phase("Ray's client", ray_client)
                 if head is not None:
                     # Its jobs are interrupted and resume from their checkpoints: nothing on
-                    # the head needs a long drain (a service manager waits 10 s, say).
+                    # the head needs a drain, and it is killed at once (no SIGTERM first).
+                    # Where Ray's client has not closed in time, its disconnection may still
+                    # run when the head's raylet goes, and Ray then ends this process at any
+                    # moment: nothing of the head is left waiting for a kill by then.
                     embedded = head
                     await phase(
                         "the embedded head",
-                        lambda: run_in_threadpool(functools.partial(embedded.stop, grace_s=2)),
+                        lambda: run_in_threadpool(functools.partial(embedded.stop, grace_s=0)),
                     )
                 await phase("the store", lambda: run_in_threadpool(store.close))
                 if failed:
@@ -290,8 +293,9 @@ def stop_pools_on_signal(*pools: WorkerPool) -> None:
 FOLLOWER_STOP_S = 3.0
 """How long a stop waits for the follower's pass in flight (a Ray call under load can take
 longer: the jobs' interruption does not need it to end)."""
-RAY_CLOSE_S = 3.0
-"""How long a stop waits for Ray's client to close (``ray.shutdown``)."""
+RAY_CLOSE_S = 5.0
+"""How long a stop waits for Ray's client to close (``ray.shutdown``) before it kills the
+head (a second or less on a quiet machine; more on one busy with other Rays)."""
 
 
 class _PhaseClock:

@@ -92,16 +92,17 @@ class RayHead:
         """Stop this head and every process it started (its own process group).
 
         A graceful stop waits about 30 s for the GCS to drain; nothing here needs that, so
-        after ``grace_s`` the group is killed.
+        after ``grace_s`` the group is killed (at once where ``grace_s`` is 0).
         """
         # Ray's job drivers run in sessions of their own (Ray starts them so): found by descent
         # from the head before it goes, and killed with it.
         family = descendants(self.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and running(self.pid):
-            time.sleep(0.1)
+        if grace_s > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and running(self.pid):
+                time.sleep(0.1)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
         for pid in family:

@@ -123,8 +123,8 @@ def test_a_graceful_stop_ends_in_bounded_time_when_ray_answers_late(tmp_path: Pa
         fake.answer_after_s = 20.0
         began = time.monotonic()
     took = time.monotonic() - began
-    assert READS_S + RAY_CLOSE_S + FOLLOWER_STOP_S == 10
-    assert took < 12, took  # the bounds above, and what the stop itself takes
+    assert READS_S + RAY_CLOSE_S + FOLLOWER_STOP_S == 12
+    assert took < 14, took  # the bounds above, and what the stop itself takes
     store = JobStore(f"sqlite:///{tmp_path / 'jobs.db'}")
     try:
         assert store.get(job["id"]).state == "INTERRUPTED"
