@@ -23,10 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -34,6 +31,13 @@ import torch.distributed as dist
 from torch import nn
 
 from kaisa_ray import batching, checkpoint
+from kaisa_ray.apply import (
+    Block,
+    GradientSetter,
+    Outputs,
+    finite_flags,
+    param_grads,
+)
 from kaisa_ray.comm import Communicator, unpack_into
 from kaisa_ray.compiling import eager_under_compile
 from kaisa_ray.enums import (
@@ -46,7 +50,7 @@ from kaisa_ray.enums import (
     RunningAverage,
     Scaling,
 )
-from kaisa_ray.errors import ConfigurationError, user_stacklevel
+from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.hyperparams import (
     FloatParam,
     IntParam,
@@ -91,66 +95,6 @@ def _precision(precision: str) -> Iterator[None]:
         yield
     finally:
         torch.set_float32_matmul_precision(before)
-
-
-@dataclass(frozen=True)
-class _Block:
-    """Layers' raw and preconditioned gradients ``(n, k, g, a)``, set together."""
-
-    layers: Sequence[KFACLayer]
-    raw: torch.Tensor
-    out: torch.Tensor
-
-
-class _Outputs(Mapping[str, torch.Tensor]):
-    """Preconditioned gradients by layer name; a shape group's member is selected from the
-    group's ``(n, k, g, a)`` output only when asked for (most steps never ask)."""
-
-    def __init__(self) -> None:
-        self._of: dict[str, tuple[torch.Tensor, int | None]] = {}
-
-    def put(self, name: str, tensor: torch.Tensor, index: int | None = None) -> None:
-        self._of[name] = (tensor, index)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        tensor, index = self._of[name]
-        return tensor if index is None else tensor[index]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._of
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._of)
-
-    def __len__(self) -> int:
-        return len(self._of)
-
-
-def _sum_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``Σ a·b`` (float32 at least), without an elementwise temporary."""
-    if a.dtype in (torch.float16, torch.bfloat16):
-        a, b = a.float(), b.float()
-    return torch.vdot(a.reshape(-1), b.to(a.dtype).reshape(-1))
-
-
-def _finite_flags(tensors: Sequence[torch.Tensor]) -> list[bool]:
-    """Whether each tensor's values are all finite, waiting for the device once: a norm per
-    tensor, all in one multi-tensor operation (a NaN or an infinity makes it non-finite), an
-    exact check only where a norm is not finite (an overflow of finite values)."""
-    if not tensors:
-        return []
-    norms = torch.stack(torch._foreach_norm(list(tensors))).isfinite().tolist()
-    return [bool(ok) or bool(torch.isfinite(t).all()) for ok, t in zip(norms, tensors, strict=True)]
-
-
-def _param_grads(layers: Sequence[KFACLayer]) -> list[torch.Tensor]:
-    """The layers' weight and bias gradients, as the parameters hold them."""
-    grads = []
-    for layer in layers:
-        for param in (layer.helper.weight(), layer.helper.bias()):
-            if param is not None and param.grad is not None:
-                grads.append(param.grad)
-    return grads
 
 
 class KFACPreconditioner:
@@ -431,10 +375,7 @@ class KFACPreconditioner:
         self.skipped_factor_updates = 0
         # Kept on the device from the first step on, so that a step need not wait for them
         # (skipped_steps and last_grad_scale read them).
-        self._skipped_count = 0
-        self._skipped: torch.Tensor | None = None
-        self._skipped_warned = 0
-        self._last_grad_scale: torch.Tensor | None = None
+        self._setter = GradientSetter()
         self.last_updates: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self._plan_step(0)
         logger.log(
@@ -601,7 +542,7 @@ class KFACPreconditioner:
         stale: dict[str, torch.Tensor] = {}
         if self.measures_staleness and (self._factor_now or decompose):
             if grads_finite is None:
-                grads_finite = all(_finite_flags(_param_grads(active)))
+                grads_finite = all(finite_flags(param_grads(active)))
             with times.phase("staleness"):
                 stale = self._before_decompositions(decompose, grads_finite, damping)
         if decompose:
@@ -615,7 +556,7 @@ class KFACPreconditioner:
             with times.phase("staleness"):
                 self._after_decompositions(step, decompose, stale, preconditioned)
         if self._factor_step or decompose:  # the step waited for the device anyway
-            self._warn_skipped()
+            self._setter.warn_skipped(self._steps)
 
         # What this step updated: with ``plan.calls_at`` it names the step's collectives.
         self.last_updates = (self._factor_now, decompose)
@@ -626,10 +567,10 @@ class KFACPreconditioner:
         """Fold this step's (reduced) batch factors into the running averages, unless a
         factor or a gradient is not finite; returns whether every gradient is finite."""
         step = self._steps
-        grads = _param_grads(active)
+        grads = param_grads(active)
         ready = [(layer, b) for layer in self._layers if (b := layer.batch_factors()) is not None]
         factors = [t for _, pair in ready for t in pair]
-        flags = _finite_flags(grads + factors)
+        flags = finite_flags(grads + factors)
         grads_finite = all(flags[: len(grads)])
         factors_finite = all(flags[len(grads) :])
         if ready:
@@ -811,12 +752,12 @@ class KFACPreconditioner:
                 if layer.name in decompose and self.assignment.is_grad_worker(layer.name, rank):
                     layer.decomposition.finish(damping)
 
-    def _precondition(self, active: list[KFACLayer], damping: float) -> _Outputs:
+    def _precondition(self, active: list[KFACLayer], damping: float) -> Outputs:
         """Precondition (by shape group where a whole group is active and decomposed, else
         layer by layer), broadcast to receivers, clip and set; returns the preconditioned
         gradients before clipping."""
-        preconditioned = _Outputs()
-        blocks: list[_Block] = []
+        preconditioned = Outputs()
+        blocks: list[Block] = []
         gathered: batching.Gathered | None = None
         names = {layer.name for layer in active}
         with self.times.phase("precondition"), self._products():
@@ -835,7 +776,7 @@ class KFACPreconditioner:
                     continue
                 raw = layer.helper.grad()
                 out = layer.precondition(raw, damping)
-                blocks.append(_Block((layer,), raw.unsqueeze(0), out.unsqueeze(0)))
+                blocks.append(Block((layer,), raw.unsqueeze(0), out.unsqueeze(0)))
                 preconditioned.put(layer.name, out)
 
         def get(name: str, part: str) -> torch.Tensor:
@@ -859,111 +800,25 @@ class KFACPreconditioner:
             for layer in active:
                 if layer.name in received:
                     out = received[layer.name]
-                    blocks.append(_Block((layer,), layer.helper.grad().unsqueeze(0), out[None]))
+                    blocks.append(Block((layer,), layer.helper.grad().unsqueeze(0), out[None]))
                     preconditioned.put(layer.name, out)
-            self._clip_and_set(blocks, gathered)
+            self._setter.set(blocks, gathered, self._layers, self.kl_clip, self.lr)
         return preconditioned
 
     def _preconditions(self, layer: KFACLayer) -> bool:
         return self.assignment.is_grad_worker(layer.name, self.rank)
 
-    def _clip_and_set(self, blocks: list[_Block], gathered: batching.Gathered | None) -> None:
-        """KL clipping (scale by min(1, sqrt(kl_clip / |lr² Σ p·g|))), then set the grads;
-        where a gradient or a preconditioned gradient is not finite, the raw gradients stay.
-        Decided on the device: no value is read back here. ``gathered``: the shape groups'
-        gradients in flat buffers (``batching.GradientLayout``), ``blocks`` the rest."""
-        if not blocks and gathered is None:
-            return
-        kl_clip = self.kl_clip
-        if kl_clip is not None:
-            # Σ p·g per layer (one product each, the same on every rank however the layer was
-            # preconditioned there), summed in layer order in float64: not finite if any p or
-            # g is (a NaN or an infinity spreads through the products).
-            pieces: list[tuple[Sequence[KFACLayer], torch.Tensor, torch.Tensor]] = [
-                (block.layers, block.out, block.raw) for block in blocks
-            ]
-            if gathered is not None:
-                pieces += [
-                    (group.layers, out, raw)
-                    for group, out, raw in zip(
-                        gathered.groups, gathered.outs, gathered.raws, strict=True
-                    )
-                ]
-            dot_of = {
-                layer.name: _sum_dot(out[index], raw[index])
-                for layers, out, raw in pieces
-                for index, layer in enumerate(layers)
-            }
-            dots = [dot_of[layer.name] for layer in self._layers if layer.name in dot_of]
-            total = torch.stack(dots).to(torch.float64).sum()
-        else:  # only whether everything is finite (the products spread a raw gradient's
-            # NaN or infinity into its preconditioned one): one sum per block, and the groups'
-            # largest magnitudes in one multi-tensor reduction (which cannot overflow)
-            parts = [block.out.sum(dtype=torch.float64) for block in blocks]
-            if gathered is not None:
-                largest = torch._foreach_norm(gathered.outs, ord=math.inf)
-                parts.append(torch.stack(largest).to(torch.float64).sum())
-            total = torch.stack(parts).sum()
-        ok = torch.isfinite(total)
-        if self._skipped is None or self._last_grad_scale is None:
-            self._skipped = torch.full((), self._skipped_count, device=total.device)
-            self._last_grad_scale = torch.ones((), dtype=torch.float64, device=total.device)
-        if kl_clip is not None:
-            scale = torch.sqrt(kl_clip / (total * self.lr**2).abs()).clamp(max=1.0)
-            scale = torch.where(ok, scale, self._last_grad_scale)
-            self._last_grad_scale = scale
-        else:
-            self._last_grad_scale = torch.where(ok, 1.0, self._last_grad_scale)
-        self._skipped += (~ok).to(self._skipped.dtype)
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if gathered is not None:
-            # the result into the raw buffers (the outputs stay as preconditioned, unclipped)
-            for out, raw in zip(gathered.out_flats, gathered.raw_flats, strict=True):
-                if kl_clip is not None:
-                    out = out * self._last_grad_scale.to(out.dtype)
-                torch.where(ok, out, raw, out=raw)
-            pairs += zip(gathered.grads, gathered.into, strict=True)
-        for block in blocks:
-            out = block.out
-            if kl_clip is not None:
-                out = out * self._last_grad_scale.to(out.dtype)
-            out = torch.where(ok, out, block.raw.to(out.dtype))
-            for index, layer in enumerate(block.layers):
-                helper = layer.helper
-                weight_grad, bias = helper.weight().grad, helper.bias()
-                if weight_grad is None:
-                    continue
-                k, g = helper.groups, helper.g_dim
-                weight_view = weight_grad.view(k, g, -1)
-                pairs.append((weight_view, out[index, :, :, : weight_view.shape[-1]]))
-                if bias is not None and bias.grad is not None:
-                    pairs.append((bias.grad.view(k, g), out[index, :, :, -1]))
-        batching.copy_all(pairs)
-
     @property
     def skipped_steps(self) -> int:
         """Steps whose gradients were left as they were because one was not finite (reading
         it waits for the device)."""
-        return self._skipped_count if self._skipped is None else int(self._skipped)
+        return self._setter.skipped_steps
 
     @property
     def last_grad_scale(self) -> float:
         """The KL clip's scale on the last step that set the gradients (1.0 without a clip;
         reading it waits for the device)."""
-        return 1.0 if self._last_grad_scale is None else float(self._last_grad_scale)
-
-    def _warn_skipped(self) -> None:
-        """Warn about steps skipped since the last warning (where the step waits anyway)."""
-        skipped = self.skipped_steps
-        if skipped > self._skipped_warned:
-            self._skipped_warned = skipped
-            warnings.warn(
-                f"K-FAC step {self._steps}: a preconditioned gradient was not finite on "
-                f"{skipped} step(s) so far; the raw gradients were kept on those steps. Raise "
-                "damping if this repeats.",
-                RuntimeWarning,
-                stacklevel=user_stacklevel(),
-            )
+        return self._setter.last_grad_scale
 
     def _products(self) -> contextlib.AbstractContextManager[None]:
         """K-FAC's factor and preconditioning products at ``matmul_precision``."""
@@ -978,12 +833,7 @@ class KFACPreconditioner:
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state held now, by category, plus ``total``. Exact, not estimated."""
-        scalars = (self._skipped, self._last_grad_scale)
-        sizes = {
-            "factors": 0,
-            "decompositions": 0,
-            "buffers": sum(t.nbytes for t in scalars if t is not None),
-        }
+        sizes = {"factors": 0, "decompositions": 0, "buffers": self._setter.nbytes}
         for layer in self._layers:
             for key, value in layer.memory_usage().items():
                 sizes[key] += value
@@ -1055,9 +905,7 @@ class KFACPreconditioner:
         )
         self._steps = int(state_dict["steps"])
         self.skipped_factor_updates = int(state_dict.get("skipped_factor_updates", 0))
-        self._skipped_count = self._skipped_warned = int(state_dict.get("skipped_steps", 0))
-        if self._skipped is not None:
-            self._skipped.fill_(self._skipped_count)
+        self._setter.restart_count(int(state_dict.get("skipped_steps", 0)))
         for problem in self.schedule.load_state_dict(state_dict.get("intervals") or {}):
             logger.log(
                 self.loglevel, "checkpoint's adaptive intervals: %s; starting rung kept", problem

@@ -1,0 +1,217 @@
+"""What a K-FAC step does once the gradients are preconditioned: the KL clip, the guard
+against values that are not finite, and the write into the parameters' gradients, all decided
+on the device (nothing is read back on a step that updates nothing).
+
+``GradientSetter`` holds the state this keeps across steps (the clip's last scale, the count of
+steps whose raw gradients were kept); ``Block`` and ``Outputs`` are how the preconditioner
+hands it the step's gradients.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kaisa_ray import batching
+from kaisa_ray.errors import user_stacklevel
+from kaisa_ray.kfac_layer import KFACLayer
+
+
+@dataclass(frozen=True)
+class Block:
+    """Layers' raw and preconditioned gradients ``(n, k, g, a)``, set together."""
+
+    layers: Sequence[KFACLayer]
+    raw: torch.Tensor
+    out: torch.Tensor
+
+
+class Outputs(Mapping[str, torch.Tensor]):
+    """Preconditioned gradients by layer name; a shape group's member is selected from the
+    group's ``(n, k, g, a)`` output only when asked for (most steps never ask)."""
+
+    def __init__(self) -> None:
+        self._of: dict[str, tuple[torch.Tensor, int | None]] = {}
+
+    def put(self, name: str, tensor: torch.Tensor, index: int | None = None) -> None:
+        self._of[name] = (tensor, index)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor, index = self._of[name]
+        return tensor if index is None else tensor[index]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._of
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._of)
+
+    def __len__(self) -> int:
+        return len(self._of)
+
+
+def sum_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``Σ a·b`` (float32 at least), without an elementwise temporary."""
+    if a.dtype in (torch.float16, torch.bfloat16):
+        a, b = a.float(), b.float()
+    return torch.vdot(a.reshape(-1), b.to(a.dtype).reshape(-1))
+
+
+def finite_flags(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Whether each tensor's values are all finite, waiting for the device once: a norm per
+    tensor, all in one multi-tensor operation (a NaN or an infinity makes it non-finite), an
+    exact check only where a norm is not finite (an overflow of finite values)."""
+    if not tensors:
+        return []
+    norms = torch.stack(torch._foreach_norm(list(tensors))).isfinite().tolist()
+    return [bool(ok) or bool(torch.isfinite(t).all()) for ok, t in zip(norms, tensors, strict=True)]
+
+
+def param_grads(layers: Sequence[KFACLayer]) -> list[torch.Tensor]:
+    """The layers' weight and bias gradients, as the parameters hold them."""
+    grads = []
+    for layer in layers:
+        for param in (layer.helper.weight(), layer.helper.bias()):
+            if param is not None and param.grad is not None:
+                grads.append(param.grad)
+    return grads
+
+
+class GradientSetter:
+    """Sets each step's preconditioned gradients (``set``) and keeps what that decides on the
+    device: the KL clip's last scale and the steps whose raw gradients were kept."""
+
+    def __init__(self) -> None:
+        self._skipped_count = 0  # before the first step, or as a checkpoint said
+        self._skipped: torch.Tensor | None = None  # on the device from the first step on
+        self._warned = 0
+        self._last_scale: torch.Tensor | None = None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose gradients were left as they were because one was not finite (reading
+        it waits for the device)."""
+        return self._skipped_count if self._skipped is None else int(self._skipped)
+
+    @property
+    def last_grad_scale(self) -> float:
+        """The KL clip's scale on the last step that set the gradients (1.0 without a clip;
+        reading it waits for the device)."""
+        return 1.0 if self._last_scale is None else float(self._last_scale)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the state held on the device."""
+        return sum(t.nbytes for t in (self._skipped, self._last_scale) if t is not None)
+
+    def restart_count(self, skipped: int) -> None:
+        """The count of skipped steps a checkpoint holds (already warned about)."""
+        self._skipped_count = self._warned = skipped
+        if self._skipped is not None:
+            self._skipped.fill_(skipped)
+
+    def warn_skipped(self, step: int) -> None:
+        """Warn about steps skipped since the last warning (where the step waits anyway)."""
+        skipped = self.skipped_steps
+        if skipped > self._warned:
+            self._warned = skipped
+            warnings.warn(
+                f"K-FAC step {step}: a preconditioned gradient was not finite on "
+                f"{skipped} step(s) so far; the raw gradients were kept on those steps. Raise "
+                "damping if this repeats.",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
+
+    def set(
+        self,
+        blocks: Sequence[Block],
+        gathered: batching.Gathered | None,
+        order: Sequence[KFACLayer],
+        kl_clip: float | None,
+        lr: float,
+    ) -> None:
+        """KL clipping (scale by min(1, sqrt(kl_clip / |lr² Σ p·g|))), then set the grads;
+        where a gradient or a preconditioned gradient is not finite, the raw gradients stay.
+        Decided on the device: no value is read back here. ``gathered``: the shape groups'
+        gradients in flat buffers (``batching.GradientLayout``), ``blocks`` the rest;
+        ``order``: every layer, in the order the clip's sum adds them up."""
+        if not blocks and gathered is None:
+            return
+        if kl_clip is not None:
+            # Σ p·g per layer (one product each, the same on every rank however the layer was
+            # preconditioned there), summed in layer order in float64: not finite if any p or
+            # g is (a NaN or an infinity spreads through the products).
+            pieces: list[tuple[Sequence[KFACLayer], torch.Tensor, torch.Tensor]] = [
+                (block.layers, block.out, block.raw) for block in blocks
+            ]
+            if gathered is not None:
+                pieces += [
+                    (group.layers, out, raw)
+                    for group, out, raw in zip(
+                        gathered.groups, gathered.outs, gathered.raws, strict=True
+                    )
+                ]
+            dot_of = {
+                layer.name: sum_dot(out[index], raw[index])
+                for layers, out, raw in pieces
+                for index, layer in enumerate(layers)
+            }
+            dots = [dot_of[layer.name] for layer in order if layer.name in dot_of]
+            total = torch.stack(dots).to(torch.float64).sum()
+        else:  # only whether everything is finite (the products spread a raw gradient's
+            # NaN or infinity into its preconditioned one): one float64 sum per block and per
+            # shape group's output, which no float32, bfloat16 or float16 values overflow (a
+            # NaN or an infinity makes it non-finite)
+            outs = [block.out for block in blocks]
+            if gathered is not None:
+                outs += gathered.outs
+            total = torch.stack([out.sum(dtype=torch.float64) for out in outs]).sum()
+        ok = torch.isfinite(total)
+        if self._skipped is None or self._last_scale is None:
+            self._skipped = torch.full((), self._skipped_count, device=total.device)
+            self._last_scale = torch.ones((), dtype=torch.float64, device=total.device)
+        if kl_clip is not None:
+            scale = torch.sqrt(kl_clip / (total * lr**2).abs()).clamp(max=1.0)
+            scale = torch.where(ok, scale, self._last_scale)
+            self._last_scale = scale
+        else:
+            self._last_scale = torch.where(ok, 1.0, self._last_scale)
+        self._skipped += (~ok).to(self._skipped.dtype)
+        self._write(blocks, gathered, ok, kl_clip is not None)
+
+    def _write(
+        self,
+        blocks: Sequence[Block],
+        gathered: batching.Gathered | None,
+        ok: torch.Tensor,
+        clipped: bool,
+    ) -> None:
+        assert self._last_scale is not None
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if gathered is not None:
+            # the result into the raw buffers (the outputs stay as preconditioned, unclipped)
+            for out, raw in zip(gathered.out_flats, gathered.raw_flats, strict=True):
+                if clipped:
+                    out = out * self._last_scale.to(out.dtype)
+                torch.where(ok, out, raw, out=raw)
+            pairs += zip(gathered.grads, gathered.into, strict=True)
+        for block in blocks:
+            out = block.out
+            if clipped:
+                out = out * self._last_scale.to(out.dtype)
+            out = torch.where(ok, out, block.raw.to(out.dtype))
+            for index, layer in enumerate(block.layers):
+                helper = layer.helper
+                weight_grad, bias = helper.weight().grad, helper.bias()
+                if weight_grad is None:
+                    continue
+                k, g = helper.groups, helper.g_dim
+                weight_view = weight_grad.view(k, g, -1)
+                pairs.append((weight_view, out[index, :, :, : weight_view.shape[-1]]))
+                if bias is not None and bias.grad is not None:
+                    pairs.append((bias.grad.view(k, g), out[index, :, :, -1]))
+        batching.copy_all(pairs)
