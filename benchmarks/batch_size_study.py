@@ -134,7 +134,7 @@ GRIDS: dict[str, list[float]] = {
 # "K-FAC (lr)": the same curvature on SGD's own lr grid with the JobSpec's KL clip, as the
 # one-process ablation (optimizers_fashion_mnist.py --ablation) ran it, and the inverse method:
 # under π-damping the damped inverses are exactly the eigen method's preconditioner
-# (tests/test_curvature_options.py) at two matmuls a step instead of four.
+# (tests/core/test_curvature_options.py) at two matmuls a step instead of four.
 KL_CLIP = 1e-3
 KFAC: dict[str, Any] = {
     "strategy": "comm-opt",

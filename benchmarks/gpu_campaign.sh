@@ -30,7 +30,7 @@ for stage in "$@"; do
     case $stage in
     a)
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-        run 150 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -s
+        run 150 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_gpu.py -s
         (cd benchmarks && run 240 gpu_step_b32 python3 gpu_step.py --before ../.old \
             --rounds 2 --only "b32 fp32" --json "$OUT/gpu_step_b32.json")
         (cd benchmarks && run 120 gpu_kernels python3 gpu_kernels.py --batch 32 64 \
@@ -55,7 +55,7 @@ open('$OUT/h100-measured.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=Fal
         ;;
     c)  # after a change: this checkout only (the "before" figures from an earlier "a")
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-        run 150 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -s
+        run 150 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_gpu.py -s
         (cd benchmarks && run 200 gpu_step_b32 python3 gpu_step.py --rounds 2 \
             --only "b32 fp32" --json "$OUT/gpu_step_b32.json")
         (cd benchmarks && run 150 gpu_step_rest python3 gpu_step.py --rounds 2 \
@@ -75,7 +75,7 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
     d)  # this checkout: the gpu tests with every failure's traceback; the step costs of the
         # JobSpec's inverse and eigen methods and of Adam in K-FAC's eigenbasis
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-        run 170 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA \
+        run 170 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_gpu.py -rA \
             --tb=long
         (cd benchmarks && run 300 gpu_step_adam python3 gpu_step.py --rounds 2 ${COMMIT:+--commit "$COMMIT"} \
             --only "b32 fp32: SGD" "b32 fp32: K-FAC inverse 10/100" "b32 fp32: K-FAC eigen 10/100" \
@@ -83,7 +83,7 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
         ;;
     e)  # the Adam-eigenbasis moments in multi-tensor operations: before (.old) and after
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-        run 120 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA \
+        run 120 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_gpu.py -rA \
             -k "quiet_step or batched_steps"
         (cd benchmarks && run 300 gpu_step_adam python3 gpu_step.py --before ../.old \
             --rounds 2 ${COMMIT:+--commit "$COMMIT"} --only "b32 fp32: SGD" "Adam eigenbasis" "transformer 10.7M b64 fp32: AdamW" \
@@ -92,7 +92,7 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
     f)  # the flat-buffer quiet step: the gpu tests, the step before (.old) and after, where
         # the time goes (profiler traces), the plan against this GPU
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-        run 100 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA \
+        run 100 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_gpu.py -rA \
             --tb=short
         (cd benchmarks && run 220 gpu_step python3 gpu_step.py --before ../.old --rounds 2 \
             ${COMMIT:+--commit "$COMMIT"} --only "b32 fp32: SGD" "b32 fp32: K-FAC inverse 10/100" \
@@ -107,7 +107,7 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
     g)  # after the factor-phase trim: the gpu tests, the step before (.old) and after in 2
         # rounds, bf16, batch 64, and the traces with 5 samples of each kind of step
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-        run 100 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA \
+        run 100 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_gpu.py -rA \
             --tb=short
         (cd benchmarks && run 250 gpu_step python3 gpu_step.py --before ../.old --rounds 2 \
             ${COMMIT:+--commit "$COMMIT"} --only "b32 fp32: SGD" "b32 fp32: K-FAC inverse 10/100" \

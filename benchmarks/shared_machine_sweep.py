@@ -3,7 +3,7 @@
 Issue 30 found that ``kaisa-ray sweep --config examples/fashion_mnist_sweep.yaml --output
 best.yaml`` never finished when another Ray ran on the machine (a stopped trial's placement
 group was never released, the next trial's workers waited forever). The suite's
-``tests/test_shared_machine.py`` runs a reduced sweep (3 trials, one stopped by ASHA) beside
+``tests/train/test_shared_machine.py`` runs a reduced sweep (3 trials, one stopped by ASHA) beside
 the others; this script runs the README's own: 16 trials of the LeNet job on Fashion-MNIST,
 about 17 minutes on 2 cores.
 

@@ -11,7 +11,7 @@
 # into `kaisa-ray bash`, which exits at once. KubeRay sets the command of its Ray containers itself
 # (bash running `ray start ...`), and so does its RayJob submitter (bash running `ray job submit`),
 # so this script never runs in KubeRay's pods.
-# The list of subcommands must match `kaisa-ray --help` (tests/test_deploy.py checks it), but for
+# The list of subcommands must match `kaisa-ray --help` (tests/train/test_deploy.py checks it), but for
 # `head` (`kaisa-ray head start` is a head on this machine for `ray job submit`; in an image,
 # `head` is the coreutils program, and KubeRay or `ray up` start the cluster's head).
 set -e

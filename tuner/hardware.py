@@ -36,7 +36,7 @@ TF32 = "tf32"  # float32 products at matmul precision 'high' (TensorFloat-32 on 
 PRODUCT_PRECISIONS = (*PRECISIONS, TF32)
 METHODS = tuple(m.value for m in ComputeMethod)
 # Operations K-FAC runs per layer (or shape group) beyond its products, as counted with
-# torch.profiler on this code (tests/test_plan_terms.py counts them again): the fallback of a
+# torch.profiler on this code (tests/tuner/test_plan_terms.py counts them again): the fallback of a
 # profile that did not measure ``kfac_overhead_s``, each operation at the kernel latency.
 OVERHEAD_OPERATIONS = {
     "factors_per_layer": 8.0,

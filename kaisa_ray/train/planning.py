@@ -247,7 +247,7 @@ def _candidate_json(candidate: Candidate, profile: Profile) -> dict[str, Any]:
 
 def _pick(table: Sequence[Candidate], budget: int | None) -> Candidate | None:
     """``choose``'s rule on a priced table: the fastest candidate within the budget, ties to
-    the larger fraction (``tests/test_plan_cli.py`` checks it against ``choose``)."""
+    the larger fraction (``tests/train/test_plan_cli.py`` checks it against ``choose``)."""
     feasible = [c for c in table if budget is None or c.memory_bytes <= budget]
     if not feasible:
         return None

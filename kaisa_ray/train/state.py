@@ -5,7 +5,7 @@ A checkpoint is one file, ``state.pt``, in a Ray Train checkpoint directory
 preconditioner state, the step and sampler position, every rank's RNG state, the best test
 accuracy so far, what ``kfac: auto`` chose, and the job's spec. It is written by rank 0 every
 ``checkpoint.every_steps`` steps and when the job stops; a resumed run is bit for bit the run
-that did not stop (``tests/test_ray_train.py``).
+that did not stop (``tests/train/test_ray_train.py``).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class KFACSpec(StrictModel):
     factor_decay: Annotated[float, Field(ge=0, lt=1)] = 0.95
     kl_clip: Annotated[float, Field(gt=0, le=1e6)] | None = 0.001
     # Under pi_damping the damped inverses are exactly the eigen method's preconditioner
-    # (tests/test_curvature_options.py) at two matmuls a step instead of four, and every
+    # (tests/core/test_curvature_options.py) at two matmuls a step instead of four, and every
     # winning row of the batch-size study and the transformer ran it. Its temporaries are
     # two factor-sized tensors, fewer than the eigen method's (docs/curvature.md).
     compute_method: ComputeMethod = ComputeMethod.INVERSE

@@ -33,7 +33,7 @@ from service.runner import RayJobStatus, entrypoint, submission_id
 from service.settings import Settings
 from service.store.database import sole_writer, sqlite_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ for ResNet-50 and BERT-Large before the planner was made fast (commit a85ad65), 
 exactly: every byte, call, memory figure and predicted time.
 
 ``plan_figures.json`` was written by this module's ``figures()`` on that commit
-(``python tests/test_plan_figures.py --write``); rewrite it only for a change that is meant to
+(``python tests/tuner/test_plan_figures.py --write``); rewrite it only for a change that is meant to
 change a figure, and say so in the commit. Rewritten once since: when the forecast priced
 products at the size of their volume and added K-FAC's fixed costs (issue 32), which changed
 the predicted times and the choices made from them; and when the quiet step and the factor
@@ -161,7 +161,7 @@ def test_the_pins_hold_what_they_should(pinned: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
-        sys.exit("usage: python tests/test_plan_figures.py --write  (only on purpose)")
+        sys.exit("usage: python tests/tuner/test_plan_figures.py --write  (only on purpose)")
     cases = figures()
     lines = [f"{json.dumps(name)}: {json.dumps(cases[name], sort_keys=True)}" for name in cases]
     FIXTURE.write_text("{\n" + ",\n".join(lines) + "\n}\n")  # a case a line

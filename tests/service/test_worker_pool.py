@@ -107,8 +107,9 @@ PARENT = textwrap.dedent(
 def test_a_worker_dies_with_its_parent() -> None:
     """A service killed with -9 runs no lifespan: its workers go by themselves
     (PR_SET_PDEATHSIG), not on planning for minutes."""
-    here = str(Path(__file__).parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    here = Path(__file__).parent  # this module, and tests/ (its support package)
+    paths = [str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=env
     )

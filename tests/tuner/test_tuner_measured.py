@@ -26,7 +26,7 @@ from tuner.cost import NoFeasibleCandidateError, choose
 from tuner.memory import TensorMemory
 from tuner.profile import measure_candidate, profile_job
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fashion_mnist.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fashion_mnist.yaml"
 INTERVALS = ((1, 2),)  # memory does not depend on the intervals; short ones keep this quick
 
 
@@ -161,7 +161,7 @@ def test_predicted_memory_is_the_measured_peak_under_every_fraction_on_wide_mlp(
         measured = first["measured"][fraction]
         # To the byte. (Until 2026-11-26 the peak sometimes held one more collective buffer
         # that gloo's thread had not yet dropped: 5.5% here, under load only;
-        # tests/test_tuner_memory.py has the mechanism's own test.)
+        # tests/tuner/test_tuner_memory.py has the mechanism's own test.)
         assert predicted == measured, (fraction, predicted, measured)
     # Megabytes apart: a budget between them decides.
     assert first["predicted"][1.0] - first["predicted"][0.5] > 2**20

@@ -241,7 +241,7 @@ def test_ray_job_submit_runs_the_train_command_which_stops_at_its_target(
     )
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(spec))
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     submission_id = f"kaisa-ray-test-{secrets.token_hex(4)}"
     run = f"submitted-{secrets.token_hex(4)}"
     submit = [

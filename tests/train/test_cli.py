@@ -85,7 +85,7 @@ def test_example_without_kfac_on_real_data(runner: CliRunner) -> None:
 
 
 def test_every_example_job_is_valid() -> None:
-    examples = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
+    examples = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
     assert len(examples) >= 2
     for example in examples:
         result = CliRunner().invoke(main, ["validate", "--config", str(example)])
@@ -93,7 +93,7 @@ def test_every_example_job_is_valid() -> None:
 
 
 def test_validate_accepts_the_example_job_and_names_bad_fields(tmp_path: Path) -> None:
-    example = Path(__file__).resolve().parents[1] / "examples" / "fashion_mnist.yaml"
+    example = Path(__file__).resolve().parents[2] / "examples" / "fashion_mnist.yaml"
     result = CliRunner().invoke(main, ["validate", "--config", str(example)])
     assert result.exit_code == 0, result.output
     assert '"name": "fashion-mnist-kfac"' in result.output

@@ -16,7 +16,7 @@ from support.service_process import reusable_port
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 README_BLOCKS = re.compile(r"```bash\n(.*?)```", re.S)

@@ -30,7 +30,7 @@ from support.served import serve
 from service.app import create_app
 from service.settings import Settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NODE = shutil.which("node")
 
 

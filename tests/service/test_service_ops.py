@@ -20,7 +20,7 @@ from support.service_process import ServiceProcess, start_service
 from service.head import RayHead, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "ops-token-0123456789"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # a colour escape in a log line
 MARKER = "KAISA_RAY_MAX_WORKERS"  # a service variable set in the services' environment
@@ -183,7 +183,7 @@ def test_two_services_side_by_side_each_job_sees_only_its_own_cluster(
     # driver and train worker too) are gone, and the log says the shutdown completed (the
     # stop's phases are bounded at about 12 s, docs/service.md; on a quiet machine it takes
     # 3-4 s, and the rest is for a CI machine busy with other tests). (A cancel on the real
-    # Ray: tests/test_service_e2e.py.)
+    # Ray: tests/service/test_service_e2e.py.)
     assert clients["a"].job(long["id"])["state"] == "RUNNING"
     family = [a.process.pid, *descendants(a.process.pid)]
     assert any("kaisa-ray train" in cmdline(pid) for pid in family)  # the job's driver

@@ -20,7 +20,7 @@ from kaisa_ray.train.storage import (
 )
 from service.cli import main
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fashion_mnist.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fashion_mnist.yaml"
 
 
 def test_a_local_path_is_made_absolute_and_created(

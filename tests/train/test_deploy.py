@@ -37,7 +37,7 @@ from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
 from kaisa_ray.train.spec import KFACSpec, load_job_spec
 from kaisa_ray.train.storage import is_uri, resolve_storage
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUBERAY = DEPLOY / "kuberay"
 GPU_EXAMPLE = ROOT / "examples" / "fashion_mnist_gpu.yaml"
@@ -736,7 +736,7 @@ def test_the_image_holds_the_data_torch_and_the_project() -> None:
     for source in sources:
         assert (ROOT / source).exists(), source
         assert not ignored_by_docker(source), f"{source} is copied but kept out of the context"
-    for path in (".venv/bin/python", ".git/HEAD", "tests/test_deploy.py", "build/lib/x.py"):
+    for path in (".venv/bin/python", ".git/HEAD", "tests/train/test_deploy.py", "build/lib/x.py"):
         assert ignored_by_docker(path), f"{path} would be sent to the Docker daemon"
     assert ignored_by_docker("kaisa_ray/__pycache__/cli.cpython-311.pyc")
     assert not ignored_by_docker("kaisa_ray/train/cli.py")

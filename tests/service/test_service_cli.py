@@ -35,7 +35,7 @@ from service.settings import Settings
 
 TOKEN = "cli-test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fashion_mnist.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fashion_mnist.yaml"
 HEADER = ["ID", "NAME", "STATE", "PROGRESS", "LOSS", "TEST ACC", "STRATEGY", "CREATED"]
 T = TypeVar("T")
 
