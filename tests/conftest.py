@@ -33,17 +33,20 @@ MANY_PROCESSES = {
 }
 # The longest modules (minutes of Ray and services), run first: with a module to a worker,
 # the last module to start decides when the run ends.
-LONGEST_FIRST = [
+LONGEST_FIRST = [  # by their seconds in a full run (2026-11-27), longest first
     "test_shared_machine.py",
-    "test_service_ops.py",
+    "test_ray_train.py",
     "test_service_e2e.py",
     "test_kfac_auto.py",
-    "test_ray_train.py",
-    "test_service_quickstart.py",
+    "test_service_ops.py",
     "test_multinode.py",
+    "test_service_restart.py",
+    "test_service_quickstart.py",
     "test_distributed.py",
     "test_dashboard_e2e.py",
-    "test_service_jobs_api.py",
+    "test_sweep.py",
+    "test_service_plan_burst.py",
+    "test_peers.py",
 ]
 
 
