@@ -50,11 +50,13 @@ def browser(tmp_path: Path) -> Iterator[Any]:
         "--no-sandbox",
         "--disable-gpu",
         "--disable-dev-shm-usage",
+        "--disable-quic",
         "--no-first-run",
         "--disable-background-networking",
         "--disable-component-update",
+        "--disable-sync",
         f"--user-data-dir={tmp_path / 'chromium'}",
-        "--window-size=1440,1000",
+        "--window-size=1440,1000",  # a laptop screen
     ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
