@@ -5,7 +5,8 @@ ResNet-50 (224×224, random inputs, SGD with momentum) at batch 32 and 64, fp32 
 autocast, with this project's K-FAC at KAISA's ResNet-50 intervals 10/100 and at 1/10, the
 inverse and the eigen method, the JobSpec's curvature (Fisher-scale factors, debiased
 averages, π-damping, K-FAC-reduce, damping 0.1, no KL clip), its products at
-``matmul_precision`` 'highest' (IEEE float32) and 'high' (TF32); the reference's settings
+``matmul_precision`` 'highest' (IEEE float32) and 'high' (TF32), and the same with the
+preconditioning replayed from a CUDA graph (``cuda_graphs=True``); the reference's settings
 (eigen, ``expand``, damping 1e-3, KL clip 1e-3) for comparison with the figures of
 ``shared/gpu``; and the 10.7M-parameter byte-level transformer (context 256, width 384,
 depth 6, 64 sequences) with AdamW, against AdamW + K-FAC at the transformer benchmark's
@@ -78,7 +79,41 @@ def configs(quick: bool) -> list[Config]:
     ]
     if quick:
         return out
+    graphs = {"cuda_graphs": True}
     out += [
+        Config(
+            "ResNet-50 b32 fp32: K-FAC inverse 10/100, CUDA graphs",
+            "resnet50",
+            32,
+            _kfac(10, 100, **graphs),
+            after,
+            100,
+        ),
+        Config(
+            "ResNet-50 b32 fp32: K-FAC eigen 10/100, CUDA graphs",
+            "resnet50",
+            32,
+            _kfac(10, 100, compute_method="eigen", **graphs),
+            after,
+            100,
+        ),
+        Config(
+            "ResNet-50 b32 bf16: K-FAC inverse 10/100, CUDA graphs",
+            "resnet50",
+            32,
+            _kfac(10, 100, **graphs),
+            after,
+            100,
+            "bf16",
+        ),
+        Config(
+            "ResNet-50 b64 fp32: K-FAC inverse 10/100, CUDA graphs",
+            "resnet50",
+            64,
+            _kfac(10, 100, **graphs),
+            after,
+            100,
+        ),
         Config(
             "ResNet-50 b32 fp32: K-FAC eigen 10/100",
             "resnet50",
@@ -140,6 +175,14 @@ def configs(quick: bool) -> list[Config]:
             64,
             transformer,
             both,
+            50,
+        ),
+        Config(
+            "transformer 10.7M b64 fp32: AdamW + K-FAC 5/50, CUDA graphs",
+            "char-transformer-10m",
+            64,
+            {**transformer, "cuda_graphs": True},
+            after,
             50,
         ),
         Config(

@@ -211,7 +211,7 @@ def live(
     hardware = hardware_from_dict(profile)
     configs, seen = [], set()
     for case in cases:
-        first = f"{case.model}: first-order"
+        first = _first_order(case)
         if first not in seen:
             seen.add(first)
             configs.append(Config(first, case.model, case.batch, None, ("after",)))
@@ -239,11 +239,15 @@ def live(
         )
     out = []
     for case in cases:
-        plain = summarize(measured.timed[(f"{case.model}: first-order", "after")])["plain"]
+        plain = summarize(measured.timed[(_first_order(case), "after")])["plain"]
         kfac = summarize(measured.timed[(case.label, "after")])
         found = {"mean": kfac["mean"], "plain": plain, **phase_split(kfac, plain)}
         out.append({"case": case.label, "measured": found, "predicted": predict(case, hardware)})
     return {"profile": profile, "rows": out, "terms": terms}
+
+
+def _first_order(case: Case) -> str:
+    return f"{case.model} b{case.batch}: first-order"
 
 
 def cpu(rounds: int) -> dict[str, Any]:
@@ -253,14 +257,23 @@ def cpu(rounds: int) -> dict[str, Any]:
     return live(torch.device("cpu"), "this-cpu", CPU_CASES, models, rounds, 1024)
 
 
-def gpu(rounds: int) -> dict[str, Any]:
-    """This machine's GPU: ResNet-50 at batch 32, the cases of the stored run."""
+def gpu(rounds: int, batches: tuple[int, ...] = (32,)) -> dict[str, Any]:
+    """This machine's GPU: ResNet-50 at batch 32, the cases of the stored run; at any other
+    batch in ``batches``, the JobSpec's curvature with the inverse and the eigen method."""
     cases = [
         Case(label.split(": ", 1)[1], "resnet50", 32, options)
         for label, options in GPU_CASES.items()
+        if 32 in batches
     ]
+    for batch in (b for b in batches if b != 32):
+        cases += [
+            Case(f"b{batch} {label.split(': ', 1)[1]}", "resnet50", batch, options)
+            for label, options in GPU_CASES.items()
+            if label.endswith(("K-FAC eigen 10/100", "inverse 10/100"))
+        ]
     name = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
-    return live(torch.device("cuda"), f"{name}-measured", cases, ("resnet50:32",), rounds, 4096)
+    models = tuple(f"resnet50:{batch}" for batch in batches)
+    return live(torch.device("cuda"), f"{name}-measured", cases, models, rounds, 4096)
 
 
 # -- the stored GPU run -------------------------------------------------------------------
@@ -404,6 +417,9 @@ def main() -> int:
         "--add-gpu", type=Path, default=None, help="a saved --gpu run (--json) to add to the stored"
     )
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--batches", type=int, nargs="+", default=[32], help="--gpu: ResNet-50's batches"
+    )
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--report", action="store_true", help="print the stored results")
     args = parser.parse_args()
@@ -432,7 +448,7 @@ def main() -> int:
     if args.cpu:
         result["cpu"] = cpu(args.rounds)
     if args.gpu:
-        result["gpu-live"] = gpu(args.rounds)
+        result["gpu-live"] = gpu(args.rounds, tuple(args.batches))
         result["gpu-live"]["device"] = torch.cuda.get_device_name()
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1))

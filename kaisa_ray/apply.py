@@ -107,6 +107,14 @@ class GradientSetter:
         """Bytes of the state held on the device."""
         return sum(t.nbytes for t in (self._skipped, self._last_scale) if t is not None)
 
+    def state(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The skipped-step count and the clip's last scale on ``device``, made on the first
+        call (before a CUDA graph captures what updates them in place)."""
+        if self._skipped is None or self._last_scale is None:
+            self._skipped = torch.full((), self._skipped_count, device=device)
+            self._last_scale = torch.ones((), dtype=torch.float64, device=device)
+        return self._skipped, self._last_scale
+
     def restart_count(self, skipped: int) -> None:
         """The count of skipped steps a checkpoint holds (already warned about)."""
         self._skipped_count = self._warned = skipped
@@ -131,14 +139,18 @@ class GradientSetter:
         blocks: Sequence[Block],
         gathered: batching.Gathered | None,
         order: Sequence[KFACLayer],
-        kl_clip: float | None,
-        lr: float,
+        kl_clip: float | torch.Tensor | None,
+        lr: float | torch.Tensor,
+        write_grads: bool = True,
     ) -> None:
         """KL clipping (scale by min(1, sqrt(kl_clip / |lr² Σ p·g|))), then set the grads;
         where a gradient or a preconditioned gradient is not finite, the raw gradients stay.
-        Decided on the device: no value is read back here. ``gathered``: the shape groups'
+        Decided on the device: no value is read back here, and the state kept changes in
+        place (so that a CUDA graph can hold this). ``gathered``: the shape groups'
         gradients in flat buffers (``batching.GradientLayout``), ``blocks`` the rest;
-        ``order``: every layer, in the order the clip's sum adds them up."""
+        ``order``: every layer, in the order the clip's sum adds them up; ``kl_clip`` and
+        ``lr`` floats or scalars on the device. Without ``write_grads`` the result is left in
+        ``gathered``'s raw buffers for the caller to copy to the gradients."""
         if not blocks and gathered is None:
             return
         if kl_clip is not None:
@@ -171,17 +183,14 @@ class GradientSetter:
                 outs += gathered.outs
             total = torch.stack([out.sum(dtype=torch.float64) for out in outs]).sum()
         ok = torch.isfinite(total)
-        if self._skipped is None or self._last_scale is None:
-            self._skipped = torch.full((), self._skipped_count, device=total.device)
-            self._last_scale = torch.ones((), dtype=torch.float64, device=total.device)
+        skipped, last = self.state(total.device)
         if kl_clip is not None:
             scale = torch.sqrt(kl_clip / (total * lr**2).abs()).clamp(max=1.0)
-            scale = torch.where(ok, scale, self._last_scale)
-            self._last_scale = scale
+            torch.where(ok, scale, last, out=last)
         else:
-            self._last_scale = torch.where(ok, 1.0, self._last_scale)
-        self._skipped += (~ok).to(self._skipped.dtype)
-        self._write(blocks, gathered, ok, kl_clip is not None)
+            last.masked_fill_(ok, 1.0)
+        skipped += (~ok).to(skipped.dtype)
+        self._write(blocks, gathered, ok, kl_clip is not None, write_grads)
 
     def _write(
         self,
@@ -189,6 +198,7 @@ class GradientSetter:
         gathered: batching.Gathered | None,
         ok: torch.Tensor,
         clipped: bool,
+        write_grads: bool,
     ) -> None:
         assert self._last_scale is not None
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -198,7 +208,8 @@ class GradientSetter:
                 if clipped:
                     out = out * self._last_scale.to(out.dtype)
                 torch.where(ok, out, raw, out=raw)
-            pairs += zip(gathered.grads, gathered.into, strict=True)
+            if write_grads:
+                pairs += zip(gathered.grads, gathered.into, strict=True)
         for block in blocks:
             out = block.out
             if clipped:

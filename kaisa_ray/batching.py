@@ -150,10 +150,11 @@ class ShapeGroup:
         return gather([self])[0]
 
     def precondition(
-        self, raw: torch.Tensor, damping: float, out: torch.Tensor | None = None
+        self, raw: torch.Tensor, damping: float | torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The members' preconditioned gradients ``(n, k, g, a)`` from ``gather()``'s (into
-        ``out`` where given, a contiguous tensor of that shape)."""
+        ``out`` where given, a contiguous tensor of that shape); ``damping`` a float or a
+        scalar on the device."""
         if self.key.adam is not None:
             (adam,) = precondition_adam([self], [raw])
             return adam if out is None else out.copy_(adam)
@@ -248,10 +249,12 @@ class GradientLayout:
                     self.params.append((helper, True, _span_of(arena, view)))
             sizes[arena] = -(-(start + n * k * g * a) // ALIGN) * ALIGN
         self.arenas = [(dtype, device, sizes[i]) for (dtype, device), i in arenas.items()]
+        self._kept: Gathered | None = None
 
-    def gather(self) -> Gathered:
+    def gather(self, keep: bool = False) -> Gathered:
         """This step's gradients in fresh flat buffers (what lies between groups' shares is
-        left as it is: nothing reads it)."""
+        left as it is: nothing reads it); with ``keep``, in the same buffers every step
+        (allocated on the first such call and kept, as a CUDA graph needs them)."""
         grads = []
         for helper, is_bias, _ in self.params:
             param = helper.bias() if is_bias else helper.weight()
@@ -260,19 +263,25 @@ class GradientLayout:
                 what = "bias gradient" if is_bias else "gradient; call backward() first"
                 raise RuntimeError(f"{helper.describe()} has no {what}.")
             grads.append(grad)
-        raw_flats = [torch.empty(size, dtype=dt, device=dev) for dt, dev, size in self.arenas]
-        out_flats = [torch.empty(size, dtype=dt, device=dev) for dt, dev, size in self.arenas]
-        into = [span.of(raw_flats) for _, _, span in self.params]
-        copy_all(list(zip(into, grads, strict=True)))
-        return Gathered(
-            self.groups,
-            raw_flats,
-            out_flats,
-            [span.of(raw_flats) for span in self.group_spans],
-            [span.of(out_flats) for span in self.group_spans],
-            grads,
-            into,
-        )
+        kept = self._kept
+        if kept is None or not keep:
+            raw_flats = [torch.empty(n, dtype=dt, device=dev) for dt, dev, n in self.arenas]
+            out_flats = [torch.empty(n, dtype=dt, device=dev) for dt, dev, n in self.arenas]
+            into = [span.of(raw_flats) for _, _, span in self.params]
+            kept = Gathered(
+                self.groups,
+                raw_flats,
+                out_flats,
+                [span.of(raw_flats) for span in self.group_spans],
+                [span.of(out_flats) for span in self.group_spans],
+                [],
+                into,
+            )
+            if keep:
+                self._kept = kept
+        kept.grads = grads
+        copy_all(list(zip(kept.into, grads, strict=True)))
+        return kept
 
 
 def _span_of(arena: int, view: torch.Tensor) -> _Span:
@@ -303,7 +312,7 @@ def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 def precondition(
     groups: Sequence[ShapeGroup],
     raws: Sequence[torch.Tensor],
-    damping: float,
+    damping: float | torch.Tensor,
     outs: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Each group's preconditioned gradients (``ShapeGroup.precondition`` of its ``raws``

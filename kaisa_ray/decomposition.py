@@ -244,13 +244,16 @@ class Decomposition(ABC):
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
-def eigen_denominator(da: torch.Tensor, dg: torch.Tensor, damping: float, pi: bool) -> torch.Tensor:
+def eigen_denominator(
+    da: torch.Tensor, dg: torch.Tensor, damping: float | torch.Tensor, pi: bool
+) -> torch.Tensor:
     """``λ_G λ_Aᵀ + γ``, or with π-damping ``(λ_G + √γ/π)(λ_A + π√γ)ᵀ``: ``(k, g, a)`` from
-    eigenvalues ``da`` ``(k, a)`` and ``dg`` ``(k, g)`` (any number of stacked groups ``k``)."""
+    eigenvalues ``da`` ``(k, a)`` and ``dg`` ``(k, g)`` (any number of stacked groups ``k``;
+    ``damping`` a float or a scalar on the device)."""
     if not pi:
         return dg.unsqueeze(-1) * da.unsqueeze(-2) + damping
     ratio = pi_ratio(da, dg)  # (k, 1, 1)
-    root = math.sqrt(damping)
+    root = damping.sqrt() if isinstance(damping, torch.Tensor) else math.sqrt(damping)
     denominator: torch.Tensor = (dg.unsqueeze(-1) + root / ratio) * (
         da.unsqueeze(-2) + ratio * root
     )

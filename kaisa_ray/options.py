@@ -91,6 +91,7 @@ class PreconditionerOptions:
     scaling: Scaling = Scaling.KRONECKER
     adam_betas: tuple[float, float] = (0.9, 0.95)
     adam_eps: float = 1e-8
+    cuda_graphs: bool = False
 
     @property
     def measures_staleness(self) -> bool:
@@ -164,8 +165,9 @@ class PreconditionerOptions:
                 f"factor_samples={samples!r} must be a positive integer (the examples "
                 "of each batch the factors are built from), or None to use every example."
             )
-        if not isinstance(self.pi_damping, bool):
-            raise ConfigurationError(f"pi_damping={self.pi_damping!r} must be True or False.")
+        for name in ("pi_damping", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigurationError(f"{name}={getattr(self, name)!r} must be True or False.")
         if not self.allreduce_bucket_cap_mb > 0:
             raise ConfigurationError(
                 f"allreduce_bucket_cap_mb={self.allreduce_bucket_cap_mb!r} must be positive (25 "

@@ -51,6 +51,7 @@ from kaisa_ray.enums import (
     Scaling,
 )
 from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.graphs import GraphedPreconditioning
 from kaisa_ray.hyperparams import (
     FloatParam,
     IntParam,
@@ -167,6 +168,11 @@ class KFACPreconditioner:
             place, and ``kl_clip`` is best None).
         adam_betas: the moments' decays (β₁, β₂) under 'adam-eigenbasis'.
         adam_eps: ε added to ``√v̂`` under 'adam-eigenbasis'.
+        cuda_graphs: replay a step's preconditioning of the layers batched by shape from a
+            CUDA graph (``kaisa_ray.graphs``): one launch where Python launched each product
+            and check, at the cost of keeping two copies of those layers' gradients between
+            steps. CUDA only; a step whose layers are not all batched, or that receives
+            preconditioned gradients from other ranks, runs as without it.
     """
 
     def __init__(
@@ -204,6 +210,7 @@ class KFACPreconditioner:
         scaling: Scaling | str = Scaling.KRONECKER,
         adam_betas: tuple[float, float] = (0.9, 0.95),
         adam_eps: float = 1e-8,
+        cuda_graphs: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigurationError(
@@ -241,6 +248,7 @@ class KFACPreconditioner:
             scaling=scaling,
             adam_betas=adam_betas,
             adam_eps=adam_eps,
+            cuda_graphs=cuda_graphs,
         )
         self._build(model, options)
 
@@ -371,6 +379,17 @@ class KFACPreconditioner:
         )
         # where the groups' gradients lie in flat buffers, by the groups a step preconditions
         self._layouts: dict[tuple[batching.ShapeGroup, ...], batching.GradientLayout] = {}
+        self.cuda_graphs = options.cuda_graphs
+        if self.cuda_graphs:
+            devices = {lay.helper.weight().device.type for lay in self._layers}
+            if devices != {"cuda"}:
+                raise ConfigurationError(
+                    "cuda_graphs=True replays the preconditioning from a CUDA graph, but the "
+                    f"model's registered layers are on {', '.join(sorted(devices)) or 'no device'}"
+                    ": move the model to the GPU (model.cuda()) before building the "
+                    "preconditioner, or leave cuda_graphs off."
+                )
+        self._graphs: dict[batching.GradientLayout, GraphedPreconditioning] = {}
         self._steps = 0
         self.skipped_factor_updates = 0
         # Kept on the device from the first step on, so that a step need not wait for them
@@ -766,6 +785,8 @@ class KFACPreconditioner:
                 layout = self._layouts.get(groups)
                 if layout is None:
                     layout = self._layouts[groups] = batching.GradientLayout(groups)
+                if self.cuda_graphs and self._graphable(active, groups):
+                    return self._precondition_graphed(layout, damping)
                 gathered = layout.gather()
                 batching.precondition(groups, gathered.raws, damping, gathered.outs)
                 for group, out in zip(groups, gathered.outs, strict=True):
@@ -803,6 +824,26 @@ class KFACPreconditioner:
                     blocks.append(Block((layer,), layer.helper.grad().unsqueeze(0), out[None]))
                     preconditioned.put(layer.name, out)
             self._setter.set(blocks, gathered, self._layers, self.kl_clip, self.lr)
+        return preconditioned
+
+    def _graphable(self, active: list[KFACLayer], groups: tuple[batching.ShapeGroup, ...]) -> bool:
+        """Whether the shape groups are this step's whole preconditioning: no layer alone,
+        none received from another rank (one rank, or every layer preconditioned on every
+        rank as COMM-OPT does)."""
+        grouped = set().union(*(group.names for group in groups))
+        alone = any(lay.name not in grouped and self._preconditions(lay) for lay in active)
+        return not alone and not self._comm.gradient_buckets
+
+    def _precondition_graphed(self, layout: batching.GradientLayout, damping: float) -> Outputs:
+        """``_precondition`` of the shape groups alone, replayed from a CUDA graph."""
+        graphed = self._graphs.get(layout)
+        if graphed is None:
+            graphed = self._graphs[layout] = GraphedPreconditioning(layout, self._setter)
+        gathered = graphed.run(damping, self.kl_clip, self.lr, self._layers)
+        preconditioned = Outputs()
+        for group, out in zip(gathered.groups, gathered.outs, strict=True):
+            for index, layer in enumerate(group.layers):
+                preconditioned.put(layer.name, out, index)
         return preconditioned
 
     def _preconditions(self, layer: KFACLayer) -> bool:

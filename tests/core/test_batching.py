@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kaisa_ray import KFACPreconditioner, batching, decomposition
+from kaisa_ray.errors import ConfigurationError
 
 
 def batches(count: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -392,3 +393,10 @@ def test_importing_kaisa_ray_does_not_load_dynamo() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_cuda_graphs_on_a_model_off_the_gpu_is_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigurationError, match=r"model\.cuda\(\)"):
+        KFACPreconditioner(nn.Linear(4, 3), cuda_graphs=True)
+    with pytest.raises(ConfigurationError, match="cuda_graphs='yes' must be True or False"):
+        KFACPreconditioner(nn.Linear(4, 3), cuda_graphs="yes")  # type: ignore[arg-type]

@@ -259,3 +259,77 @@ def test_tf32_products_stay_within_their_bound_of_float64(monkeypatch: pytest.Mo
         error = float((preconditioned(precision, torch.float32) - exact).norm() / exact.norm())
         print(f"matmul_precision {precision}: relative error {error:.2e}")
         assert error < bound, f"{precision}: {error:.2e}"
+
+
+GRAPHED_METHODS: dict[str, dict[str, Any]] = {
+    "inverse": {"compute_method": "inverse"},
+    "eigen": {"compute_method": "eigen"},
+    "eigen, no table, pi-damping": {
+        "compute_method": "eigen",
+        "compute_eigenvalue_outer_product": False,
+        "pi_damping": True,
+    },
+    "adam-eigenbasis": {"compute_method": "eigen", "scaling": "adam-eigenbasis", "kl_clip": None},
+}
+
+
+@pytest.mark.parametrize("method", list(GRAPHED_METHODS))
+def test_graphed_preconditioning_equals_the_eager_steps(method: str) -> None:
+    """``cuda_graphs=True`` against the same run without: factor and decomposition updates,
+    a damping and a learning rate that change every step (read from the device scalars the
+    graph refills) and the KL clip; one capture for the whole run."""
+    kwargs: dict[str, Any] = {
+        "factor_update_steps": 2,
+        "inv_update_steps": 4,
+        "damping": lambda step: 0.01 * (1.0 + 0.1 * step),
+        "lr": lambda step: 0.05 / (1.0 + step),
+        "kl_clip": 1e-7,  # small enough to scale every step
+        "matmul_precision": "highest",
+        **GRAPHED_METHODS[method],
+    }
+    graphed_model, eager_model = repeated_cnn(), repeated_cnn()
+    graphed = KFACPreconditioner(graphed_model, cuda_graphs=True, **kwargs)
+    eager = KFACPreconditioner(eager_model, **kwargs)
+    _train_cuda(graphed_model, graphed, 13)
+    _train_cuda(eager_model, eager, 13)
+    for a, b in zip(graphed_model.parameters(), eager_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if kwargs["kl_clip"] is not None:
+        assert eager.last_grad_scale < 1.0
+    assert graphed.last_grad_scale == pytest.approx(eager.last_grad_scale, rel=1e-5)
+    captures = [g.captures for g in graphed._graphs.values()]
+    assert captures == [1], captures
+
+
+def test_a_graphed_quiet_step_never_synchronises_and_keeps_raw_gradients_that_are_not_finite() -> (
+    None
+):
+    model = repeated_cnn()
+    preconditioner = KFACPreconditioner(
+        model, factor_update_steps=3, inv_update_steps=6, compute_method="inverse", cuda_graphs=True
+    )
+    _train_cuda(model, preconditioner, 8)  # captured on step 0, replayed since
+    x = torch.randn(16, 2, 6, 6, device="cuda")
+    y = torch.randint(0, 5, (16,), device="cuda")
+    F.cross_entropy(model(x), y).backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        preconditioner.step()  # step 8: neither factors nor decompositions
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert preconditioner.last_updates == (frozenset(), frozenset())
+    _train_cuda(model, preconditioner, 1)  # step 9 updates the factors
+    for param in model.parameters():
+        param.grad = None
+    F.cross_entropy(model(x), y).backward()
+    first = next(model.parameters())
+    assert first.grad is not None
+    first.grad[0].fill_(float("nan"))
+    raw = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    preconditioner.step()  # step 10: quiet, replayed, one gradient not finite
+    assert preconditioner.last_updates == (frozenset(), frozenset())
+    assert preconditioner.skipped_steps == 1
+    for before, param in zip(raw, model.parameters(), strict=True):
+        torch.testing.assert_close(param.grad, before, equal_nan=True)
+    assert [g.captures for g in preconditioner._graphs.values()] == [1]
