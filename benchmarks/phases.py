@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -337,6 +338,7 @@ class Measured:
     timed: dict[tuple[str, str], list[tuple[str, float]]] = field(default_factory=dict)
     products: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     peak_mib: dict[tuple[str, str], float] = field(default_factory=dict)
+    failed: dict[tuple[str, str], str] = field(default_factory=dict)  # the error, by key
 
 
 def run_rounds(
@@ -349,7 +351,7 @@ def run_rounds(
     for round_ in range(rounds + 1):  # the first round warms up: past step 0's work
         for config in configs:
             for version, worker in workers.items():
-                if version not in config.versions:
+                if version not in config.versions or (config.label, version) in measured.failed:
                     continue
                 answer = worker.ask(
                     {
@@ -364,6 +366,11 @@ def run_rounds(
                     }
                 )
                 key = (config.label, version)
+                if "error" in answer:
+                    print(f"{config.label} ({version}) failed: {answer['error']}", file=sys.stderr)
+                    measured.failed[key] = answer["error"]
+                    measured.timed.pop(key, None)
+                    continue
                 if round_ == 0:
                     measured.peak_mib[key] = answer["peak_mib"]
                     continue
@@ -453,32 +460,40 @@ def serve() -> None:
     print(json.dumps({"ready": kaisa_ray.__file__}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
-        key = request["key"]
-        device = torch.device(request.get("device", "cpu"))
-        peak_mib = 0.0
-        if key not in trainees:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-            trainees[key] = Trainee(
-                request["workload"],
-                request["batch"],
-                request["kfac"],
-                device,
-                request.get("precision", "fp32"),
-            )
-            timed = time_steps(trainees[key], request["steps"])
-            if device.type == "cuda":  # the allocator's peak over this trainee's first steps
-                peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
-        else:
-            timed = time_steps(trainees[key], request["steps"])
-        trainee = trainees[key]
-        products = (
-            trainee.products_ms(request.get("products", 0)) if request.get("products") else 0.0
-        )
-        answer = {"key": key, "timed": timed, "products_ms": products, "peak_mib": peak_mib}
+        try:
+            answer = _answer(request, trainees)
+        except Exception as error:  # the configuration fails; the others go on
+            trainees.pop(request["key"], None)
+            answer = {"key": request["key"], "error": f"{type(error).__name__}: {error}"}
+            traceback.print_exc(file=sys.stderr)
         print(json.dumps(answer), flush=True)
+
+
+def _answer(request: dict[str, Any], trainees: dict[str, Trainee]) -> dict[str, Any]:
+    """One request's answer (``serve``)."""
+    key = request["key"]
+    device = torch.device(request.get("device", "cpu"))
+    peak_mib = 0.0
+    if key not in trainees:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        trainees[key] = Trainee(
+            request["workload"],
+            request["batch"],
+            request["kfac"],
+            device,
+            request.get("precision", "fp32"),
+        )
+        timed = time_steps(trainees[key], request["steps"])
+        if device.type == "cuda":  # the allocator's peak over this trainee's first steps
+            peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+    else:
+        timed = time_steps(trainees[key], request["steps"])
+    trainee = trainees[key]
+    products = trainee.products_ms(request.get("products", 0)) if request.get("products") else 0.0
+    return {"key": key, "timed": timed, "products_ms": products, "peak_mib": peak_mib}
 
 
 if __name__ == "__main__":
