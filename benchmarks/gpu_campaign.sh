@@ -124,11 +124,11 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
         run 100 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_gpu.py -rA \
             --tb=short
-        (cd benchmarks && run 230 gpu_step python3 gpu_step.py --rounds 2 \
+        (cd benchmarks && run 220 gpu_step python3 gpu_step.py --rounds 2 \
             ${COMMIT:+--commit "$COMMIT"} --only "b32 fp32: SGD" "b32 fp32: K-FAC inverse 10/100" \
             "b32 fp32: K-FAC eigen 10/100" "b64 fp32" "transformer" --skip "highest" "eigenbasis" \
             --json "$OUT/gpu_step.json")
-        (cd benchmarks && run 250 plan_vs_gpu python3 plan_vs_gpu.py --rounds 2 \
+        (cd benchmarks && run 250 plan_vs_gpu python3 plan_vs_gpu.py --rounds 1 \
             ${COMMIT:+--commit "$COMMIT"} --json "$OUT/plan_vs_gpu.json")
         ;;
     esac
