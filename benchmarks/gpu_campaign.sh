@@ -6,7 +6,8 @@
 # (the tests with tracebacks, the inverse, eigen and Adam-eigenbasis step costs), "e" (the
 # Adam-eigenbasis step before and after a change), "f" (the tests, the step before and after,
 # profiler traces, the plan against this GPU), "g" (f's step and traces after a change), "h"
-# (the preconditioning in CUDA graphs against without; the plan against the GPU at batch 32, 64).
+# (the preconditioning in CUDA graphs against without; the plan against the GPU at batch 32, 64),
+# "i" (h without the plan).
 # Expects the pydantic wheels in .whl (the image has torch but not pydantic) and the commit
 # before the change's kaisa_ray in .old (`git archive <commit> kaisa_ray | tar -x -C .old`).
 # The lent machine's copy has no history of its own: COMMIT=<hash> names what the tables
@@ -119,8 +120,8 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
             ${COMMIT:+--commit "$COMMIT"} --json "$OUT/gpu_trace.json" --traces /tmp/traces)
         tar -czf "$OUT/traces.tgz" -C /tmp traces 2>/dev/null
         ;;
-    h)  # the preconditioning in CUDA graphs against without, in one run; the plan against
-        # this GPU at batch 32 and 64, every phase
+    h | i)  # the preconditioning in CUDA graphs against without, in one run; (h only) the
+        # plan against this GPU at batch 32 and 64, every phase
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
         run 100 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_gpu.py -rA \
             --tb=short
@@ -128,8 +129,8 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
             ${COMMIT:+--commit "$COMMIT"} --only "b32 fp32: SGD" "b32 fp32: K-FAC inverse 10/100" \
             "b32 fp32: K-FAC eigen 10/100" "b64 fp32" "transformer" --skip "highest" "eigenbasis" \
             --json "$OUT/gpu_step.json")
-        (cd benchmarks && run 250 plan_vs_gpu python3 plan_vs_gpu.py --rounds 1 \
-            ${COMMIT:+--commit "$COMMIT"} --json "$OUT/plan_vs_gpu.json")
+        [ "$stage" = h ] && (cd benchmarks && run 250 plan_vs_gpu python3 plan_vs_gpu.py \
+            --rounds 1 ${COMMIT:+--commit "$COMMIT"} --json "$OUT/plan_vs_gpu.json")
         ;;
     esac
 done

@@ -419,10 +419,11 @@ def tabulate(
 ) -> tuple[list[list[str]], list[dict[str, Any]]]:
     """Table rows (``COLUMNS``, then peak MiB with ``memory``) and JSON rows: each K-FAC
     configuration against the first-order configuration of its workload, batch, precision
-    and version (listed before it)."""
+    and version (the first-order rows first)."""
     rows, results = [], []
     plain: dict[tuple[str, int, str, str], float] = {}
-    for config in configs:
+    # the first-order configurations first: the K-FAC ones are divided by theirs
+    for config in sorted(configs, key=lambda c: c.kfac is not None):
         for version in versions:
             key = (config.label, version)
             if key not in measured.timed:

@@ -14,10 +14,6 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-# Fixtures for every module (a module that defines its own of the same name uses its own).
-from support.browser import browser  # noqa: F401
-from support.service_app import service  # noqa: F401
-
 if TYPE_CHECKING:
     from support.ray_head import RayHead
 
