@@ -98,6 +98,18 @@ def test_strategy_must_fit_the_workers_and_auto_is_a_strategy() -> None:
     assert parse_job_spec(with_(kfac="off")).kfac == "off"
 
 
+def test_cuda_graphs_need_gpu_workers_and_reach_the_preconditioner() -> None:
+    graphs = {**GOOD["kfac"], "cuda_graphs": True}
+    with pytest.raises(JobSpecError, match=r"scaling.gpus_per_worker is 0: give each worker a GPU"):
+        parse_job_spec(with_(kfac=graphs))
+    spec = parse_job_spec(with_(kfac=graphs, scaling={"workers": 2, "gpus_per_worker": 1}))
+    assert isinstance(spec.kfac, KFACSpec)
+    assert spec.kfac.preconditioner_options()["cuda_graphs"] is True
+    plain = parse_job_spec(GOOD).kfac
+    assert isinstance(plain, KFACSpec)
+    assert plain.preconditioner_options()["cuda_graphs"] is False
+
+
 def test_tuner_options_need_auto_and_intervals_must_nest() -> None:
     tuned = parse_job_spec(
         with_(kfac={"strategy": "auto", "intervals": [[1, 10], [5, 50]], "verify": 2})

@@ -78,6 +78,17 @@ class JobSpec(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _cuda_graphs_on_gpus(self) -> JobSpec:
+        graphs = isinstance(self.kfac, KFACSpec) and self.kfac.cuda_graphs
+        if graphs and self.scaling.gpus_per_worker < 1:
+            raise ValueError(
+                "kfac.cuda_graphs replays the preconditioning from a CUDA graph, but "
+                f"scaling.gpus_per_worker is {self.scaling.gpus_per_worker:g}: give each "
+                "worker a GPU (gpus_per_worker: 1) or set kfac.cuda_graphs: false"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _peer_optimizer_fits(self) -> JobSpec:
         name = self.optimizer.name
         if name not in PEER_OPTIMIZERS:

@@ -76,6 +76,18 @@ class KFACSpec(StrictModel):
             )
         ),
     ] = MatmulPrecision.HIGH
+    cuda_graphs: Annotated[
+        bool,
+        Field(
+            description=(
+                "Replay each step's preconditioning of the layers batched by shape from one "
+                "CUDA graph: one launch where Python launches each product, at the cost of "
+                "keeping two copies of those layers' gradients between steps. GPU workers "
+                "only (``scaling.gpus_per_worker`` of at least 1); steps that receive "
+                "preconditioned gradients from other workers run without it."
+            )
+        ),
+    ] = False
     scaling: Annotated[
         Scaling,
         Field(
@@ -171,16 +183,18 @@ class KFACSpec(StrictModel):
 
     def preconditioner_options(self) -> dict[str, Any]:
         """The ``KFACPreconditioner`` keyword arguments this spec fixes: the curvature, the
-        damping, the factors' decay, the KL clip and whether staleness is measured (adaptive
-        intervals measure it). The one mapping from a spec to the preconditioner, for the
-        job, the tuner's profile and its measured candidates; the strategy and the intervals
-        come from the tuner's choice or the spec, the lr from the optimizer."""
+        damping, the factors' decay, the KL clip, whether staleness is measured (adaptive
+        intervals measure it) and whether the preconditioning runs in a CUDA graph. The one
+        mapping from a spec to the preconditioner, for the job, the tuner's profile and its
+        measured candidates; the strategy and the intervals come from the tuner's choice or
+        the spec, the lr from the optimizer."""
         return {
             **self.curvature(),
             "damping": self.damping,
             "factor_decay": self.factor_decay,
             "kl_clip": self.kl_clip,
             "measure_staleness": self.adaptive or self.measure_staleness,
+            "cuda_graphs": self.cuda_graphs,
         }
 
     def curvature(self) -> dict[str, Any]:
