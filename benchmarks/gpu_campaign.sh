@@ -7,7 +7,7 @@
 # Adam-eigenbasis step before and after a change), "f" (the tests, the step before and after,
 # profiler traces, the plan against this GPU), "g" (f's step and traces after a change), "h"
 # (the preconditioning in CUDA graphs against without; the plan against the GPU at batch 32, 64),
-# "i" (h without the plan).
+# "i" (h without the plan), "j" (the plan alone).
 # Expects the pydantic wheels in .whl (the image has torch but not pydantic) and the commit
 # before the change's kaisa_ray in .old (`git archive <commit> kaisa_ray | tar -x -C .old`).
 # The lent machine's copy has no history of its own: COMMIT=<hash> names what the tables
@@ -131,6 +131,11 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
             --json "$OUT/gpu_step.json")
         [ "$stage" = h ] && (cd benchmarks && run 250 plan_vs_gpu python3 plan_vs_gpu.py \
             --rounds 1 ${COMMIT:+--commit "$COMMIT"} --json "$OUT/plan_vs_gpu.json")
+        ;;
+    j)  # the plan against this GPU at batch 32 and 64 alone (a profile with the host's step)
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        (cd benchmarks && run 250 plan_vs_gpu python3 plan_vs_gpu.py --rounds 1 \
+            ${COMMIT:+--commit "$COMMIT"} --json "$OUT/plan_vs_gpu.json")
         ;;
     esac
 done

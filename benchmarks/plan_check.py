@@ -80,10 +80,10 @@ def predict(case: Case, hardware: Hardware) -> dict[str, float]:
     fus, ius = options["factor_update_steps"], options["inv_update_steps"]
     candidate = price(profile, strategy, fus, ius)
     parts = candidate.breakdown
-    return {
+    return {  # the phases as they add to a whole step (``tuner.cost.overlapped``)
         "plain": basis.step_s * 1e3,
         "precondition": parts["precondition"] * 1e3,
-        "factors": profile.factor_s * 1e3,
+        "factors": parts["factors"] * fus * 1e3,
         "decompositions": parts["decompositions"] * ius * 1e3,
         "mean": candidate.step_s * 1e3,
         "terms": list(basis.terms),  # type: ignore[dict-item]

@@ -158,6 +158,15 @@ class Profile:
     # Collectives priced by the nodes their group spans; None: every call at the ``allreduce``
     # and ``broadcast`` fits, as measured between the job's own workers.
     topology: CollectivePricer | None = None
+    # On a GPU whose profile measured the host's time to issue the plain step: that time and
+    # the device's (``step_s`` is then the longer), and the device's share of K-FAC's factor
+    # and preconditioning seconds (the rest is the host's: Python and launches). A step then
+    # takes the longer of the host's and the device's timelines, each with its share of
+    # K-FAC's work (``overlapped``). None: the parts add to ``step_s``.
+    host_step_s: float | None = None
+    device_step_s: float | None = None
+    factor_device_share: float = 1.0
+    precondition_device_share: float = 1.0
 
     def transient_bytes(self, fraction: float) -> int:
         """K-FAC's temporaries over its state under ``fraction``, as measured (else the
@@ -356,6 +365,8 @@ def _priced(
     total, breakdown = classes.slowest(
         step_s=profile.step_s, factor_s=profile.factor_s, fus=fus, ius=ius
     )
+    if profile.host_step_s is not None and profile.device_step_s is not None:
+        total, breakdown = overlapped(profile, breakdown)
     state = _state_bytes(strategy)
     return Candidate(
         grad_worker_fraction=strategy.grad_worker_fraction,
@@ -368,6 +379,31 @@ def _priced(
         step_s=total,
         breakdown=breakdown,
     )
+
+
+def overlapped(profile: Profile, parts: dict[str, float]) -> tuple[float, dict[str, float]]:
+    """A step's seconds and K-FAC's parts of it where the host and the device run apart:
+    the host issues the plain step (``host_step_s``) and all of K-FAC's phases (its Python
+    and launches, and its waits for the device on update steps); the device runs the plain
+    step (``device_step_s``) and K-FAC's arithmetic and collectives (the decompositions and
+    communication whole, the factors and preconditioning at their device shares). The step
+    takes the longer of the two; what it adds to the plain step is split among the phases
+    in proportion to their seconds on the timeline that decides it, so that each part is
+    what the phase adds to a whole step."""
+    assert profile.host_step_s is not None
+    assert profile.device_step_s is not None
+    device_parts = {
+        "factors": parts["factors"] * profile.factor_device_share,
+        "decompositions": parts["decompositions"],
+        "precondition": parts["precondition"] * profile.precondition_device_share,
+        "communication": parts["communication"],
+    }
+    host = profile.host_step_s + sum(parts.values())
+    device = profile.device_step_s + sum(device_parts.values())
+    total = max(host, device, profile.step_s)
+    weights = parts if host >= device else device_parts
+    added, weight = total - profile.step_s, sum(weights.values())
+    return total, {k: added * w / weight if weight > 0 else 0.0 for k, w in weights.items()}
 
 
 def _state_bytes(strategy: Plan) -> int:

@@ -128,6 +128,17 @@ def plain_step(workload: Workload, hardware: Hardware) -> tuple[float, str]:
     )
 
 
+def host_step(workload: Workload, hardware: Hardware) -> float | None:
+    """Seconds the host takes to issue one plain training step, where the profile measured
+    it on a GPU (a CPU's host is its device: None)."""
+    if hardware.host_is_device:
+        return None
+    rate = hardware.training_rate(workload.model, workload.precision, workload.seq_len)
+    if rate is None or rate.host_step_s is None:
+        return None
+    return rate.host_step_s.value * workload.accumulation_steps
+
+
 def memory_basis(workload: Workload) -> tuple[int, int]:
     """(base bytes, K-FAC temporaries) per rank."""
     weights = workload.parameters * FLOAT32 * (2 + workload.optimizer_states)
@@ -260,7 +271,14 @@ def forecast_profile(
     """The tuner's profile of ``workload`` on ``world_size`` GPUs of ``hardware``."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
-    step_s, step_source = plain_step(workload, hardware)
+    device_s, step_source = plain_step(workload, hardware)
+    host_s = host_step(workload, hardware)
+    step_s = device_s if host_s is None else max(host_s, device_s)
+    if host_s is not None:
+        step_source += (
+            f"; the host issues it in {host_s * 1e3:.1f} ms (measured), the device runs it in "
+            f"{device_s * 1e3:.1f} ms: the longer"
+        )
     base, transient = memory_basis(workload)
     intra = hardware.intra_node
     link = LinkFit(latency_s=intra.latency_s.value, bytes_per_s=intra.allreduce_busbw.value)
@@ -275,13 +293,19 @@ def forecast_profile(
     )
     layer_precondition = precondition_seconds(workload, hardware)
     flops = sum(precondition_flops(x, workload.compute_method) for x in workload.layers)
+    factor_s = factor_seconds(workload, hardware)
+    products = sum(
+        seconds for seconds, _ in group_products(workload, hardware).values()
+    )  # the preconditioning's device time, every layer's share summed
+    precondition_s = sum(layer_precondition)
+    factor_work = factor_work_seconds(workload, hardware) * workload.accumulation_steps
     profile = Profile(
         world_size=world_size,
         layers=tuple(workload.layers),
         base_memory_bytes=base,
         kfac_transient_bytes=transient,
         step_s=step_s,
-        factor_s=factor_seconds(workload, hardware),
+        factor_s=factor_s,
         decomposition=decomposition,
         precondition_s_per_flop=sum(layer_precondition) / flops if flops else 0.0,
         layer_precondition_s=layer_precondition,
@@ -290,6 +314,12 @@ def forecast_profile(
         compute_method=workload.compute_method,
         scaling=workload.scaling,
         topology=Topology.of(hardware, gpus_per_node),
+        host_step_s=host_s,
+        device_step_s=None if host_s is None else device_s,
+        factor_device_share=min(1.0, factor_work / factor_s) if factor_s > 0 else 1.0,
+        precondition_device_share=(
+            min(1.0, products / precondition_s) if precondition_s > 0 else 1.0
+        ),
     )
     return profile, Basis(
         step_s=step_s,

@@ -104,6 +104,10 @@ class TrainingRate:
     precision: str
     seq_len: int | None  # for language models: the sequence length it was measured at
     samples_per_s: Sourced
+    # Seconds the host takes to issue one such step (its Python and launches, measured
+    # without waiting for the device), where measured: a step takes the longer of this and
+    # the device's time, and K-FAC's host work adds to this one.
+    host_step_s: Sourced | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -386,14 +390,23 @@ def hardware_from_dict(data: Any, origin: str = "hardware profile") -> Hardware:
         if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
             problems.append(f"{where}.seq_len: {seq_len!r} must be a positive whole number")
             continue
-        rate = _number(entry, where, problems)
+        host = None
+        if entry.get("host_step_s") is not None:
+            host = _number(entry["host_step_s"], f"{where}.host_step_s", problems)
+        rate = _number({k: v for k, v in entry.items() if k != "host_step_s"}, where, problems)
         if rate is not None:
             training.append(
                 TrainingRate(
-                    model=entry["model"], precision=precision, seq_len=seq_len, samples_per_s=rate
+                    model=entry["model"],
+                    precision=precision,
+                    seq_len=seq_len,
+                    samples_per_s=rate,
+                    host_step_s=host,
                 )
             )
             sources[f"{where}({entry['model']}, {precision})"] = rate
+            if host is not None:
+                sources[f"{where}.host_step_s({entry['model']}, {precision})"] = host
     extract = (
         number(gpu["extract_elements_per_s"], "gpu.extract_elements_per_s")
         if gpu.get("extract_elements_per_s") is not None

@@ -23,6 +23,8 @@ import functools
 import os
 import platform
 import socket
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -219,10 +221,12 @@ def _training_rate(
     repeats: int,
     example: Callable[[int], torch.Tensor] | None = None,
     batch: int = 32,
-) -> float:
+) -> tuple[float, float | None]:
     """Samples per second of training ``build()``'s model at ``batch`` (SGD with momentum,
     random data of ``example(batch)``'s shape; default: ResNet-50's 224×224 images), with a
-    cross-entropy loss over the model's last output dimension."""
+    cross-entropy loss over the model's last output dimension; on a GPU also the seconds the
+    host takes to issue one step (its Python and launches, from an idle device: a step takes
+    the longer of that and the device's time)."""
     torch.manual_seed(0)
     model = build().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -250,7 +254,31 @@ def _training_rate(
 
     for _ in range(3):
         step()
-    return batch / median_seconds(step, device, repeats)
+    rate = batch / median_seconds(step, device, repeats)
+    if device.type != "cuda":
+        return rate, None
+    hosts = []  # from an idle device: the host issues the step without waiting for it
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        hosts.append(time.perf_counter() - start)
+    torch.cuda.synchronize(device)
+    return rate, statistics.median(hosts)
+
+
+def _training_entry(
+    model: str, precision: str, timed: tuple[float, float | None], what: str, where: str
+) -> dict[str, Any]:
+    """A ``training`` entry of the profile: the throughput, and on a GPU the host's time to
+    issue one step."""
+    rate, host = timed
+    entry = {"model": model, "precision": precision, **_measured(rate, what, where)}
+    if host is not None:
+        entry["host_step_s"] = _measured(
+            host, f"{what}: the host's time to issue one step, the device idle before", where
+        )
+    return entry
 
 
 @dataclass(frozen=True)
@@ -319,16 +347,18 @@ def measure(
     # The models' steps first: after the large products and decompositions below, LeNet's
     # step measured 1.45x slower on this CPU in one run (1.05x when timed first).
     for timed in models:
-        rate = _training_rate(  # a small model's step is short: more repeats
+        found = _training_rate(  # a small model's step is short: more repeats
             timed.build, target, Precision.FP32.value, 3 * repeats, timed.example, timed.batch
         )
         profile["training"] = [
             *(t for t in profile.get("training", []) if t.get("model") != timed.name),
-            {
-                "model": timed.name,
-                "precision": Precision.FP32.value,
-                **_measured(rate, f"{timed.name} training, batch {timed.batch}, fp32, SGD", where),
-            },
+            _training_entry(
+                timed.name,
+                Precision.FP32.value,
+                found,
+                f"{timed.name} training, batch {timed.batch}, fp32, SGD",
+                where,
+            ),
         ]
     tiny = torch.ones(8, device=target)
     per_op = median_seconds(lambda: [tiny.add_(1) for _ in range(100)], target, repeats) / 100
@@ -444,13 +474,15 @@ def measure(
             entry for entry in profile.get("training", []) if entry.get("model") != "resnet50"
         ]
         for precision in (Precision.FP32.value, Precision.BF16.value):
-            rate = _training_rate(resnet50, target, precision, repeats)
+            found = _training_rate(resnet50, target, precision, repeats)
             training.append(
-                {
-                    "model": "resnet50",
-                    "precision": precision,
-                    **_measured(rate, f"ResNet-50 training, batch 32, {precision}, SGD", where),
-                }
+                _training_entry(
+                    "resnet50",
+                    precision,
+                    found,
+                    f"ResNet-50 training, batch 32, {precision}, SGD",
+                    where,
+                )
             )
         profile["training"] = training
     hardware_from_dict(profile, f"the measured profile {name}")  # what we write must load

@@ -261,3 +261,71 @@ def test_factor_extraction_counts_the_elements_the_code_moves() -> None:
     assert "factor extraction (patches, position sums): not priced" in terms
     with_rate = forecast_profile(reduce, hardware_from_dict(with_measurements()), 1)
     assert "the profile's extract rate (measured)" in " ".join(with_rate[1].terms)
+
+
+def with_host_step(host_s: float, cpu: bool = False) -> dict[str, Any]:
+    """The measured profile with the host's time to issue ResNet-50's fp32 step."""
+    data = with_measurements()
+    if cpu:
+        data["gpu"]["name"] = "CPU x86_64 (2 cores)"
+    for entry in data["training"]:
+        if entry["model"] == "resnet50" and entry["precision"] == "fp32":
+            entry["host_step_s"] = {"value": host_s, **MEASURED}
+    return data
+
+
+def test_with_the_hosts_time_a_step_takes_the_longer_of_host_and_device() -> None:
+    """The plain step is the longer of the host's time to issue it and the device's to run
+    it; K-FAC's fixed costs (host) hide behind a device that is behind, its arithmetic does
+    not, and each part is what the phase adds to the whole step."""
+    from kaisa_ray.plan import plan
+    from tuner.cost import price
+
+    job = workload("resnet50", batch_size=64, compute_method="inverse", kfac_approx="reduce")
+    without, _ = forecast_profile(job, hardware_from_dict(with_measurements()), 1)
+    device_s = without.step_s  # 64 images at the preset's throughput
+    assert without.host_step_s is None
+    layers = plan(list(without.layers), 1, 1.0, compute_method="inverse")
+    additive = price(without, layers, 10, 100)
+    for host_s, device_bound in ((0.25 * device_s, True), (4.0 * device_s, False)):
+        profile, basis = forecast_profile(job, hardware_from_dict(with_host_step(host_s)), 1)
+        assert profile.host_step_s == pytest.approx(host_s)
+        assert profile.device_step_s == pytest.approx(device_s)
+        assert profile.step_s == pytest.approx(max(host_s, device_s))
+        assert "the host issues it in" in basis.step_source
+        assert 0 < profile.precondition_device_share < 1
+        assert 0 < profile.factor_device_share <= 1
+        candidate = price(profile, layers, 10, 100)
+        added = sum(candidate.breakdown.values())
+        assert candidate.step_s == pytest.approx(profile.step_s + added)
+        if device_bound:  # the fixed costs hide: less than the parts added up
+            assert added < sum(additive.breakdown.values())
+            device = without.step_s + sum(
+                additive.breakdown[k] * s
+                for k, s in (
+                    ("factors", profile.factor_device_share),
+                    ("precondition", profile.precondition_device_share),
+                    ("decompositions", 1.0),
+                    ("communication", 1.0),
+                )
+            )
+            assert candidate.step_s == pytest.approx(device)
+        else:  # the host decides: every part in full, on top of the host's step
+            assert candidate.breakdown == pytest.approx(additive.breakdown)
+            assert candidate.step_s == pytest.approx(host_s + sum(additive.breakdown.values()))
+
+
+def test_a_cpu_profile_adds_the_parts_whatever_host_time_it_holds() -> None:
+    job = workload("resnet50", batch_size=8, compute_method="inverse", kfac_approx="reduce")
+    profile, _ = forecast_profile(job, hardware_from_dict(with_host_step(1.0, cpu=True)), 1)
+    assert profile.host_step_s is None
+    assert profile.device_step_s is None
+
+
+def test_a_host_step_without_its_source_is_refused_by_name() -> None:
+    data = with_host_step(0.01)
+    for entry in data["training"]:
+        if "host_step_s" in entry:
+            entry["host_step_s"] = {"value": 0.01}
+    with pytest.raises(HardwareProfileError, match=r"training\[\d+\]\.host_step_s\.kind"):
+        hardware_from_dict(data)
