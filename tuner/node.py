@@ -23,8 +23,6 @@ import functools
 import os
 import platform
 import socket
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,9 +37,6 @@ from tuner.hardware import hardware_from_dict
 from tuner.measure import median_seconds
 
 MATMUL_SIZES = (64, 128, 256, 512, 1024, 4096)
-# A sleep kernel of this many GPU clock cycles (about 0.1 s) keeps the device busy while
-# the host issues a step whose launches it times.
-BUSY_CYCLES = 200_000_000
 EIGH_SIZES = (64, 256, 512, 1024, 2048, 4096)
 DECOMPOSE_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 DECOMPOSE_BATCH = 8  # factors of one size decomposed together (K-FAC batches a size's factors)
@@ -228,8 +223,8 @@ def _training_rate(
     """Samples per second of training ``build()``'s model at ``batch`` (SGD with momentum,
     random data of ``example(batch)``'s shape; default: ResNet-50's 224×224 images), with a
     cross-entropy loss over the model's last output dimension; on a GPU also the seconds the
-    host takes to issue one step (its Python and launches, from an idle device: a step takes
-    the longer of that and the device's time)."""
+    host takes to issue one step (its Python and launches: a step takes the longer of that and
+    the device's time)."""
     torch.manual_seed(0)
     model = build().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -245,7 +240,7 @@ def _training_rate(
         device.type, dtype=torch.bfloat16, enabled=precision == Precision.BF16
     )
 
-    def step() -> None:
+    def step(x: torch.Tensor = x, y: torch.Tensor = y) -> None:
         optimizer.zero_grad(set_to_none=True)
         with autocast:
             logits = model(x)
@@ -260,18 +255,11 @@ def _training_rate(
     rate = batch / median_seconds(step, device, repeats)
     if device.type != "cuda":
         return rate, None
-    # The host's time to issue a step while the device is busy (as in training, where it
-    # runs the step before): a long sleep kernel first, so that no launch waits for the
-    # device. From an idle device the same launches took 16% longer than a whole step.
-    hosts = []
-    for _ in range(repeats):
-        torch.cuda.synchronize(device)
-        torch.cuda._sleep(BUSY_CYCLES)  # type: ignore[no-untyped-call]
-        start = time.perf_counter()
-        step()
-        hosts.append(time.perf_counter() - start)
-    torch.cuda.synchronize(device)
-    return rate, statistics.median(hosts)
+    # The host's time per step: a step of one sample, whose kernels the device finishes
+    # before the host has launched them all, so that the host's Python and launches decide
+    # it (the same operations as at any batch). A single step timed from the host's side
+    # read 16-25% over a whole step on lent H200s (benchmarks/README.md, runs 8 and 9).
+    return rate, median_seconds(functools.partial(step, x[:1], y[:1]), device, repeats)
 
 
 def _training_entry(
@@ -283,7 +271,7 @@ def _training_entry(
     entry = {"model": model, "precision": precision, **_measured(rate, what, where)}
     if host is not None:
         entry["host_step_s"] = _measured(
-            host, f"{what}: the host's time to issue one step, the device busy", where
+            host, f"{what}: the host's time per step (a step of one sample)", where
         )
     return entry
 
