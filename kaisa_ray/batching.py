@@ -249,7 +249,7 @@ class GradientLayout:
                     self.params.append((helper, True, _span_of(arena, view)))
             sizes[arena] = -(-(start + n * k * g * a) // ALIGN) * ALIGN
         self.arenas = [(dtype, device, sizes[i]) for (dtype, device), i in arenas.items()]
-        self._kept: Gathered | None = None
+        self.kept: Gathered | None = None  # the buffers of ``gather(keep=True)``
 
     def gather(self, keep: bool = False) -> Gathered:
         """This step's gradients in fresh flat buffers (what lies between groups' shares is
@@ -263,7 +263,7 @@ class GradientLayout:
                 what = "bias gradient" if is_bias else "gradient; call backward() first"
                 raise RuntimeError(f"{helper.describe()} has no {what}.")
             grads.append(grad)
-        kept = self._kept
+        kept = self.kept
         if kept is None or not keep:
             raw_flats = [torch.empty(n, dtype=dt, device=dev) for dt, dev, n in self.arenas]
             out_flats = [torch.empty(n, dtype=dt, device=dev) for dt, dev, n in self.arenas]
@@ -278,7 +278,7 @@ class GradientLayout:
                 into,
             )
             if keep:
-                self._kept = kept
+                self.kept = kept
         kept.grads = grads
         copy_all(list(zip(kept.into, grads, strict=True)))
         return kept

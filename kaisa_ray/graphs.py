@@ -62,6 +62,15 @@ class GraphedPreconditioning:
         self.key: tuple[object, ...] | None = None
         self.captures = 0
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the raw and preconditioned gradients' buffers kept between steps (the
+        graph's private pool of temporaries is the allocator's, not counted here)."""
+        kept = self.layout.kept
+        if kept is None:
+            return 0
+        return sum(t.nbytes for t in (*kept.raw_flats, *kept.out_flats))
+
     def _key(self, kl_clip: float | None) -> tuple[object, ...]:
         pointers = tuple(
             buffer.data_ptr() for group in self.layout.groups for buffer in group.storage.values()

@@ -874,7 +874,8 @@ class KFACPreconditioner:
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state held now, by category, plus ``total``. Exact, not estimated."""
-        sizes = {"factors": 0, "decompositions": 0, "buffers": self._setter.nbytes}
+        graphed = sum(graph.nbytes for graph in self._graphs.values())
+        sizes = {"factors": 0, "decompositions": 0, "buffers": self._setter.nbytes + graphed}
         for layer in self._layers:
             for key, value in layer.memory_usage().items():
                 sizes[key] += value

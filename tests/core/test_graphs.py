@@ -182,3 +182,24 @@ def test_the_kept_buffers_are_the_same_every_step_and_the_fresh_ones_are_not() -
     assert layout.gather().raw_flats[0] is not kept.raw_flats[0]
     grads = [p.grad for p in model.parameters()]
     assert all(any(g is grad for grad in kept.grads) for g in grads if g is not None)
+
+
+def test_the_kept_buffers_count_in_the_memory_usage(recorded: list[_Recorded]) -> None:
+    model = repeated_shapes()
+    preconditioner = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=2)
+    _train(model, preconditioner, 1)
+    eager = preconditioner.memory_usage()
+    preconditioner.cuda_graphs = True
+    _train(model, preconditioner, 1)
+    graphed = preconditioner.memory_usage()
+    grouped = sum(
+        layer.helper.weight().numel() + (b.numel() if (b := layer.helper.bias()) is not None else 0)
+        for group in preconditioner._groups
+        for layer in group.layers
+    )
+    kept = graphed["buffers"] - eager["buffers"]
+    # raw and preconditioned copies of the grouped gradients, each group's share aligned
+    assert (
+        2 * grouped * 4 <= kept <= 2 * (grouped + batching.ALIGN * len(preconditioner._groups)) * 4
+    )
+    assert graphed["total"] - eager["total"] == kept
