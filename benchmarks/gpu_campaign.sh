@@ -7,7 +7,7 @@
 # Adam-eigenbasis step before and after a change), "f" (the tests, the step before and after,
 # profiler traces, the plan against this GPU), "g" (f's step and traces after a change), "h"
 # (the preconditioning in CUDA graphs against without; the plan against the GPU at batch 32, 64),
-# "i" (h without the plan), "j" (the plan alone).
+# "i" (h without the plan), "j" (the plan alone), "k" (traces with and without the graph).
 # Expects the pydantic wheels in .whl (the image has torch but not pydantic) and the commit
 # before the change's kaisa_ray in .old (`git archive <commit> kaisa_ray | tar -x -C .old`).
 # The lent machine's copy has no history of its own: COMMIT=<hash> names what the tables
@@ -136,6 +136,11 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
         (cd benchmarks && run 250 plan_vs_gpu python3 plan_vs_gpu.py --rounds 1 \
             ${COMMIT:+--commit "$COMMIT"} --json "$OUT/plan_vs_gpu.json")
+        ;;
+    k)  # where the graphed step's time goes: traces with and without the graph
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        (cd benchmarks && run 150 gpu_trace python3 gpu_trace.py --only resnet50 --repeats 5 \
+            ${COMMIT:+--commit "$COMMIT"} --json "$OUT/gpu_trace.json" --traces /tmp/traces)
         ;;
     esac
 done

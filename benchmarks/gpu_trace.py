@@ -61,6 +61,27 @@ CONFIGS: dict[str, tuple[str, int, dict[str, Any] | None]] = {
             "inv_update_steps": 100,
         },
     ),
+    "resnet50 b32 K-FAC inverse 10/100, CUDA graphs": (
+        "resnet50",
+        32,
+        {
+            **JOBSPEC_CURVATURE,
+            "factor_update_steps": 10,
+            "inv_update_steps": 100,
+            "cuda_graphs": True,
+        },
+    ),
+    "resnet50 b32 K-FAC eigen 10/100, CUDA graphs": (
+        "resnet50",
+        32,
+        {
+            **JOBSPEC_CURVATURE,
+            "compute_method": "eigen",
+            "factor_update_steps": 10,
+            "inv_update_steps": 100,
+            "cuda_graphs": True,
+        },
+    ),
     "lenet b64 SGD": ("lenet", 64, None),
     "lenet b64 K-FAC inverse 10/100": (
         "lenet",
