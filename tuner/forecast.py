@@ -12,7 +12,9 @@ a ``Hardware`` profile (``tuner.hardware``):
   ``expand`` approximation, the largest patch matrix;
 - the plain step: the batch over a published training throughput of the model on this GPU,
   else the training flops (3 × forward) over the GPU's large-product matmul rate;
-- factors: each layer's extraction (a convolution's patch matrix or position sums, its output
+- factors: the model's own factor work where ``measure-node --model NAME:BATCH`` timed it on
+  the node at this batch and approximation (``kernels``), else each layer's extraction (a
+  convolution's patch matrix or position sums, its output
   gradient: elements moved at the profile's measured rate of that work) and covariance
   products ``XᵀX`` (``rows × dim`` by its transpose, a layer's
   groups in one batched call) at the rate of the square product of the same volume
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kaisa_ray.enums import ComputeMethod, Scaling
+from kaisa_ray.enums import ComputeMethod, KFACApprox, Scaling
 from kaisa_ray.plan import PlannedLayer
 from tuner.cost import LinkFit, Profile, precondition_flops
 from tuner.hardware import OVERHEAD_OPERATIONS, Hardware
@@ -72,6 +74,9 @@ class Workload:
     accumulation_steps: int = 1
     # K-FAC's float32 products ('highest', 'high', 'medium': the preconditioner's option)
     matmul_precision: str = "high"
+    kfac_approx: str = KFACApprox.EXPAND  # the convolutions' factors (``KFACApprox``)
+    # (``rows`` and ``moved`` are already the approximation's; this names it for a profile's
+    # factor work measured per approximation)
     # Per layer: elements the A and G factors' extraction moves before their products (a
     # convolution's patch matrix or position sums, its output gradient); empty: not priced
     moved: tuple[tuple[int, int], ...] = ()
@@ -155,6 +160,9 @@ def factor_work_seconds(workload: Workload, hardware: Hardware) -> float:
     """The arithmetic of one factor update of every layer, one forward-backward pass: each
     layer's extraction (where the profile has its rate) and its ``A`` and ``G`` covariance
     products, a layer's groups batched."""
+    measured = _measured_factor_work(workload, hardware)
+    if measured is not None:
+        return measured
     precision = hardware.product_precision(workload.matmul_precision)
     seconds = 0.0
     for layer, (a_rows, g_rows) in zip(workload.layers, workload.rows, strict=True):
@@ -166,6 +174,15 @@ def factor_work_seconds(workload: Workload, hardware: Hardware) -> float:
     if rate is not None:
         seconds += sum(a + g for a, g in workload.moved) / rate.value
     return seconds
+
+
+def _measured_factor_work(workload: Workload, hardware: Hardware) -> float | None:
+    """The factor work ``measure-node --model`` timed for this model at this batch and
+    approximation, at the products' default precision (none for another precision)."""
+    if workload.matmul_precision != "high":
+        return None
+    found = hardware.factor_work.get((workload.model, workload.batch_size, workload.kfac_approx))
+    return None if found is None else found.value
 
 
 def factor_seconds(workload: Workload, hardware: Hardware) -> float:
@@ -258,6 +275,14 @@ def _terms(workload: Workload, hardware: Hardware) -> tuple[str, ...]:
         else "factor extraction (patches, position sums): not priced (no extract rate in the "
         "profile)"
     )
+    if _measured_factor_work(workload, hardware) is not None:
+        return (
+            f"factors: {workload.model}'s own factor work at batch {workload.batch_size}, "
+            f"{workload.kfac_approx} (measured by measure-node --model); preconditioning: "
+            f"{products}",
+            fixed,
+            decompositions,
+        )
     return (f"factors and preconditioning: {products}", extraction, fixed, decompositions)
 
 

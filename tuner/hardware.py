@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from kaisa_ray.enums import ComputeMethod, Precision
+from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
 from kaisa_ray.errors import ConfigurationError
 
 KINDS = ("datasheet", "benchmark", "measured", "estimate")
@@ -135,6 +135,9 @@ class Hardware:
     matmul: dict[str, SizeTable]
     eigh: SizeTable  # seconds of torch.linalg.eigh of one float32 n×n matrix
     training: tuple[TrainingRate, ...]
+    # The factor work of one factor update of a model's every K-FAC layer, measured on this
+    # node at a batch size (``measure-node --model NAME:BATCH``): (model, batch, kfac_approx)
+    factor_work: dict[tuple[str, int, str], Sourced] = field(default_factory=dict)
     intra_node: LinkLevel
     inter_node: LinkLevel
     sources: dict[str, Sourced] = field(default_factory=dict)  # every number, by its path
@@ -307,7 +310,7 @@ def hardware_from_dict(data: Any, origin: str = "hardware profile") -> Hardware:
     sources: dict[str, Sourced] = {}
     if not isinstance(data, Mapping):
         raise HardwareProfileError([f"expected a mapping, got {type(data).__name__}"], origin)
-    known = {"name", "description", "gpu", "node", "links", "training"}
+    known = {"name", "description", "gpu", "node", "links", "training", "kernels"}
     for extra in sorted(set(data) - known):
         problems.append(f"{extra}: unknown field (expected {', '.join(sorted(known))})")
     name = data.get("name")
@@ -412,6 +415,7 @@ def hardware_from_dict(data: Any, origin: str = "hardware profile") -> Hardware:
         if gpu.get("extract_elements_per_s") is not None
         else None
     )
+    factor_work = _factor_work(data.get("kernels"), problems, sources)
     if problems:
         raise HardwareProfileError(problems, origin)
     return Hardware(
@@ -430,7 +434,41 @@ def hardware_from_dict(data: Any, origin: str = "hardware profile") -> Hardware:
         decompose=decompose,
         kfac_overhead=kfac_overhead,
         extract_elements_per_s=extract,
+        factor_work=factor_work,
     )
+
+
+def _factor_work(
+    data: Any, problems: list[str], sources: dict[str, Sourced]
+) -> dict[tuple[str, int, str], Sourced]:
+    """``kernels``: entries ``{model, batch, kfac_approx, factor_work_s: {value, kind,
+    source}}``, a model's factor work at a batch, as ``measure-node --model`` times it."""
+    found: dict[tuple[str, int, str], Sourced] = {}
+    if data is None:
+        return found
+    if not isinstance(data, list):
+        problems.append("kernels: a list of {model, batch, kfac_approx, factor_work_s}")
+        return found
+    for i, entry in enumerate(data):
+        where = f"kernels[{i}]"
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("model"), str):
+            problems.append(f"{where}: needs model, batch, kfac_approx, factor_work_s")
+            continue
+        batch, approx = entry.get("batch"), entry.get("kfac_approx")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            problems.append(f"{where}.batch: {batch!r} must be a positive whole number")
+            continue
+        approaches = [str(member) for member in KFACApprox]
+        if approx not in approaches:
+            problems.append(
+                f"{where}.kfac_approx: {approx!r} is not one of {', '.join(approaches)}"
+            )
+            continue
+        work = _number(entry.get("factor_work_s"), f"{where}.factor_work_s", problems)
+        if work is not None:
+            key = (entry["model"], batch, approx)
+            found[key] = sources[f"{where}.factor_work_s({key[0]}, {batch}, {approx})"] = work
+    return found
 
 
 def _decompose(

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kaisa_ray.enums import ComputeMethod, Precision
+from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
 from kaisa_ray.errors import ConfigurationError
 from tuner.hardware import hardware_from_dict
 from tuner.measure import median_seconds
@@ -212,6 +212,53 @@ def _collectives(device_type: str, ranks: int) -> tuple[float, float, float, flo
     return result
 
 
+def _model_and_batch(
+    build: Callable[[], torch.nn.Module],
+    device: torch.device,
+    example: Callable[[int], torch.Tensor] | None,
+    batch: int,
+) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """``build()``'s model on ``device``, a random batch of ``example(batch)``'s shape
+    (default: ResNet-50's 224×224 images) and class targets over its last output dimension."""
+    torch.manual_seed(0)
+    model = build().to(device)
+    shape = example(batch) if example is not None else torch.empty(batch, 3, 224, 224)
+    if shape.dtype.is_floating_point:
+        x = torch.randn(shape.shape, device=device)
+    else:  # token ids
+        x = torch.randint(0, 2, shape.shape, device=device)
+    with torch.no_grad():
+        out = model(x)
+    y = torch.randint(0, out.shape[-1], out.shape[:-1], device=device)
+    return model, x, y
+
+
+def model_factor_work(
+    timed: ModelToTime, device: torch.device, repeats: int, where: str
+) -> list[dict[str, Any]]:
+    """``kernels`` entries of the profile: the factor work of one factor update of every K-FAC
+    layer of ``timed``'s model at its batch (each layer's extraction and covariance products,
+    ``tuner.kernels``), for the ``reduce`` and ``expand`` approximations, at the products'
+    default precision."""
+    from tuner.kernels import measure_kernels
+
+    found = []
+    for approx in (KFACApprox.REDUCE.value, KFACApprox.EXPAND.value):
+        model, x, y = _model_and_batch(timed.build, device, timed.example, timed.batch)
+        kernels = measure_kernels(model, x, y, repeats=repeats, kfac_approx=approx)
+        work = sum(layer.a_factor_s + layer.g_factor_s for layer in kernels.layers)
+        what = f"{timed.name} at batch {timed.batch}: every K-FAC layer's {approx} factor work"
+        found.append(
+            {
+                "model": timed.name,
+                "batch": timed.batch,
+                "kfac_approx": approx,
+                "factor_work_s": _measured(work, what, where),
+            }
+        )
+    return found
+
+
 def _training_rate(
     build: Callable[[], torch.nn.Module],
     device: torch.device,
@@ -225,17 +272,8 @@ def _training_rate(
     cross-entropy loss over the model's last output dimension; on a GPU also the seconds the
     host takes to issue one step (its Python and launches: a step takes the longer of that and
     the device's time)."""
-    torch.manual_seed(0)
-    model = build().to(device)
+    model, x, y = _model_and_batch(build, device, example, batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    shape = example(batch) if example is not None else torch.empty(batch, 3, 224, 224)
-    if shape.dtype.is_floating_point:
-        x = torch.randn(shape.shape, device=device)
-    else:  # token ids
-        x = torch.randint(0, 2, shape.shape, device=device)
-    with torch.no_grad():
-        out = model(x)
-    y = torch.randint(0, out.shape[-1], out.shape[:-1], device=device)
     autocast = torch.autocast(
         device.type, dtype=torch.bfloat16, enabled=precision == Precision.BF16
     )
@@ -345,6 +383,14 @@ def measure(
         found = _training_rate(  # a small model's step is short: more repeats
             timed.build, target, Precision.FP32.value, 3 * repeats, timed.example, timed.batch
         )
+        profile["kernels"] = [
+            *(
+                k
+                for k in profile.get("kernels", [])
+                if (k.get("model"), k.get("batch")) != (timed.name, timed.batch)
+            ),
+            *model_factor_work(timed, target, repeats, where),
+        ]
         profile["training"] = [
             *(t for t in profile.get("training", []) if t.get("model") != timed.name),
             _training_entry(

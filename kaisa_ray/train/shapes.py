@@ -217,4 +217,5 @@ def workload(
         optimizer_states=OptimizerName(optimizer).state_tensors,
         compute_method=compute_method,
         scaling=scaling,
+        kfac_approx=str(KFACApprox(kfac_approx)),
     )

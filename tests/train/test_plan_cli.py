@@ -276,6 +276,8 @@ def test_measure_node_writes_a_profile_that_plans(
     assert {f"gpu.kfac_overhead_s.{name}" for name in OVERHEAD_OPERATIONS} <= measured
     assert "gpu.extract_elements_per_s" in measured
     assert any(p.startswith("training") and "(lenet, fp32)" in p for p in measured)
+    for approx in ("reduce", "expand"):  # lenet's own factor work at the batch it was timed at
+        assert any(p.endswith(f".factor_work_s(lenet, 8, {approx})") for p in measured)
     assert all(
         path.startswith(("links.inter_node", "training"))
         for path, n in hardware.sources.items()
@@ -296,6 +298,13 @@ def test_measure_node_writes_a_profile_that_plans(
     terms = " ".join(planned["basis"]["terms"])
     assert "the profile's decompose_s table (measured)" in terms
     assert "the profile's kfac_overhead_s" in terms
+    assert "lenet's own factor work" not in terms  # measured at batch 8, planned at 64
+    at_8 = plan_json(
+        "--model", "lenet", "--workers", "2", "--batch", "8", "--hardware", "trial"
+    )  # fmt: skip
+    assert "lenet's own factor work at batch 8, expand (measured" in " ".join(
+        at_8["basis"]["terms"]
+    )
     unknown = kaisa_ray("plan", "--model", "lenet", "--workers", "2", "--batch", "64",
                         "--hardware", "tpu")  # fmt: skip
     assert unknown.exit_code == 1

@@ -329,3 +329,28 @@ def test_a_host_step_without_its_source_is_refused_by_name() -> None:
             entry["host_step_s"] = {"value": 0.01}
     with pytest.raises(HardwareProfileError, match=r"training\[\d+\]\.host_step_s\.kind"):
         hardware_from_dict(data)
+
+
+def test_a_models_measured_factor_work_replaces_the_estimate_at_its_batch_only() -> None:
+    from tuner.forecast import factor_work_seconds
+
+    data = with_measurements()
+    work = {"value": 0.0123, **MEASURED}
+    data["kernels"] = [
+        {"model": "resnet20", "batch": 8, "kfac_approx": "reduce", "factor_work_s": work}
+    ]
+    hw = hardware_from_dict(data)
+    reduce8 = workload("resnet20", batch_size=8, kfac_approx="reduce")
+    assert factor_work_seconds(reduce8, hw) == 0.0123
+    assert (
+        "resnet20's own factor work at batch 8, reduce"
+        in forecast_profile(reduce8, hw, 1)[1].terms[0]
+    )
+    for other in (
+        workload("resnet20", batch_size=16, kfac_approx="reduce"),
+        workload("resnet20", batch_size=8, kfac_approx="expand"),
+    ):
+        assert factor_work_seconds(other, hw) != 0.0123  # estimated from the rates
+    data["kernels"][0]["kfac_approx"] = "sideways"
+    with pytest.raises(HardwareProfileError, match=r"kernels\[0\]\.kfac_approx: 'sideways'"):
+        hardware_from_dict(data)
