@@ -785,13 +785,23 @@ class KFACPreconditioner:
                 layout = self._layouts.get(groups)
                 if layout is None:
                     layout = self._layouts[groups] = batching.GradientLayout(groups)
+                graphed = None
                 if self.cuda_graphs and self._graphable(active, groups):
-                    return self._precondition_graphed(layout, damping)
-                gathered = layout.gather()
-                batching.precondition(groups, gathered.raws, damping, gathered.outs)
+                    graphed = self._graphs.get(layout)
+                    if graphed is None:
+                        graphed = self._graphs[layout] = GraphedPreconditioning(
+                            layout, self._setter
+                        )
+                    # the groups are the whole step: clipped and set inside the graph
+                    gathered = graphed.run(damping, self.kl_clip, self.lr, self._layers)
+                else:
+                    gathered = layout.gather()
+                    batching.precondition(groups, gathered.raws, damping, gathered.outs)
                 for group, out in zip(groups, gathered.outs, strict=True):
                     for index, layer in enumerate(group.layers):
                         preconditioned.put(layer.name, out, index)
+                if graphed is not None:
+                    return preconditioned
             for layer in active:  # the rest of this rank's layers, one by one
                 if layer.name in preconditioned or not self._preconditions(layer):
                     continue
@@ -833,18 +843,6 @@ class KFACPreconditioner:
         grouped = set().union(*(group.names for group in groups))
         alone = any(lay.name not in grouped and self._preconditions(lay) for lay in active)
         return not alone and not self._comm.gradient_buckets
-
-    def _precondition_graphed(self, layout: batching.GradientLayout, damping: float) -> Outputs:
-        """``_precondition`` of the shape groups alone, replayed from a CUDA graph."""
-        graphed = self._graphs.get(layout)
-        if graphed is None:
-            graphed = self._graphs[layout] = GraphedPreconditioning(layout, self._setter)
-        gathered = graphed.run(damping, self.kl_clip, self.lr, self._layers)
-        preconditioned = Outputs()
-        for group, out in zip(gathered.groups, gathered.outs, strict=True):
-            for index, layer in enumerate(group.layers):
-                preconditioned.put(layer.name, out, index)
-        return preconditioned
 
     def _preconditions(self, layer: KFACLayer) -> bool:
         return self.assignment.is_grad_worker(layer.name, self.rank)

@@ -185,11 +185,11 @@ def _measured_factor_work(workload: Workload, hardware: Hardware) -> float | Non
     return None if found is None else found.value
 
 
-def factor_seconds(workload: Workload, hardware: Hardware) -> float:
-    """One factor update of every layer: ``factor_work_seconds`` once per forward-backward
-    pass, and K-FAC's fixed cost per layer (added on a CPU, the longer of the two on a GPU:
-    ``Hardware.host_is_device``)."""
-    seconds = factor_work_seconds(workload, hardware)
+def factor_seconds(workload: Workload, hardware: Hardware, work: float | None = None) -> float:
+    """One factor update of every layer: ``factor_work_seconds`` (``work`` where the caller
+    has it) once per forward-backward pass, and K-FAC's fixed cost per layer (added on a CPU,
+    the longer of the two on a GPU: ``Hardware.host_is_device``)."""
+    seconds = factor_work_seconds(workload, hardware) if work is None else work
     fixed = hardware.overhead("factors_per_layer")[0] * len(workload.layers)
     total = seconds + fixed if hardware.host_is_device else max(seconds, fixed)
     return total * workload.accumulation_steps
@@ -217,12 +217,16 @@ def group_products(workload: Workload, hardware: Hardware) -> dict[ShapeKey, tup
     return found
 
 
-def precondition_seconds(workload: Workload, hardware: Hardware) -> tuple[float, ...]:
+def precondition_seconds(
+    workload: Workload,
+    hardware: Hardware,
+    groups: dict[ShapeKey, tuple[float, int]] | None = None,
+) -> tuple[float, ...]:
     """Each layer's share of preconditioning one step: its group's products
-    (``group_products``) split equally among the group's layers, with K-FAC's fixed cost per
-    layer and its share of the group's (added on a CPU, the longer of the two on a GPU:
-    ``Hardware.host_is_device``)."""
-    groups = group_products(workload, hardware)
+    (``group_products``, or ``groups`` where the caller has them) split equally among the
+    group's layers, with K-FAC's fixed cost per layer and its share of the group's (added on
+    a CPU, the longer of the two on a GPU: ``Hardware.host_is_device``)."""
+    groups = group_products(workload, hardware) if groups is None else groups
     per_layer, _ = hardware.overhead("precondition_per_layer")
     per_group, _ = hardware.overhead("precondition_per_group")
     shares = []
@@ -316,14 +320,16 @@ def forecast_profile(
         method=str(workload.compute_method),
         batched=frozenset(n for n, count in sizes.items() if count > 1),
     )
-    layer_precondition = precondition_seconds(workload, hardware)
+    groups = group_products(workload, hardware)
+    layer_precondition = precondition_seconds(workload, hardware, groups)
     flops = sum(precondition_flops(x, workload.compute_method) for x in workload.layers)
-    factor_s = factor_seconds(workload, hardware)
-    products = sum(
-        seconds for seconds, _ in group_products(workload, hardware).values()
-    )  # the preconditioning's device time, every layer's share summed
+    work = factor_work_seconds(workload, hardware)
+    factor_s = factor_seconds(workload, hardware, work)
+    # the device's share of each: the products (and the factors' extraction), not the fixed
+    # costs that the host spends launching them
+    products = sum(seconds for seconds, _ in groups.values())
     precondition_s = sum(layer_precondition)
-    factor_work = factor_work_seconds(workload, hardware) * workload.accumulation_steps
+    factor_work = work * workload.accumulation_steps
     profile = Profile(
         world_size=world_size,
         layers=tuple(workload.layers),

@@ -4,11 +4,14 @@ KAISA strategy, and the tuner's memory profile from the CUDA allocator. Skipped 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from support.graphs import CONFIGS, graphed_kwargs
 from support.harness import run_distributed
 from support.kfac_workers import equivalence_worker, reference_params
 from support.models import repeated_shapes
@@ -179,6 +182,16 @@ def _train_cuda(model: nn.Module, preconditioner: KFACPreconditioner, steps: int
         optimizer.step()
 
 
+@contextlib.contextmanager
+def synchronising_raises() -> Iterator[None]:
+    """CUDA's sync debug mode set to error inside: any host-device synchronisation raises."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("method", ["eigen", "inverse", "adam-eigenbasis"])
 def test_a_quiet_step_on_cuda_never_synchronises(method: str) -> None:
     """A step that updates neither factors nor decompositions runs under CUDA's sync debug
@@ -195,22 +208,15 @@ def test_a_quiet_step_on_cuda_never_synchronises(method: str) -> None:
     y = torch.randint(0, 5, (16,), device="cuda")
     F.cross_entropy(model(x), y).backward()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with synchronising_raises():
         preconditioner.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert preconditioner.last_updates == (frozenset(), frozenset())
     # the mode does catch a synchronisation: a factor step reads its flags back
     F.cross_entropy(model(x), y).backward()
     preconditioner.step()  # step 8
     F.cross_entropy(model(x), y).backward()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with pytest.raises(RuntimeError, match="synchroniz"):
-            preconditioner.step()  # step 9 updates the factors
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    with synchronising_raises(), pytest.raises(RuntimeError, match="synchroniz"):
+        preconditioner.step()  # step 9 updates the factors
 
 
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
@@ -261,32 +267,12 @@ def test_tf32_products_stay_within_their_bound_of_float64(monkeypatch: pytest.Mo
         assert error < bound, f"{precision}: {error:.2e}"
 
 
-GRAPHED_METHODS: dict[str, dict[str, Any]] = {
-    "inverse": {"compute_method": "inverse"},
-    "eigen": {"compute_method": "eigen"},
-    "eigen, no table, pi-damping": {
-        "compute_method": "eigen",
-        "compute_eigenvalue_outer_product": False,
-        "pi_damping": True,
-    },
-    "adam-eigenbasis": {"compute_method": "eigen", "scaling": "adam-eigenbasis", "kl_clip": None},
-}
-
-
-@pytest.mark.parametrize("method", list(GRAPHED_METHODS))
+@pytest.mark.parametrize("method", list(CONFIGS))
 def test_graphed_preconditioning_equals_the_eager_steps(method: str) -> None:
     """``cuda_graphs=True`` against the same run without: factor and decomposition updates,
     a damping and a learning rate that change every step (read from the device scalars the
     graph refills) and the KL clip; one capture for the whole run."""
-    kwargs: dict[str, Any] = {
-        "factor_update_steps": 2,
-        "inv_update_steps": 4,
-        "damping": lambda step: 0.01 * (1.0 + 0.1 * step),
-        "lr": lambda step: 0.05 / (1.0 + step),
-        "kl_clip": 1e-7,  # small enough to scale every step
-        "matmul_precision": "highest",
-        **GRAPHED_METHODS[method],
-    }
+    kwargs = {**graphed_kwargs(method), "matmul_precision": "highest"}
     graphed_model, eager_model = repeated_cnn(), repeated_cnn()
     graphed = KFACPreconditioner(graphed_model, cuda_graphs=True, **kwargs)
     eager = KFACPreconditioner(eager_model, **kwargs)
@@ -313,11 +299,8 @@ def test_a_graphed_quiet_step_never_synchronises_and_keeps_raw_gradients_that_ar
     y = torch.randint(0, 5, (16,), device="cuda")
     F.cross_entropy(model(x), y).backward()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with synchronising_raises():
         preconditioner.step()  # step 8: neither factors nor decompositions
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert preconditioner.last_updates == (frozenset(), frozenset())
     _train_cuda(model, preconditioner, 1)  # step 9 updates the factors
     for param in model.parameters():

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from support.graphs import CONFIGS, graphed_kwargs
 from support.models import grouped_and_odd, repeated_shapes
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -81,18 +82,6 @@ def _train(model: nn.Module, preconditioner: KFACPreconditioner, steps: int) -> 
         optimizer.step()
 
 
-CONFIGS: dict[str, dict[str, Any]] = {
-    "inverse": {"compute_method": "inverse"},
-    "eigen": {"compute_method": "eigen"},
-    "eigen, no table, pi-damping": {
-        "compute_method": "eigen",
-        "compute_eigenvalue_outer_product": False,
-        "pi_damping": True,
-    },
-    "adam-eigenbasis": {"compute_method": "eigen", "scaling": "adam-eigenbasis", "kl_clip": None},
-}
-
-
 @pytest.mark.parametrize("model_of", [repeated_shapes, grouped_and_odd])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_replaying_the_first_steps_work_equals_the_eager_steps(
@@ -100,14 +89,7 @@ def test_replaying_the_first_steps_work_equals_the_eager_steps(
 ) -> None:
     """Damping and learning rate change every step (the graph reads them from scalars on
     the device), the KL clip scales, factors and decompositions update in between."""
-    kwargs: dict[str, Any] = {
-        "factor_update_steps": 2,
-        "inv_update_steps": 4,
-        "damping": lambda step: 0.01 * (1.0 + 0.1 * step),
-        "lr": lambda step: 0.05 / (1.0 + step),
-        "kl_clip": 1e-7,  # small enough to scale every step
-        **CONFIGS[config],
-    }
+    kwargs = graphed_kwargs(config)
     graphed_model, eager_model = model_of(), model_of()
     graphed = KFACPreconditioner(graphed_model, **kwargs)
     graphed.cuda_graphs = True  # past the device check: the seam stands in for CUDA
