@@ -11,7 +11,9 @@ one batched matmul per factor for the whole group, without copying the decomposi
 - storage: ``a_inv`` ``(n, k, a, a)``, ``g_inv`` ``(n, k, g, g)`` (inverse method), or ``qa``,
   ``da`` ``(n, k, a)``, ``qg``, ``dg`` and ``dgda`` ``(n, k, g, a)`` (eigen method), or
   ``qa``, ``qg`` and Adam's ``m``, ``v`` ``(n, k, g, a)`` and ``steps`` ``(n, k)`` (the
-  adam-eigenbasis scaling: its moments are updated in the storage in place).
+  adam-eigenbasis scaling: its moments are updated in the storage in place), or ``qa``,
+  ``qg`` and EKFAC's fitted diagonal ``s`` ``(n, k, g, a)`` (folded in place on factor
+  updates).
 
 The storage is the members' decompositions exactly (the same bytes as one tensor per layer),
 allocated when the first member keeps one. Decompositions are batched the same way
@@ -32,6 +34,7 @@ import torch
 from kaisa_ray.decomposition import (
     AdamEigenbasis,
     EigenDecomposition,
+    EKFACEigenbasis,
     InverseDecomposition,
     adam_eigenbasis_precondition_many,
     eigen_denominator,
@@ -58,6 +61,7 @@ class ShapeKey:
     outer_product: bool
     pi: bool
     adam: tuple[tuple[float, float], float] | None = None  # (betas, eps) of AdamEigenbasis
+    ekfac: bool = False  # EKFAC's fitted diagonal in place of the eigenvalue products
 
 
 def shape_key(layer: KFACLayer) -> ShapeKey:
@@ -66,6 +70,7 @@ def shape_key(layer: KFACLayer) -> ShapeKey:
     outer_product = isinstance(d, EigenDecomposition) and d.outer_product
     pi = isinstance(d, EigenDecomposition) and d.pi
     adam = (d.betas, d.eps) if isinstance(d, AdamEigenbasis) else None
+    ekfac = isinstance(d, EKFACEigenbasis)
     return ShapeKey(
         method=ComputeMethod.EIGEN if eigen else ComputeMethod.INVERSE,
         groups=layer.helper.groups,
@@ -76,6 +81,7 @@ def shape_key(layer: KFACLayer) -> ShapeKey:
         outer_product=outer_product,
         pi=pi,
         adam=adam,
+        ekfac=ekfac,
     )
 
 
@@ -117,6 +123,8 @@ class ShapeGroup:
             return ("a_inv", "g_inv")
         if self.key.adam is not None:
             return ("qa", "qg", "m", "v", "steps")
+        if self.key.ekfac:
+            return ("qa", "qg", "s")
         return ("qa", "qg", "dgda") if self.key.outer_product else ("qa", "qg", "da", "dg")
 
     def ready(self) -> bool:
@@ -169,6 +177,9 @@ class ShapeGroup:
             qa, qg = self.stacked("qa"), self.stacked("qg")
             if self.key.outer_product:
                 done = eigen_precondition(grads, qa, qg, dgda=self.stacked("dgda"), out=into)
+            elif self.key.ekfac:
+                denominator = self.stacked("s") + damping
+                done = eigen_precondition(grads, qa, qg, denominator=denominator, out=into)
             else:
                 denominator = eigen_denominator(
                     self.stacked("da"), self.stacked("dg"), damping, self.key.pi

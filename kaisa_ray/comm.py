@@ -58,6 +58,9 @@ RELEASE_TIMEOUT_S = 0.2
 
 InFlight = list[tuple[Bucket, torch.Tensor, dist.Work | None]]
 
+# A layer's batch part to reduce ('a', 'g', or EKFAC's diagonal 's'), None if it has none.
+BatchPart = Callable[[str, str], torch.Tensor | None]
+
 
 def _holders(tensor: torch.Tensor) -> int:
     """References to ``tensor``'s C++ object (this Python tensor is one, each view another, and
@@ -167,38 +170,32 @@ class Communicator:
         self._launched.clear()
         self._next = 0
 
-    def factor_ready(
-        self, layer: str, batch: Callable[[str], tuple[torch.Tensor, torch.Tensor] | None]
-    ) -> None:
+    def factor_ready(self, layer: str, batch: BatchPart) -> None:
         """Note that ``layer``'s batch factors are final; launch every complete bucket."""
         if self.world_size == 1:
             return
         self._ready.add(layer)
         self._launch(batch, force=False)
 
-    def _launch(
-        self, batch: Callable[[str], tuple[torch.Tensor, torch.Tensor] | None], *, force: bool
-    ) -> None:
+    def _launch(self, batch: BatchPart, *, force: bool) -> None:
         while self._next < len(self._factor_buckets):
             bucket = self._factor_buckets[self._next]
             if not force and any(p.layer not in self._ready for p in bucket.pieces):
                 return
             parts = []
             for piece in bucket.pieces:
-                factors = batch(piece.layer)
-                if factors is None:  # the layer did not run: contribute zeros
+                value = batch(piece.layer, piece.part)
+                if value is None:  # the layer did not run (or has no bases yet): zeros
                     parts.append(torch.zeros(piece.numel, dtype=bucket.dtype, device=self.device))
-                else:
-                    parts.append(pack(factors[0 if piece.part == "a" else 1], self.symmetric))
+                else:  # A and G are symmetric, EKFAC's diagonal 's' is not
+                    parts.append(pack(value, self.symmetric and piece.part != "s"))
             flat = torch.cat([p.to(bucket.dtype) for p in parts])
             work = dist.all_reduce(flat, group=self.group(bucket.group), async_op=True)
             self._launched.append((bucket, flat, work))
             self._next += 1
 
     def reduce_factors(
-        self,
-        batch: Callable[[str], tuple[torch.Tensor, torch.Tensor] | None],
-        store: Callable[[str, str, torch.Tensor], None],
+        self, batch: BatchPart, store: Callable[[str, str, torch.Tensor], None]
     ) -> None:
         """Finish the all-reduce: launch what is left, wait, and store the rank averages."""
         if self.world_size == 1:

@@ -513,18 +513,55 @@ def adam_eigenbasis_precondition_many(
     return [qg @ d @ qa.transpose(-1, -2) for d, (qa, qg) in zip(direction, bases, strict=True)]
 
 
-class AdamEigenbasis(EigenDecomposition):
+class _StateInBasis(EigenDecomposition):
+    """The eigen method's bases with per-coordinate state ``(k, g, a)`` kept in them, which
+    follows the bases when they change (``leave_basis`` before, ``finish`` after) through
+    ``R_A = Q_Aᵀ Q_A'`` and ``R_G = Q_Gᵀ Q_G'``: a first moment as ``R_Gᵀ m R_A`` exactly, a
+    second moment (or a diagonal of variances) as ``(R_G∘R_G)ᵀ v (R_A∘R_A)``, each new
+    coordinate's value as the old coordinates it mixes (independent ones) give it. A new basis
+    vector is then scaled by the state of the old vectors it is made of, whatever order
+    ``eigh`` returns them in: SOAP reorders its second moments by its eigenvalue estimates for
+    the same reason. The state never travels in a decomposition broadcast: every rank that
+    holds the bases updates it alike."""
+
+    def __init__(self, *, name: str, inv_dtype: torch.dtype) -> None:
+        super().__init__(name=name, inv_dtype=inv_dtype, outer_product=False)
+        self._old_bases: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @abstractmethod
+    def _has_state(self) -> bool:
+        """Whether there is state to rotate into new bases."""
+
+    def leave_basis(self) -> None:
+        """Before new bases arrive: keep the current ones to rotate the state from."""
+        if self._has_state() and self.qa is not None and self.qg is not None:
+            self._old_bases = (self.qa.clone(), self.qg.clone())
+
+    def _rotations(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(R_A, R_G)`` from the bases left to the new ones (None if there were none)."""
+        if self._old_bases is None or self.qa is None or self.qg is None:
+            return None
+        old_qa, old_qg = self._old_bases
+        self._old_bases = None
+        return old_qa.transpose(-1, -2) @ self.qa, old_qg.transpose(-1, -2) @ self.qg
+
+    @staticmethod
+    def _spread(
+        value: torch.Tensor, rotate_a: torch.Tensor, rotate_g: torch.Tensor
+    ) -> torch.Tensor:
+        """A second moment's (or variances') ``(R_G∘R_G)ᵀ v (R_A∘R_A)``."""
+        return (rotate_g * rotate_g).transpose(-1, -2) @ value @ (rotate_a * rotate_a)
+
+    def clear(self) -> None:
+        super().clear()
+        self._old_bases = None
+
+
+class AdamEigenbasis(_StateInBasis):
     """The eigen method's bases with Adam's moments in them instead of the eigenvalue
     products (``Scaling.ADAM_EIGENBASIS``): ``m`` and ``v`` ``(k, g, a)`` and the count of
     their updates ``steps`` ``(k,)``, held where the layer is preconditioned and saved in
-    checkpoints; they never travel in a decomposition broadcast.
-
-    When the bases change (``leave_basis`` before, ``finish`` after), the moments follow
-    them through ``R_A = Q_Aᵀ Q_A'`` and ``R_G = Q_Gᵀ Q_G'``: ``m' = R_Gᵀ m R_A`` exactly, and
-    ``v' = (R_G∘R_G)ᵀ v (R_A∘R_A)``, each new coordinate's second moment as the old
-    coordinates it mixes (independent ones) give it. A new basis vector is then scaled by
-    the moments of the old vectors it is made of, whatever order ``eigh`` returns them in:
-    SOAP reorders its second moments by its eigenvalue estimates for the same reason."""
+    checkpoints; they follow each new basis as ``_StateInBasis`` says (m exactly, v spread)."""
 
     def __init__(
         self,
@@ -534,18 +571,15 @@ class AdamEigenbasis(EigenDecomposition):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
     ) -> None:
-        super().__init__(name=name, inv_dtype=inv_dtype, outer_product=False)
+        super().__init__(name=name, inv_dtype=inv_dtype)
         self.betas = betas
         self.eps = eps
         self.m: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.steps: torch.Tensor | None = None
-        self._old_bases: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def leave_basis(self) -> None:
-        """Before new bases arrive: keep the current ones to rotate the moments from."""
-        if self.m is not None and self.qa is not None and self.qg is not None:
-            self._old_bases = (self.qa.clone(), self.qg.clone())
+    def _has_state(self) -> bool:
+        return self.m is not None
 
     def _start(self, like: torch.Tensor) -> None:
         """Zero moments of ``like``'s ``(k, g, a)`` shape (no step taken yet)."""
@@ -557,14 +591,11 @@ class AdamEigenbasis(EigenDecomposition):
     def finish(self, damping: float) -> None:
         if self.qa is None or self.qg is None:
             raise RuntimeError(f"layer {self.name!r}: finish() before both factors decomposed")
-        if self._old_bases is not None and self.m is not None and self.v is not None:
-            old_qa, old_qg = self._old_bases
-            rotate_a = old_qa.transpose(-1, -2) @ self.qa
-            rotate_g = old_qg.transpose(-1, -2) @ self.qg
+        rotations = self._rotations()
+        if rotations is not None and self.m is not None and self.v is not None:
+            rotate_a, rotate_g = rotations
             self._keep("m", rotate_g.transpose(-1, -2) @ self.m @ rotate_a)
-            spread_a, spread_g = rotate_a * rotate_a, rotate_g * rotate_g
-            self._keep("v", spread_g.transpose(-1, -2) @ self.v @ spread_a)
-        self._old_bases = None
+            self._keep("v", self._spread(self.v, rotate_a, rotate_g))
 
     def moments(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(m, v, steps)``, zero where never started (``like``: a ``(k, g, a)`` gradient)."""
@@ -591,9 +622,53 @@ class AdamEigenbasis(EigenDecomposition):
         named = {"m": self.m, "v": self.v, "steps": self.steps}
         return {**super().tensors(), **{k: v for k, v in named.items() if v is not None}}
 
-    def clear(self) -> None:
-        super().clear()
-        self._old_bases = None
+
+class EKFACEigenbasis(_StateInBasis):
+    """The eigen method's bases with EKFAC's fitted diagonal ``s`` ``(k, g, a)`` in place of
+    the eigenvalue products (``Scaling.EKFAC``; George et al. 2018): the preconditioned
+    gradient is ``Q_G [(Q_Gᵀ ∇W Q_A) / (s + γ)] Q_Aᵀ``.
+
+    ``s`` starts, at the first decomposition, as ``λ_G λ_Aᵀ`` (what the Kronecker
+    approximation says the second moments in the eigenbasis are) and on each factor update
+    takes the batch's second moments of the projected per-example gradients with the
+    factors' running-average decay (``fold``); a new basis takes it as a second moment
+    (``_StateInBasis``). Held where the layer is preconditioned and saved in checkpoints."""
+
+    def __init__(self, *, name: str, inv_dtype: torch.dtype) -> None:
+        super().__init__(name=name, inv_dtype=inv_dtype)
+        self.s: torch.Tensor | None = None
+
+    def _has_state(self) -> bool:
+        return self.s is not None
+
+    def finish(self, damping: float) -> None:
+        if self.qa is None or self.qg is None or self.da is None or self.dg is None:
+            raise RuntimeError(f"layer {self.name!r}: finish() before both factors decomposed")
+        rotations = self._rotations()
+        if self.s is None:
+            self._keep("s", self.dg.unsqueeze(-1) * self.da.unsqueeze(-2))
+        elif rotations is not None:
+            self._keep("s", self._spread(self.s, *rotations))
+
+    def fold(self, batch: torch.Tensor, decay: float) -> None:
+        """``s ← decay·s + (1 − decay)·batch`` in place (a batch's fitted diagonal, computed in
+        the current bases: ``kaisa_ray.ekfac``)."""
+        if self.s is None:
+            raise RuntimeError(f"layer {self.name!r}: a fitted diagonal before any basis")
+        self.s.mul_(decay).add_(batch.to(self.s.dtype), alpha=1.0 - decay)
+
+    def precondition(self, grad_out_by_in: torch.Tensor, damping: float) -> torch.Tensor:
+        if self.qa is None or self.qg is None or self.s is None:
+            raise RuntimeError(f"layer {self.name!r} has no decomposition yet")
+        grad = grad_out_by_in.to(self.inv_dtype)
+        out = eigen_precondition(grad, self.qa, self.qg, denominator=self.s + damping)
+        return out.to(grad_out_by_in.dtype)
+
+    def saved_parts(self) -> tuple[str, ...]:
+        return (*self.parts(), "s")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {**super().tensors(), **({"s": self.s} if self.s is not None else {})}
 
 
 class InverseDecomposition(Decomposition):

@@ -95,11 +95,14 @@ class MatmulPrecision(enum.StrEnum):
 
 class Scaling(enum.StrEnum):
     """What divides the gradient in K-FAC's eigenbasis (the eigen method): ``kronecker``, the
-    damped eigenvalue products ``λ_G λ_A + γ`` (K-FAC); ``adam-eigenbasis``, Adam's moments of
-    the rotated gradient (SOAP's recipe on K-FAC's factors: Vyas et al. 2024), kept per layer
+    damped eigenvalue products ``λ_G λ_A + γ`` (K-FAC); ``ekfac``, the per-example gradients'
+    second moments in the eigenbasis plus γ (EKFAC: George et al. 2018), fitted on factor
+    updates; ``adam-eigenbasis``, Adam's moments of the rotated gradient (SOAP's recipe on
+    K-FAC's factors: Vyas et al. 2024). The fitted diagonal and the moments are kept per layer
     where its decompositions are and rotated into each new basis."""
 
     KRONECKER = "kronecker"
+    EKFAC = "ekfac"
     ADAM_EIGENBASIS = "adam-eigenbasis"
 
 

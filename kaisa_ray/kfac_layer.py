@@ -23,9 +23,11 @@ from kaisa_ray.decomposition import (
     AdamEigenbasis,
     Decomposition,
     EigenDecomposition,
+    EKFACEigenbasis,
     InverseDecomposition,
     pi_ratio,
 )
+from kaisa_ray.ekfac import fitted_diagonal
 from kaisa_ray.enums import ComputeMethod, FactorScale, RunningAverage, Scaling
 from kaisa_ray.layers import LayerHelper
 from kaisa_ray.staleness import relative_change, sketch
@@ -143,6 +145,8 @@ class KFACLayer:
         self.average_weight = 0.0
         self.a_batch = BatchFactor()
         self.g_batch = BatchFactor()
+        # EKFAC: the batch's fitted diagonal (kaisa_ray.ekfac), where this rank has bases.
+        self.s_batch = BatchFactor()
         # With staleness measured: each factor's sketch F·Ω at the last decomposition.
         self.staleness_probes = staleness_probes
         self.sketch_a: torch.Tensor | None = None
@@ -150,13 +154,16 @@ class KFACLayer:
         # Only used with update_factors_in_hook=False: raw tensors, factored in step().
         self._saved_inputs: list[torch.Tensor] = []
         self._saved_grad_outputs: list[tuple[torch.Tensor, float]] = []
+        self._saved_pairs: list[tuple[torch.Tensor, torch.Tensor, float]] = []
         self.decomposition: Decomposition
+        if scaling is not Scaling.KRONECKER and compute_method is not ComputeMethod.EIGEN:
+            raise ValueError(f"the {scaling} scaling needs the eigen method's bases")
         if scaling is Scaling.ADAM_EIGENBASIS:
-            if compute_method is not ComputeMethod.EIGEN:
-                raise ValueError("the adam-eigenbasis scaling needs the eigen method's bases")
             self.decomposition = AdamEigenbasis(
                 name=name, inv_dtype=inv_dtype, betas=adam_betas, eps=adam_eps
             )
+        elif scaling is Scaling.EKFAC:
+            self.decomposition = EKFACEigenbasis(name=name, inv_dtype=inv_dtype)
         elif compute_method is ComputeMethod.EIGEN:
             self.decomposition = EigenDecomposition(
                 name=name, inv_dtype=inv_dtype, outer_product=outer_product, pi=pi_damping
@@ -190,18 +197,59 @@ class KFACLayer:
         scale over ``accumulation_steps`` under the Fisher's, where the gradient is then
         multiplied by the number of examples the loss averages over (per-example gradients).
         """
-        scale = (self.helper.examples(grad_output) if self.fisher else 1.0) / divisor
+        scale = self._g_scale(grad_output, divisor)
         g = self._in_factor_dtype(grad_output)
         self.helper.g_factor(g, self.fisher, scale, into=self.g_batch)
+
+    @property
+    def fits_diagonal(self) -> bool:
+        """Whether this layer fits EKFAC's diagonal (``Scaling.EKFAC``)."""
+        return isinstance(self.decomposition, EKFACEigenbasis)
+
+    def _g_scale(self, grad_output: torch.Tensor, divisor: float) -> float:
+        return (self.helper.examples(grad_output) if self.fisher else 1.0) / divisor
+
+    def add_fitted_diagonal(
+        self, inputs: torch.Tensor, grad_output: torch.Tensor, divisor: float
+    ) -> None:
+        """Add the batch's EKFAC diagonal from one forward's input and output gradient, in
+        the current bases (nothing where this rank has none yet); ``divisor`` as for
+        ``add_grad_output``."""
+        self._fit(inputs, grad_output, self._g_scale(grad_output, divisor))
+
+    def _fit(self, inputs: torch.Tensor, grad_output: torch.Tensor, scale: float) -> None:
+        d = self.decomposition
+        if not isinstance(d, EKFACEigenbasis) or d.qa is None or d.qg is None:
+            return
+        diagonal = fitted_diagonal(
+            self.helper,
+            self._sampled(inputs),
+            self._sampled(grad_output),
+            d.qa,
+            d.qg,
+            fisher=self.fisher,
+            scale=scale,
+        )
+        self.s_batch.add(diagonal.to(self.factor_dtype))
+
+    def fitted_batch(self) -> torch.Tensor | None:
+        """The mean fitted diagonal since the last update (EKFAC), or None."""
+        return self.s_batch.mean()
 
     def save_input(self, inputs: torch.Tensor) -> None:
         """Keep an input until ``factor_saved`` (update_factors_in_hook off)."""
         self._saved_inputs.append(self._sampled(inputs.detach()).clone())
 
-    def save_grad_output(self, grad_output: torch.Tensor) -> None:
-        """Keep an output gradient, with its batch's example count, until ``factor_saved``."""
+    def save_grad_output(
+        self, grad_output: torch.Tensor, inputs: torch.Tensor | None = None
+    ) -> None:
+        """Keep an output gradient, with its batch's example count, until ``factor_saved``
+        (and, for EKFAC's diagonal, the input of the same forward: ``inputs``)."""
         examples = float(self.helper.examples(grad_output))
-        self._saved_grad_outputs.append((self._sampled(grad_output.detach()).clone(), examples))
+        kept = self._sampled(grad_output.detach()).clone()
+        self._saved_grad_outputs.append((kept, examples))
+        if inputs is not None and self.fits_diagonal:
+            self._saved_pairs.append((self._sampled(inputs.detach()).clone(), kept, examples))
 
     def factor_saved(self, divisor: float) -> None:
         """Turn the tensors kept by the hooks into batch factors (update_factors_in_hook off)."""
@@ -211,25 +259,31 @@ class KFACLayer:
             scale = (examples if self.fisher else 1.0) / divisor
             g = grad_output.to(self.factor_dtype)
             self.helper.g_factor(g, self.fisher, scale, into=self.g_batch)
+        for inputs, grad_output, examples in self._saved_pairs:
+            self._fit(inputs, grad_output, (examples if self.fisher else 1.0) / divisor)
         self._saved_inputs.clear()
         self._saved_grad_outputs.clear()
+        self._saved_pairs.clear()
 
     def batch_complete(self, micro_batches: int) -> bool:
         """Whether this step's G factor has seen all its micro-batches."""
         return self.g_batch.count >= micro_batches
 
     def reduced_buffer(self, part: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The buffer that receives the all-reduced batch factor ``part`` ('a' or 'g'), which
-        then counts as this step's only micro-batch."""
-        batch, dim = (
-            (self.a_batch, self.helper.a_dim)
-            if part == "a"
-            else (
-                self.g_batch,
-                self.helper.g_dim,
-            )
-        )
-        return batch.overwrite((self.helper.groups, dim, dim), dtype, device)
+        """The buffer that receives the all-reduced batch factor ``part`` ('a' or 'g', or EKFAC's
+        diagonal 's'), which then counts as this step's only micro-batch."""
+        k, a, g = self.helper.groups, self.helper.a_dim, self.helper.g_dim
+        if part == "s":
+            return self.s_batch.overwrite((k, g, a), dtype, device)
+        batch, dim = (self.a_batch, a) if part == "a" else (self.g_batch, g)
+        return batch.overwrite((k, dim, dim), dtype, device)
+
+    def batch_part(self, part: str) -> torch.Tensor | None:
+        """This step's batch ``part`` ('a', 'g' or 's') to reduce over ranks, or None."""
+        if part == "s":
+            return self.fitted_batch()
+        factors = self.batch_factors()
+        return None if factors is None else factors[0 if part == "a" else 1]
 
     def batch_factors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Mean batch factors since the last update, or None unless both A and G were seen."""
@@ -269,8 +323,10 @@ class KFACLayer:
     def reset_batch(self) -> None:
         self.a_batch.reset()
         self.g_batch.reset()
+        self.s_batch.reset()
         self._saved_inputs.clear()
         self._saved_grad_outputs.clear()
+        self._saved_pairs.clear()
 
     # -- second-order information ----------------------------------------------------------
 
@@ -347,6 +403,7 @@ class KFACLayer:
             "dg": (k, g),
             "dgda": (k, g, a),
             "m": (k, g, a),
+            "s": (k, g, a),
             "v": (k, g, a),
             "steps": (k,),
             "grad": (k, g, a),
@@ -358,11 +415,13 @@ class KFACLayer:
     def memory_usage(self) -> dict[str, int]:
         saved = sum(_nbytes(t) for t in self._saved_inputs)
         saved += sum(_nbytes(t) for t, _ in self._saved_grad_outputs)
+        saved += sum(_nbytes(t) for t, _, _ in self._saved_pairs)
         return {
             "factors": _nbytes(self.a_factor) + _nbytes(self.g_factor),
             "decompositions": self.decomposition.nbytes(),
             "buffers": self.a_batch.nbytes()
             + self.g_batch.nbytes()
+            + self.s_batch.nbytes()
             + saved
             + _nbytes(self.sketch_a)
             + _nbytes(self.sketch_g),

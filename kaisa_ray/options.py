@@ -134,9 +134,9 @@ class PreconditionerOptions:
             options,
             adam_betas=(float(options.adam_betas[0]), float(options.adam_betas[1])),
             adam_eps=float(options.adam_eps),
-            # Adam in the eigenbasis has no eigenvalue table to build.
+            # Adam in the eigenbasis and EKFAC have no eigenvalue table to build.
             compute_eigenvalue_outer_product=options.compute_eigenvalue_outer_product
-            and options.scaling is not Scaling.ADAM_EIGENBASIS,
+            and options.scaling is Scaling.KRONECKER,
         )
 
     def _check(self) -> None:
@@ -199,13 +199,20 @@ class PreconditionerOptions:
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
+        if self.scaling is not Scaling.KRONECKER and self.compute_method is not ComputeMethod.EIGEN:
+            kept = "Adam's moments" if self.scaling is Scaling.ADAM_EIGENBASIS else "its diagonal"
+            raise ConfigurationError(
+                f"scaling={str(self.scaling)!r} keeps {kept} in the eigen method's bases; "
+                f"compute_method={str(self.compute_method)!r} has none. Pass "
+                "compute_method='eigen'."
+            )
+        if self.scaling is Scaling.EKFAC and self.pi_damping:
+            raise ConfigurationError(
+                "pi_damping splits the damping between the factors' eigenvalues, but "
+                "scaling='ekfac' divides by a fitted diagonal, not by their products: pass "
+                "pi_damping=False (the damping is added to the diagonal)."
+            )
         if self.scaling is Scaling.ADAM_EIGENBASIS:
-            if self.compute_method is not ComputeMethod.EIGEN:
-                raise ConfigurationError(
-                    "scaling='adam-eigenbasis' keeps Adam's moments in the eigen method's "
-                    f"bases; compute_method={str(self.compute_method)!r} has none. Pass "
-                    "compute_method='eigen'."
-                )
             betas = tuple(self.adam_betas)
             if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
                 raise ConfigurationError(

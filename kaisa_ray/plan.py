@@ -49,6 +49,7 @@ from kaisa_ray.enums import (
     Scaling,
     parse_enum,
 )
+from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.registration import registered_layers
 from kaisa_ray.strategy import resolve_grad_worker_fraction
 
@@ -148,7 +149,8 @@ def decomposition_parts(
     layer: PlannedLayer, options: Options
 ) -> tuple[list[Piece], list[Piece], int]:
     """The broadcast pieces of A and of G, and the elements each gradient worker holds
-    besides: the outer-product table, or Adam's moments and their count."""
+    besides: the outer-product table, EKFAC's fitted diagonal, or Adam's moments and their
+    count."""
     k, a, g = layer.groups, layer.a_dim, layer.g_dim
     if options.compute_method is ComputeMethod.EIGEN:
         a_parts = [
@@ -161,6 +163,8 @@ def decomposition_parts(
         ]
         if options.scaling is Scaling.ADAM_EIGENBASIS:
             table = 2 * k * g * a + k  # m, v and steps
+        elif options.scaling is Scaling.EKFAC:
+            table = k * g * a  # the fitted diagonal
         else:
             table = k * g * a if options.compute_eigenvalue_outer_product else 0
         return a_parts, g_parts, table
@@ -312,11 +316,13 @@ def _factor_buckets(
         return []
     items: list[tuple[BucketKey, Piece]] = []
     for layer in reversed(layers):  # backward order: buckets fill as backprop proceeds
+        key: BucketKey = (0, None, layer.factor_dtype)
         for part, dim in (("a", layer.a_dim), ("g", layer.g_dim)):
             numel = factor_numel(dim, layer.groups, options.symmetry_aware)
-            items.append(
-                ((0, None, layer.factor_dtype), Piece(layer=layer.name, part=part, numel=numel))
-            )
+            items.append((key, Piece(layer=layer.name, part=part, numel=numel)))
+        if options.scaling is Scaling.EKFAC:  # the batch's fitted diagonal, with its factors
+            numel = layer.groups * layer.g_dim * layer.a_dim
+            items.append((key, Piece(layer=layer.name, part="s", numel=numel)))
     return _fill(
         items,
         groups={0: _everyone(assignment.world_size)},
@@ -637,13 +643,16 @@ def decomposition_bytes(layer: PlannedLayer, options: Options) -> int:
 
 def _every_rank_bytes(layers: Sequence[PlannedLayer], options: Options) -> tuple[int, int]:
     """Bytes every rank holds: the factors, and the buffers (a batch-factor buffer per factor,
-    with staleness measured each factor's sketch, and the step's two device scalars)."""
-    factors = sketches = 0
+    with staleness measured each factor's sketch, under EKFAC the batch's fitted diagonal, and
+    the step's two device scalars)."""
+    factors = extra = 0
     for layer in layers:
         elem = _elem(layer.factor_dtype)
         factors += elem * layer.groups * (layer.a_dim**2 + layer.g_dim**2)
-        sketches += elem * layer.groups * (layer.a_dim + layer.g_dim) * options.staleness_probes
-    return factors, factors + sketches + STEP_SCALAR_BYTES
+        extra += elem * layer.groups * (layer.a_dim + layer.g_dim) * options.staleness_probes
+        if options.scaling is Scaling.EKFAC:  # the batch's fitted diagonal
+            extra += elem * layer.groups * layer.g_dim * layer.a_dim
+    return factors, factors + extra + STEP_SCALAR_BYTES
 
 
 def _memory(every_rank: tuple[int, int], decompositions: int) -> dict[str, int]:
@@ -708,7 +717,8 @@ def plan(
         staleness_probes: columns of each factor's staleness sketch when the preconditioner
             measures staleness (``kaisa_ray.staleness.PROBES``), else 0.
         scaling: as for ``KFACPreconditioner`` ('adam-eigenbasis' holds Adam's moments
-            beside the eigen method's decompositions, and no eigenvalue table).
+            beside the eigen method's decompositions, and no eigenvalue table; 'ekfac' its
+            fitted diagonal, reduced with the factors).
 
     Example:
         >>> from kaisa_ray.plan import plan
@@ -744,9 +754,23 @@ def plan(
     return build_plan(layers, world_size, fraction, options)
 
 
+def check_placement(scaling: Scaling, world_size: int, fraction: float) -> None:
+    """Refuse a scaling the strategy cannot place: EKFAC fits its diagonal from each rank's
+    examples projected onto the layer's eigenbases, so every rank must hold them."""
+    if scaling is Scaling.EKFAC and world_size > 1 and fraction < 1.0:
+        raise ConfigurationError(
+            f"scaling='ekfac' fits its diagonal from every rank's examples projected onto "
+            f"each layer's eigenbases, so every rank must hold them; grad_worker_fraction "
+            f"{fraction:g} keeps them on {round(fraction * world_size)} of {world_size} "
+            "ranks. Use grad_worker_fraction='comm-opt' (1), or scaling='adam-eigenbasis', "
+            "whose per-layer state lives only on the layer's gradient workers."
+        )
+
+
 def build_plan(
     layers: Sequence[PlannedLayer], world_size: int, fraction: float, options: Options
 ) -> Plan:
+    check_placement(options.scaling, world_size, fraction)
     grad_workers = round(fraction * world_size)
     assignment = assign(
         list(layers),

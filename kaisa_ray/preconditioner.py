@@ -40,6 +40,7 @@ from kaisa_ray.apply import (
 )
 from kaisa_ray.comm import Communicator, unpack_into
 from kaisa_ray.compiling import eager_under_compile
+from kaisa_ray.decomposition import EKFACEigenbasis
 from kaisa_ray.enums import (
     AssignmentStrategy,
     ComputeMethod,
@@ -161,7 +162,10 @@ class KFACPreconditioner:
             'high' (TF32 on CUDA) or 'medium' (also bfloat16 products on CPUs with them);
             decompositions always run at 'highest'. Applies to float32 products only.
         scaling: what divides the gradient in the eigenbasis (eigen method): 'kronecker'
-            (the damped eigenvalue products: K-FAC) or 'adam-eigenbasis' (Adam's moments of
+            (the damped eigenvalue products: K-FAC), 'ekfac' (the per-example gradients'
+            second moments in the eigenbasis plus γ, fitted on each factor update with
+            ``factor_decay``: EKFAC, ``kaisa_ray.ekfac``; every rank must hold the bases, so
+            with several ranks only 'comm-opt'), or 'adam-eigenbasis' (Adam's moments of
             the rotated gradient, as SOAP keeps them in Shampoo's: the preconditioned
             gradient is then an Adam step's direction, for an optimizer without moments of
             its own such as SGD without momentum; ``damping`` is unused, ``adam_eps`` takes its
@@ -476,7 +480,9 @@ class KFACPreconditioner:
         if layer.name not in self._factor_now:
             return
         self._take_input(layer, args[0])
-        output.register_hook(functools.partial(self._on_grad, layer))  # type: ignore[no-untyped-call]
+        # EKFAC's diagonal needs this forward's input beside its output gradient
+        inputs = args[0] if layer.fits_diagonal else None
+        output.register_hook(functools.partial(self._on_grad, layer, inputs))  # type: ignore[no-untyped-call]
 
     # Factor work runs eagerly under torch.compile: a graph break at the hook, on factor steps
     # only (on other steps the hook returns before it, inside the compiled graph).
@@ -489,18 +495,20 @@ class KFACPreconditioner:
                 layer.save_input(inputs)
 
     @eager_under_compile
-    def _on_grad(self, layer: KFACLayer, grad: torch.Tensor) -> None:
+    def _on_grad(self, layer: KFACLayer, inputs: torch.Tensor | None, grad: torch.Tensor) -> None:
         with torch.no_grad():
             if not self.update_factors_in_hook:
-                layer.save_grad_output(grad)
+                layer.save_grad_output(grad, inputs)
                 return
             with self.times.phase("factors"), self._products():
                 layer.add_grad_output(grad, self._g_divisor())
+                if inputs is not None:
+                    layer.add_fitted_diagonal(inputs, grad, self._g_divisor())
             if layer.batch_complete(self.accumulation_steps):
                 # Final for this step: start its share of the factor all-reduce now, so
                 # communication overlaps the rest of backpropagation.
                 with self.times.phase("communication"):
-                    self._comm.factor_ready(layer.name, self._batch_of)
+                    self._comm.factor_ready(layer.name, self._batch_part)
 
     def _g_divisor(self) -> float:
         """Divisor of output gradients. Reference scaling: the loss scale, and the world size,
@@ -513,12 +521,12 @@ class KFACPreconditioner:
             return self._grad_scale() / self.accumulation_steps
         return self._grad_scale() * self.world_size
 
-    def _batch_of(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self._by_name[name].batch_factors()
+    def _batch_part(self, name: str, part: str) -> torch.Tensor | None:
+        return self._by_name[name].batch_part(part)
 
     def _store_reduced(self, name: str, part: str, flat: torch.Tensor) -> None:
         buffer = self._by_name[name].reduced_buffer(part, flat.dtype, flat.device)
-        unpack_into(buffer, flat, self.symmetry_aware)
+        unpack_into(buffer, flat, self.symmetry_aware and part != "s")
 
     # -- the step --------------------------------------------------------------------------
 
@@ -550,7 +558,7 @@ class KFACPreconditioner:
                     for layer in self._layers:
                         layer.factor_saved(self._g_divisor())
             with times.phase("communication"):
-                self._comm.reduce_factors(self._batch_of, self._store_reduced)
+                self._comm.reduce_factors(self._batch_part, self._store_reduced)
             with times.phase("factors"):
                 grads_finite = self._fold_factors(active)
         else:
@@ -588,13 +596,23 @@ class KFACPreconditioner:
         step = self._steps
         grads = param_grads(active)
         ready = [(layer, b) for layer in self._layers if (b := layer.batch_factors()) is not None]
-        factors = [t for _, pair in ready for t in pair]
+        # EKFAC: the diagonals fitted in bases this rank holds (the same ranks as the bases)
+        fitted = [
+            (layer.decomposition, s)
+            for layer in self._layers
+            if isinstance(layer.decomposition, EKFACEigenbasis)
+            and layer.decomposition.s is not None
+            and (s := layer.fitted_batch()) is not None
+        ]
+        factors = [t for _, pair in ready for t in pair] + [s for _, s in fitted]
         flags = finite_flags(grads + factors)
         grads_finite = all(flags[: len(grads)])
         factors_finite = all(flags[len(grads) :])
         if ready:
             if grads_finite and factors_finite:
                 fold_all(ready, self.factor_decay)
+                for decomposition, diagonal in fitted:
+                    decomposition.fold(diagonal, self.factor_decay)
             else:
                 self.skipped_factor_updates += 1
                 logger.log(

@@ -6,7 +6,7 @@ import enum
 import math
 from fractions import Fraction
 
-from kaisa_ray.enums import DistributedStrategy, parse_enum
+from kaisa_ray.enums import DistributedStrategy, Scaling, parse_enum
 from kaisa_ray.errors import ConfigurationError
 
 
@@ -15,6 +15,14 @@ def valid_fractions(world_size: int) -> list[float]:
     small = [d for d in range(1, math.isqrt(world_size) + 1) if world_size % d == 0]
     large = [world_size // d for d in reversed(small) if d * d != world_size]
     return [d / world_size for d in small + large]
+
+
+def placeable_fractions(world_size: int, scaling: Scaling | str) -> list[float]:
+    """The fractions a scaling can be placed with (``valid_fractions``; EKFAC, whose bases
+    every rank must hold, only COMM-OPT's 1)."""
+    if Scaling(scaling) is Scaling.EKFAC:
+        return [1.0]
+    return valid_fractions(world_size)
 
 
 def resolve_grad_worker_fraction(

@@ -44,7 +44,7 @@ from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.intervals import LayerCost, check_rungs
 from kaisa_ray.plan import Plan, plan
 from kaisa_ray.staleness import PROBES
-from kaisa_ray.strategy import valid_fractions
+from kaisa_ray.strategy import placeable_fractions
 from tuner.rank_classes import LayerSeconds, RankClasses
 
 DEFAULT_INTERVALS: tuple[tuple[int, int], ...] = ((1, 10), (5, 50), (10, 100))
@@ -452,7 +452,7 @@ def choose(
         )
     table: list[Candidate] = []
     plans = {}
-    for fraction in valid_fractions(profile.world_size):
+    for fraction in placeable_fractions(profile.world_size, profile.scaling):
         strategy = plans[fraction] = _plan(profile, fraction, adaptive)
         classes = rank_classes(profile, strategy)
         for fus, ius in intervals:

@@ -30,7 +30,7 @@ from kaisa_ray.assignment import LayerShape
 from kaisa_ray.enums import ComputeMethod, Scaling
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.registration import registered_layers
-from kaisa_ray.strategy import valid_fractions
+from kaisa_ray.strategy import placeable_fractions
 from tuner.cost import Profile, precondition_flops
 from tuner.measure import (
     DEFAULT_DIMS,
@@ -260,7 +260,8 @@ def _transients_by_fraction(
     if not _distributed():
         return ()
     found = []
-    for fraction in valid_fractions(dist.get_world_size()):
+    scaling = options.get("scaling", Scaling.KRONECKER)
+    for fraction in placeable_fractions(dist.get_world_size(), scaling):
         preconditioner = trainee.kfac(
             factor_update_steps=1,
             inv_update_steps=lambda step: 1 if step < 2 else 10**6,

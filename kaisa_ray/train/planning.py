@@ -32,7 +32,7 @@ import yaml
 from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Precision, Scaling
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import Plan, plan
-from kaisa_ray.strategy import valid_fractions
+from kaisa_ray.strategy import placeable_fractions
 from kaisa_ray.train.shapes import PLANNING, workload
 from tuner.cost import (
     DEFAULT_INTERVALS,
@@ -282,7 +282,7 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
     budgets = request.budgets or (int(hardware.memory_bytes.value),)
     table: list[Candidate] = []
     strategies = []
-    for fraction in valid_fractions(world):
+    for fraction in placeable_fractions(world, job.scaling):
         strategy = plan(
             list(job.layers),
             world,

@@ -226,7 +226,7 @@ def test_the_job_spec_option_and_its_errors() -> None:
     with pytest.raises(ValueError, match="adamw would add moments of its own"):
         parse_job_spec({**JOB, "optimizer": {"name": "adamw", "lr": 0.003}})
     with pytest.raises(ValueError, match="kronecker"):
-        parse_job_spec({**JOB, "kfac": {**kfac, "scaling": "ekfac"}})
+        parse_job_spec({**JOB, "kfac": {**kfac, "scaling": "shampoo"}})
 
 
 def test_a_job_trains_with_it_and_its_forecast_holds_the_moments() -> None:

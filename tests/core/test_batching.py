@@ -43,6 +43,7 @@ CONFIGS: list[dict[str, Any]] = [
     {"compute_method": "eigen", "compute_eigenvalue_outer_product": False, "pi_damping": True},
     {"compute_method": "eigen", "kl_clip": None, "running_average": "debiased"},
     {"compute_method": "eigen", "kl_clip": None, "scaling": "adam-eigenbasis"},
+    {"compute_method": "eigen", "scaling": "ekfac"},
 ]
 
 

@@ -29,6 +29,7 @@ from support.kfac_workers import (
 
 METHODS = ("eigen", "inverse")
 ADAM = "adam-eigenbasis"
+EKFAC = "ekfac"
 MODELS = ("mlp", "cnn")
 STRATEGIES = {
     1: ("comm-opt", "mem-opt"),
@@ -53,6 +54,8 @@ EXTRAS: dict[int, list[dict[str, Any]]] = {
         # whose eigenbases the factors determine: see kfac_workers.build_model).
         {"model": "pooled", "method": "eigen", "strategy": "mem-opt", "scaling": ADAM},
         {"model": "pooled", "method": "eigen", "strategy": "comm-opt", "scaling": ADAM},
+        # EKFAC's diagonal, fitted on every rank from its examples and reduced with the factors.
+        {"model": "pooled", "method": "eigen", "strategy": "comm-opt", "scaling": EKFAC},
     ],
     4: [
         {"model": "mlp", "method": "eigen", "strategy": "comm-opt", "curvature": "natural"},
@@ -90,6 +93,17 @@ EXTRAS: dict[int, list[dict[str, Any]]] = {
             "curvature": "natural",
         },
         {"model": "pooled", "method": "eigen", "strategy": "hybrid-opt", "scaling": ADAM},
+        # ... from the inputs kept for step(), upper triangles of the factors beside the
+        # (unsymmetric) diagonal, in tiny buckets.
+        {
+            "model": "pooled",
+            "method": "eigen",
+            "strategy": "comm-opt",
+            "scaling": EKFAC,
+            "in_hook": False,
+            "symmetry_aware": True,
+            "bucket_mb": 0.0002,
+        },
     ],
 }
 
@@ -219,11 +233,15 @@ def test_an_adaptive_schedule_resumes_bit_for_bit(tmp_path: Path) -> None:
     assert per_rank[0][0]["schedule"] == per_rank[1][0]["schedule"]
 
 
-def test_adam_moments_in_the_eigenbasis_resume_bit_for_bit(tmp_path: Path) -> None:
-    """MEM-OPT: each layer's moments live on its one gradient worker; a checkpoint between
-    two basis refreshes (whose moments were rotated into the new bases) gathers them, and
-    the resumed run goes on exactly as the uninterrupted one."""
-    combo = {"model": "cnn", "method": "eigen", "strategy": "mem-opt", "scaling": ADAM}
+@pytest.mark.parametrize(("scaling", "strategy"), [(ADAM, "mem-opt"), (EKFAC, "comm-opt")])
+def test_state_in_the_eigenbasis_resumes_bit_for_bit(
+    tmp_path: Path, scaling: str, strategy: str
+) -> None:
+    """Adam's moments under MEM-OPT live on each layer's one gradient worker, EKFAC's
+    diagonal under COMM-OPT on every rank; a checkpoint between two basis refreshes (whose
+    state was rotated into the new bases) gathers them, and the resumed run goes on exactly
+    as the uninterrupted one."""
+    combo = {"model": "cnn", "method": "eigen", "strategy": strategy, "scaling": scaling}
     per_rank = run_distributed(
         resume_worker, 2, combo=combo, path=str(tmp_path / "kfac.pt"), split=13, timeout=300
     )

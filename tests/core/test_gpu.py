@@ -192,7 +192,7 @@ def synchronising_raises() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("method", ["eigen", "inverse", "adam-eigenbasis"])
+@pytest.mark.parametrize("method", ["eigen", "inverse", "adam-eigenbasis", "ekfac"])
 def test_a_quiet_step_on_cuda_never_synchronises(method: str) -> None:
     """A step that updates neither factors nor decompositions runs under CUDA's sync debug
     mode set to error: any host-device synchronisation in it raises."""
@@ -200,6 +200,8 @@ def test_a_quiet_step_on_cuda_never_synchronises(method: str) -> None:
     options: dict[str, Any] = (
         {"compute_method": "eigen", "scaling": method, "kl_clip": None}
         if method == "adam-eigenbasis"
+        else {"compute_method": "eigen", "scaling": method}
+        if method == "ekfac"
         else {"compute_method": method}
     )
     preconditioner = KFACPreconditioner(model, factor_update_steps=3, inv_update_steps=6, **options)

@@ -14,6 +14,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "pi_damping": True,
     },
     "adam-eigenbasis": {"compute_method": "eigen", "scaling": "adam-eigenbasis", "kl_clip": None},
+    "ekfac": {"compute_method": "eigen", "scaling": "ekfac"},
 }
 
 

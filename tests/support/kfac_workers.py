@@ -77,6 +77,10 @@ NATURAL = {"running_average": "debiased", "factor_scale": "fisher", "pi_damping"
 ADAPTIVE = AdaptiveIntervals(rungs=((1, 2), (2, 4), (2, 8)), start=1, target_angle=5.0)
 
 
+def _adam(combo: dict[str, Any]) -> bool:
+    return combo.get("scaling") == "adam-eigenbasis"
+
+
 def kfac_options(combo: dict[str, Any]) -> dict[str, Any]:
     """``schedule``: ``fixed`` (every 2 and 6 steps), ``measured`` (the same, measuring
     staleness) or ``adaptive`` (per-layer intervals, ``ADAPTIVE``)."""
@@ -106,8 +110,9 @@ def kfac_options(combo: dict[str, Any]) -> dict[str, Any]:
         }
         | (
             # Adam's moments in the eigenbasis: the direction is Adam's, so no KL clip.
-            {"scaling": combo["scaling"], "kl_clip": None} if "scaling" in combo else {}
+            {"scaling": combo["scaling"], "kl_clip": None} if _adam(combo) else {}
         )
+        | ({"scaling": combo["scaling"]} if combo.get("scaling") == "ekfac" else {})
     )
 
 
@@ -171,7 +176,7 @@ def make(
     preconditioner = KFACPreconditioner(wrapped, **kfac_options(combo))
     # Adam's directions are of order one in every coordinate: a step of its size, and no
     # momentum on top of its own.
-    adam = "scaling" in combo
+    adam = _adam(combo)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=0.001 if adam else 0.1, momentum=0.0 if adam else 0.9
     )

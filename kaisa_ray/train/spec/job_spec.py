@@ -71,10 +71,19 @@ class JobSpec(StrictModel):
     @model_validator(mode="after")
     def _strategy_fits_workers(self) -> JobSpec:
         if isinstance(self.kfac, KFACSpec) and not self.kfac.auto:
+            workers = self.scaling.workers
             try:
-                resolve_grad_worker_fraction(self.kfac.strategy, self.scaling.workers)
+                fraction = resolve_grad_worker_fraction(self.kfac.strategy, workers)
             except ConfigurationError as exc:
                 raise ValueError(f"kfac.strategy does not fit scaling.workers: {exc}") from None
+            if self.kfac.scaling is Scaling.EKFAC and workers > 1 and fraction < 1.0:
+                raise ValueError(
+                    f"kfac.scaling: ekfac fits its diagonal from every worker's examples "
+                    f"projected onto the layers' eigenbases, so every worker must hold them; "
+                    f"kfac.strategy {self.kfac.strategy} keeps them on "
+                    f"{round(fraction * workers)} of {workers}: set kfac.strategy: comm-opt, or "
+                    "kfac.scaling: adam-eigenbasis"
+                )
         return self
 
     @model_validator(mode="after")

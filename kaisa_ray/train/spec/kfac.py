@@ -93,7 +93,11 @@ class KFACSpec(StrictModel):
         Field(
             description=(
                 "What divides the gradient in the factors' eigenbasis: ``kronecker``, K-FAC's "
-                "damped eigenvalue products; ``adam-eigenbasis``, Adam's moments of the "
+                "damped eigenvalue products; ``ekfac``, the per-example gradients' second "
+                "moments in the eigenbasis plus the damping, fitted on factor updates (EKFAC; "
+                "needs ``compute_method: eigen``; ``pi_damping`` defaults to false; with several workers "
+                "``strategy: comm-opt``, since every worker projects its examples onto the "
+                "bases); ``adam-eigenbasis``, Adam's moments of the "
                 "rotated gradient kept per layer where it is preconditioned (SOAP's recipe "
                 "on K-FAC's factors). ``adam-eigenbasis`` needs ``compute_method: eigen``, "
                 "``update: optimizer`` and an optimizer without moments of its own (``sgd`` "
@@ -235,17 +239,27 @@ class KFACSpec(StrictModel):
             return {"kl_clip": None, **data}  # the model chooses the step's length
         if isinstance(data, dict) and data.get("scaling") == Scaling.ADAM_EIGENBASIS:
             return {"kl_clip": None, **data}  # Adam's direction has its own scale
+        if isinstance(data, dict) and data.get("scaling") == Scaling.EKFAC:
+            return {"pi_damping": False, **data}  # the damping is added to the diagonal
         return data
 
     @model_validator(mode="after")
     def _adam_eigenbasis_needs_the_bases(self) -> KFACSpec:
-        if self.scaling is not Scaling.ADAM_EIGENBASIS:
+        if self.scaling is Scaling.KRONECKER:
             return self
         if self.compute_method is not ComputeMethod.EIGEN:
+            kept = "Adam's moments" if self.scaling is Scaling.ADAM_EIGENBASIS else "its diagonal"
             raise ValueError(
-                "scaling: adam-eigenbasis keeps Adam's moments in the eigen method's bases; "
+                f"scaling: {self.scaling} keeps {kept} in the eigen method's bases; "
                 f"compute_method: {self.compute_method} has none: set compute_method: eigen"
             )
+        if self.scaling is Scaling.EKFAC:
+            if self.pi_damping:
+                raise ValueError(
+                    "scaling: ekfac divides by a fitted diagonal, not by the eigenvalues' "
+                    "products that pi_damping splits the damping between: set pi_damping: false"
+                )
+            return self
         if self.quadratic_model:
             raise ValueError(
                 "scaling: adam-eigenbasis gives Adam's direction, not the quadratic model's: "
