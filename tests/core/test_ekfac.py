@@ -286,7 +286,7 @@ def test_the_job_spec_option_and_its_errors() -> None:
     assert isinstance(spec.kfac, KFACSpec)
     assert spec.kfac.curvature()["scaling"] == "ekfac"
     kfac = JOB["kfac"]
-    with pytest.raises(ValueError, match="its diagonal.*set compute_method: eigen"):
+    with pytest.raises(ValueError, match=r"its diagonal.*set compute_method: eigen"):
         parse_job_spec({**JOB, "kfac": {**kfac, "compute_method": "inverse"}})
     with pytest.raises(ValueError, match="set pi_damping: false"):
         parse_job_spec({**JOB, "kfac": {**kfac, "pi_damping": True}})
