@@ -102,6 +102,13 @@ ADAM_EIGENBASIS = "K-FAC (Adam eigenbasis)"
 # Its bases refreshed twice as often at the large batches (SOAP refreshes every 2 steps): one
 # process at 2048, seed 0, lr 0.02, reached 88% in 40 steps at 1/5 and 1/2 against 50 at 1/10.
 ADAM_INTERVALS = {**INTERVALS, 2048: (1, 5), 8192: (1, 5)}
+# kfac.scaling: ekfac (EKFAC, George et al. 2018): the "K-FAC" form (the KL clip κ its step
+# size, on SGD lr 1 with Nesterov momentum, the eigen method) with the per-example second
+# moments in the eigenbasis in place of the eigenvalue products (no π-damping: the damping is
+# added to the fitted diagonal), refitted on every factor update.
+EKFAC = "K-FAC (EKFAC)"
+# ... and in the "AdamW + K-FAC" form (AdamW's lr, no KL clip): the same tuning as that row.
+ADAMW_EKFAC = "AdamW + K-FAC (EKFAC)"
 OPTIMIZERS = (
     "SGD",
     "AdamW",
@@ -112,6 +119,8 @@ OPTIMIZERS = (
     QM,
     QM_FLOOR,
     ADAM_EIGENBASIS,
+    EKFAC,
+    ADAMW_EKFAC,
     *PEERS,
 )
 GRIDS: dict[str, list[float]] = {
@@ -127,6 +136,8 @@ GRIDS: dict[str, list[float]] = {
     QM: [0.1],
     QM_FLOOR: [0.1],
     ADAM_EIGENBASIS: [2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2],
+    EKFAC: [3e-4, 1e-3, 3e-3, 1e-2, 3e-2],  # the KL clip, on SGD lr 1, as "K-FAC"
+    ADAMW_EKFAC: [5e-4, 1e-3, 2e-3, 4e-3, 8e-3],  # AdamW's lr, as "AdamW + K-FAC"
     "SOAP": [7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2],  # heavyball's default 3e-3 in the middle
     "Muon": [6.25e-4, 1.25e-3, 2.5e-3, 5e-3, 1e-2],  # 2.5e-3
     "PSGD Kron": [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3],  # 1e-3
@@ -180,19 +191,19 @@ def spec(
     if optimizer in (QM, QM_FLOOR):
         damping = step_size
         opt = {"name": "sgd"}  # unused: K-FAC takes the step
-    elif optimizer in ("AdamW", "AdamW + K-FAC", DAMPED):
+    elif optimizer in ("AdamW", "AdamW + K-FAC", DAMPED, ADAMW_EKFAC):
         opt = {"name": "adamw", "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
     elif optimizer == ADAM_EIGENBASIS:
         opt = {"name": "sgd", "lr": step_size, "momentum": 0.0, "schedule": schedule}
     elif optimizer in PEERS:
         opt = {"name": PEERS[optimizer], "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
     else:  # SGD's lr; under the "K-FAC" form 1, the clip being the step size
-        sgd_lr = 1.0 if optimizer == "K-FAC" else step_size
+        sgd_lr = 1.0 if optimizer in ("K-FAC", EKFAC) else step_size
         opt = {"name": "sgd", "lr": sgd_lr, "momentum": 0.9, "schedule": schedule}
     if "K-FAC" in optimizer:
         # "AdamW + K-FAC", the transformer benchmark's form: AdamW normalises the
         # preconditioned gradients' scale itself, so no KL clip.
-        clip = {"K-FAC": step_size, "K-FAC (lr)": KL_CLIP}.get(optimizer)
+        clip = {"K-FAC": step_size, EKFAC: step_size, "K-FAC (lr)": KL_CLIP}.get(optimizer)
         fus, ius = (ADAM_INTERVALS if optimizer == ADAM_EIGENBASIS else INTERVALS)[batch]
         kfac = {
             **KFAC,
@@ -207,6 +218,8 @@ def spec(
         if optimizer == ADAM_EIGENBASIS:
             kfac["compute_method"] = "eigen"
             kfac["scaling"] = "adam-eigenbasis"
+        if optimizer in (EKFAC, ADAMW_EKFAC):
+            kfac.update(compute_method="eigen", scaling="ekfac", pi_damping=False)
         if optimizer in (QM, QM_FLOOR):
             kfac["update"] = "quadratic-model"
         if optimizer in (QM, QM_FLOOR):
@@ -325,6 +338,8 @@ def plot(entries: list[Entry], steps_path: Path, curve_path: Path) -> None:
         "Muon": "tab:cyan",
         "PSGD Kron": "black",
         ADAM_EIGENBASIS: "gold",
+        EKFAC: "darkblue",
+        ADAMW_EKFAC: "magenta",
     }
     finals = [e for e in entries if e.phase == "final"]
     fig, ax = plt.subplots(figsize=(7, 5))
