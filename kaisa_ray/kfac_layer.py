@@ -197,7 +197,7 @@ class KFACLayer:
         scale over ``accumulation_steps`` under the Fisher's, where the gradient is then
         multiplied by the number of examples the loss averages over (per-example gradients).
         """
-        scale = self._g_scale(grad_output, divisor)
+        scale = self._g_scale(self.helper.examples(grad_output), divisor)
         g = self._in_factor_dtype(grad_output)
         self.helper.g_factor(g, self.fisher, scale, into=self.g_batch)
 
@@ -206,8 +206,9 @@ class KFACLayer:
         """Whether this layer fits EKFAC's diagonal (``Scaling.EKFAC``)."""
         return isinstance(self.decomposition, EKFACEigenbasis)
 
-    def _g_scale(self, grad_output: torch.Tensor, divisor: float) -> float:
-        return (self.helper.examples(grad_output) if self.fisher else 1.0) / divisor
+    def _g_scale(self, examples: float, divisor: float) -> float:
+        """What multiplies a batch's output gradients of ``examples`` examples."""
+        return (examples if self.fisher else 1.0) / divisor
 
     def add_fitted_diagonal(
         self, inputs: torch.Tensor, grad_output: torch.Tensor, divisor: float
@@ -215,7 +216,7 @@ class KFACLayer:
         """Add the batch's EKFAC diagonal from one forward's input and output gradient, in
         the current bases (nothing where this rank has none yet); ``divisor`` as for
         ``add_grad_output``."""
-        self._fit(inputs, grad_output, self._g_scale(grad_output, divisor))
+        self._fit(inputs, grad_output, self._g_scale(self.helper.examples(grad_output), divisor))
 
     def _fit(self, inputs: torch.Tensor, grad_output: torch.Tensor, scale: float) -> None:
         d = self.decomposition
@@ -256,11 +257,11 @@ class KFACLayer:
         for inputs in self._saved_inputs:
             self.helper.a_factor(inputs.to(self.factor_dtype), self.fisher, into=self.a_batch)
         for grad_output, examples in self._saved_grad_outputs:
-            scale = (examples if self.fisher else 1.0) / divisor
+            scale = self._g_scale(examples, divisor)
             g = grad_output.to(self.factor_dtype)
             self.helper.g_factor(g, self.fisher, scale, into=self.g_batch)
         for inputs, grad_output, examples in self._saved_pairs:
-            self._fit(inputs, grad_output, (examples if self.fisher else 1.0) / divisor)
+            self._fit(inputs, grad_output, self._g_scale(examples, divisor))
         self._saved_inputs.clear()
         self._saved_grad_outputs.clear()
         self._saved_pairs.clear()
