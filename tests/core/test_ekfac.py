@@ -7,6 +7,7 @@ bit for bit; placements that cannot hold it are refused with the fix.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.layers import Conv2dHelper, LinearHelper
 from kaisa_ray.plan import plan
 from kaisa_ray.train.footprint import footprint
+from kaisa_ray.train.planning import PlanRequest, plan_job
 from kaisa_ray.train.records import Record
 from kaisa_ray.train.session import LocalSession
 from kaisa_ray.train.spec import KFACSpec, parse_job_spec
@@ -315,3 +317,15 @@ def test_a_job_trains_with_it_and_its_forecast_holds_the_diagonal() -> None:
         for layer in training.preconditioner.layers
     )  # the diagonal replaces the table (same size); its batch buffer is new
     assert ekfac.worker_bytes - kron.worker_bytes == batch_diagonals
+
+
+def test_the_planner_prices_only_comm_opt_for_it() -> None:
+    """``kaisa-ray plan`` (and ``kfac: auto``'s candidates) offer EKFAC only where it can be
+    placed; Kronecker's plan of the same job offers every fraction."""
+    request = PlanRequest(
+        model="resnet50", batch_size=32, workers=8, hardware="a100-80gb-hdr", scaling="ekfac"
+    )
+    strategies = {row["strategy"] for row in plan_job(request).to_json()["strategies"]}
+    assert strategies == {"COMM-OPT"}
+    kronecker = dataclasses.replace(request, scaling="kronecker")
+    assert len({row["strategy"] for row in plan_job(kronecker).to_json()["strategies"]}) == 4
