@@ -80,9 +80,7 @@ def main() -> None:
         steps, seconds = steps_to_target(optimizer, lr, changes)
         results.append({"label": label, "lr": lr, "steps": steps, "seconds": seconds})
         print(f"{label}: {steps} steps ({seconds:.0f} s)", flush=True)
-    rows = [
-        [r["label"], f"{r['lr']:g}", str(r["steps"] or f"not in {MAX_STEPS}")] for r in results
-    ]
+    rows = [[r["label"], f"{r['lr']:g}", str(r["steps"] or f"not in {MAX_STEPS}")] for r in results]
     header = (
         f"Measured {started.date()} at commit {git_commit()} on {machine()}; one process, "
         f"global batch {BATCH}, seed 0, steps to {TARGET:.0%} test accuracy."
