@@ -63,9 +63,15 @@ QM = "K-FAC (quadratic model)"
 # the Levenberg-Marquardt rule takes λ from 0.1 to 1e-8 here and the run diverges.
 QM_FLOOR = "K-FAC (quadratic model, λ ≥ 1e-3)"
 MIN_DAMPING = 1e-3
+# kfac.scaling: adam-eigenbasis (added 2026-11-27): Adam's moments in K-FAC's eigenbasis for
+# every Linear layer, on SGD without momentum (its lr the step size), and Adam's own step for
+# the embeddings and LayerNorms K-FAC leaves alone (``EigenbasisAdam``); the eigen method at
+# the AdamW + K-FAC row's intervals, on AdamW's lr grid.
+ADAM_EIGENBASIS = "K-FAC (Adam eigenbasis)"
 GRIDS = {
     "AdamW": [1e-3, 2e-3, 4e-3, 8e-3],
     "AdamW + K-FAC": [1e-3, 2e-3, 4e-3, 8e-3],
+    ADAM_EIGENBASIS: [1e-3, 2e-3, 4e-3, 8e-3],
     # kfac.update: quadratic-model: no lr to tune; its one setting, the starting damping,
     # adapts, so it runs untuned at the JobSpec's 0.1 (the step sizes here are that damping).
     QM: [0.1],
@@ -96,18 +102,29 @@ def spec(optimizer: str, lr: float, seed: int, max_steps: int) -> dict[str, Any]
         + (
             "kfac-qm"
             if optimizer in (QM, QM_FLOOR)
+            else "kfac-adam-eigenbasis"
+            if optimizer == ADAM_EIGENBASIS
             else "kfac"
             if "K-FAC" in optimizer
             else PEERS.get(optimizer, "adamw")
         ),
         "model": {"name": "char-transformer"},
         "dataset": {"name": "fortunes", "batch_size": PER_WORKER},
-        "optimizer": {
-            "name": PEERS.get(optimizer, "adamw"),
-            "lr": lr,
-            "weight_decay": 0.0,
-            "schedule": {"kind": "constant", "warmup_steps": 50},
-        },
+        "optimizer": (
+            {
+                "name": "sgd",
+                "lr": lr,
+                "momentum": 0.0,
+                "schedule": {"kind": "constant", "warmup_steps": 50},
+            }
+            if optimizer == ADAM_EIGENBASIS
+            else {
+                "name": PEERS.get(optimizer, "adamw"),
+                "lr": lr,
+                "weight_decay": 0.0,
+                "schedule": {"kind": "constant", "warmup_steps": 50},
+            }
+        ),
         "kfac": (
             {**KFAC, "update": "quadratic-model", "damping": lr, "min_damping": MIN_DAMPING}
             if optimizer == QM_FLOOR
@@ -115,6 +132,8 @@ def spec(optimizer: str, lr: float, seed: int, max_steps: int) -> dict[str, Any]
             # default floor has been 1e-3 since).
             else {**KFAC, "update": "quadratic-model", "damping": lr, "min_damping": 1e-8}
             if optimizer == QM
+            else {**KFAC, "compute_method": "eigen", "scaling": "adam-eigenbasis"}
+            if optimizer == ADAM_EIGENBASIS
             else KFAC
             if "K-FAC" in optimizer
             else "off"

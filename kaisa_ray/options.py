@@ -55,6 +55,11 @@ class _Scaler(Protocol):
 GradScalerLike = _Scaler | Callable[[], float]
 
 
+# Adam's moments in the eigenbasis (scaling='adam-eigenbasis'): SOAP's defaults.
+ADAM_BETAS = (0.9, 0.95)
+ADAM_EPS = 1e-8
+
+
 @dataclass(frozen=True, kw_only=True)
 class PreconditionerOptions:
     """Every keyword of ``KFACPreconditioner`` with its default; enums parsed, ``skip_layers``
@@ -89,8 +94,8 @@ class PreconditionerOptions:
     measure_staleness: bool | None = None
     matmul_precision: MatmulPrecision = MatmulPrecision.HIGH
     scaling: Scaling = Scaling.KRONECKER
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    adam_eps: float = 1e-8
+    adam_betas: tuple[float, float] = ADAM_BETAS
+    adam_eps: float = ADAM_EPS
     cuda_graphs: bool = False
 
     @property

@@ -10,21 +10,99 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
-from kaisa_ray.enums import OptimizerName
+from kaisa_ray.enums import OptimizerName, Scaling
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.intervals import AdaptiveIntervals
+from kaisa_ray.options import ADAM_BETAS, ADAM_EPS
 from kaisa_ray.preconditioner import KFACPreconditioner
+from kaisa_ray.registration import discover
 from kaisa_ray.train.spec import KFACSpec, OptimizerSpec, ScheduleSpec
 
-__all__ = ["build_optimizer", "build_preconditioner", "lr_factor"]
+__all__ = ["EigenbasisAdam", "build_optimizer", "build_preconditioner", "lr_factor"]
 
 
-def build_optimizer(spec: OptimizerSpec, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer a job asks for."""
+class EigenbasisAdam(torch.optim.Optimizer):
+    """The optimizer of ``kfac.scaling: adam-eigenbasis``. The layers K-FAC preconditions
+    arrive with Adam's direction in K-FAC's eigenbasis as their gradient and take it as the
+    step, ``p ← p − lr·d`` (SGD without momentum); every other parameter (embeddings, norms:
+    what K-FAC leaves alone) takes Adam's own step with the same betas, ε and lr, as SOAP
+    gives Adam to the parameters it does not rotate. One lr, so one schedule moves both;
+    ``weight_decay`` is added to the gradients as torch's SGD and Adam add it."""
+
+    def __init__(
+        self,
+        directed: list[nn.Parameter],
+        others: list[nn.Parameter],
+        *,
+        lr: float,
+        betas: tuple[float, float] = ADAM_BETAS,
+        eps: float = ADAM_EPS,
+        weight_decay: float = 0.0,
+    ) -> None:
+        groups: list[dict[str, Any]] = [{"params": directed, "adam": False}]
+        if others:
+            groups.append({"params": others, "adam": True})
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(groups, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr = group["lr"]
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if group["weight_decay"]:  # L2, as torch's SGD and Adam add it
+                    grad = grad.add(param, alpha=group["weight_decay"])
+                if not group["adam"]:
+                    param.add_(grad, alpha=-lr)
+                    continue
+                beta1, beta2 = group["betas"]
+                state = self.state[param]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+                state["step"] += 1
+                count = state["step"]
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+                denominator = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2**count)).add_(group["eps"])
+                param.addcdiv_(exp_avg, denominator, value=-lr / (1.0 - beta1**count))
+        return loss
+
+
+def build_optimizer(
+    spec: OptimizerSpec,
+    params: Iterable[nn.Parameter],
+    model: nn.Module | None = None,
+    kfac: KFACSpec | None = None,
+) -> torch.optim.Optimizer:
+    """The optimizer a job asks for; with ``kfac.scaling: adam-eigenbasis`` (``model`` given)
+    ``EigenbasisAdam`` over ``params``, split by which of them K-FAC preconditions."""
+    if kfac is not None and kfac.scaling is Scaling.ADAM_EIGENBASIS:
+        if model is None:
+            raise ValueError("adam-eigenbasis's optimizer needs the model to split its parameters")
+        found, _ = discover(model, kfac_approx=kfac.kfac_approx)
+        preconditioned = {id(p) for reg in found for p in reg.module.parameters(recurse=False)}
+        listed = list(params)
+        return EigenbasisAdam(
+            [p for p in listed if id(p) in preconditioned],
+            [p for p in listed if id(p) not in preconditioned],
+            lr=spec.lr,
+            weight_decay=spec.weight_decay,
+        )
     if spec.name is OptimizerName.SGD:
         return torch.optim.SGD(
             params,

@@ -73,10 +73,10 @@ class Training:
             net = DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None
             )
-        optimizer = build_optimizer(spec.optimizer, model.parameters())
+        kfac = spec.kfac if isinstance(spec.kfac, KFACSpec) else None
+        optimizer = build_optimizer(spec.optimizer, model.parameters(), model, kfac)
         precision = MixedPrecision(mode=spec.precision, device_type=device.type)
         scaler = precision.grad_scaler()
-        kfac = spec.kfac if isinstance(spec.kfac, KFACSpec) else None
         tuning = None
         if kfac is not None and kfac.auto:
             if decided is None:

@@ -3,6 +3,7 @@ computed densely in float64, and what it holds."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -15,9 +16,10 @@ from kaisa_ray import KFACPreconditioner
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import plan
 from kaisa_ray.train.footprint import footprint
+from kaisa_ray.train.optimizers import EigenbasisAdam, build_optimizer
 from kaisa_ray.train.records import Record
 from kaisa_ray.train.session import LocalSession
-from kaisa_ray.train.spec import KFACSpec, parse_job_spec
+from kaisa_ray.train.spec import KFACSpec, OptimizerSpec, parse_job_spec
 from kaisa_ray.train.training import Training
 from kaisa_ray.train.worker import train
 from kaisa_ray.train.worker_config import TrainConfig
@@ -254,3 +256,71 @@ def test_a_job_trains_with_it_and_its_forecast_holds_the_moments() -> None:
         4 * layer.helper.groups * layer.helper.g_dim * layer.helper.a_dim for layer in layers
     )
     assert adam.worker_bytes - kron.worker_bytes == moments - table
+
+
+def test_the_layers_it_leaves_alone_take_adams_step_and_the_others_their_direction() -> None:
+    """``EigenbasisAdam``: K-FAC's layers move by ``-lr·d`` (their gradient, already Adam's
+    direction in the eigenbasis); the embedding and the norm exactly as ``torch.optim.Adam``
+    with the same betas, ε and lr would move them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(7, 4), nn.LayerNorm(4), nn.Linear(4, 3))
+    twin = copy.deepcopy(model)
+    optimizer = build_optimizer(
+        OptimizerSpec(name="sgd", lr=0.01, momentum=0.0),
+        model.parameters(),
+        model,
+        KFACSpec(scaling="adam-eigenbasis", compute_method="eigen"),
+    )
+    assert isinstance(optimizer, EigenbasisAdam)
+    linear = list(twin[2].parameters())
+    others = list(twin[0].parameters()) + list(twin[1].parameters())
+    adam = torch.optim.Adam(others, lr=0.01, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    for step in range(4):
+        generator = torch.Generator().manual_seed(step)
+        for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+            grad = torch.randn(mine.shape, generator=generator)
+            mine.grad, theirs.grad = grad.clone(), grad.clone()
+        optimizer.step()
+        adam.step()
+        with torch.no_grad():
+            for param in linear:
+                assert param.grad is not None
+                param.add_(param.grad, alpha=-0.01)
+    for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-8)
+
+
+def test_a_transformer_job_trains_its_embeddings_and_norms_with_adam() -> None:
+    """A model with layers K-FAC leaves alone (the char-transformer's embeddings and
+    LayerNorms) trains under the option: the job runs to its last step, and those
+    parameters, only those, hold Adam's moments."""
+    job = {
+        "name": "lm-adam-eigenbasis",
+        "model": {"name": "char-transformer"},
+        "dataset": {"name": "fortunes", "batch_size": 8},
+        "optimizer": {"name": "sgd", "lr": 0.003, "momentum": 0.0},
+        "kfac": {"scaling": "adam-eigenbasis", "compute_method": "eigen"},
+        "stop": {"max_steps": 4},
+        "eval_every": 4,
+    }
+    spec = parse_job_spec(job)
+    records: list[Record] = []
+    train(TrainConfig(spec=spec, run="lm-adam-eigenbasis"), LocalSession(records.append))
+    assert records[-1].kind == "end"
+    training = Training.build(spec, rank=0, world=1, device=torch.device("cpu"))
+    optimizer = training.optimizer
+    assert isinstance(optimizer, EigenbasisAdam)
+    directed, others = optimizer.param_groups
+    assert training.preconditioner is not None
+    registered = {
+        id(p) for layer in training.preconditioner.layers for p in layer.helper.module.parameters()
+    }
+    assert {id(p) for p in directed["params"]} == registered
+    embeddings = {
+        id(p)
+        for m in training.model.modules()
+        if isinstance(m, nn.Embedding | nn.LayerNorm)
+        for p in m.parameters()
+    }
+    assert embeddings
+    assert embeddings <= {id(p) for p in others["params"]}

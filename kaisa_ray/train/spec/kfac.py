@@ -101,7 +101,9 @@ class KFACSpec(StrictModel):
                 "rotated gradient kept per layer where it is preconditioned (SOAP's recipe "
                 "on K-FAC's factors). ``adam-eigenbasis`` needs ``compute_method: eigen``, "
                 "``update: optimizer`` and an optimizer without moments of its own (``sgd`` "
-                "with ``momentum: 0``: its lr is the step size); ``kl_clip`` defaults to null "
+                "with ``momentum: 0``: its lr is the step size, and the parameters K-FAC leaves "
+                "alone, such as embeddings and norms, take Adam's step at it); ``kl_clip`` "
+                "defaults to null "
                 "and ``damping`` is unused."
             )
         ),
