@@ -44,9 +44,9 @@ class EigenbasisAdam(torch.optim.Optimizer):
         eps: float = ADAM_EPS,
         weight_decay: float = 0.0,
     ) -> None:
-        groups: list[dict[str, Any]] = [{"params": directed, "adam": False}]
+        groups: list[dict[str, Any]] = [{"params": directed, "preconditioned": True}]
         if others:
-            groups.append({"params": others, "adam": True})
+            groups.append({"params": others, "preconditioned": False})
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(groups, defaults)
 
@@ -64,7 +64,7 @@ class EigenbasisAdam(torch.optim.Optimizer):
                     continue
                 if group["weight_decay"]:  # L2, as torch's SGD and Adam add it
                     grad = grad.add(param, alpha=group["weight_decay"])
-                if not group["adam"]:
+                if group["preconditioned"]:
                     param.add_(grad, alpha=-lr)
                     continue
                 beta1, beta2 = group["betas"]
