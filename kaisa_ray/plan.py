@@ -51,7 +51,7 @@ from kaisa_ray.enums import (
 )
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.registration import registered_layers
-from kaisa_ray.strategy import resolve_grad_worker_fraction
+from kaisa_ray.strategy import placeable, resolve_grad_worker_fraction
 
 
 class StepType(enum.StrEnum):
@@ -755,9 +755,8 @@ def plan(
 
 
 def check_placement(scaling: Scaling, world_size: int, fraction: float) -> None:
-    """Refuse a scaling the strategy cannot place: EKFAC fits its diagonal from each rank's
-    examples projected onto the layer's eigenbases, so every rank must hold them."""
-    if scaling is Scaling.EKFAC and world_size > 1 and fraction < 1.0:
+    """Refuse a scaling the strategy cannot place (``strategy.placeable``)."""
+    if not placeable(scaling, world_size, fraction):
         raise ConfigurationError(
             f"scaling='ekfac' fits its diagonal from every rank's examples projected onto "
             f"each layer's eigenbases, so every rank must hold them; grad_worker_fraction "

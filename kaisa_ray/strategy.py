@@ -17,12 +17,16 @@ def valid_fractions(world_size: int) -> list[float]:
     return [d / world_size for d in small + large]
 
 
+def placeable(scaling: Scaling | str, world_size: int, fraction: float) -> bool:
+    """Whether ``scaling`` can be placed with ``fraction`` at ``world_size``: EKFAC fits its
+    diagonal from each rank's examples projected onto the layers' bases, so with several
+    ranks every rank must hold them (COMM-OPT, f = 1)."""
+    return Scaling(scaling) is not Scaling.EKFAC or world_size == 1 or fraction >= 1.0
+
+
 def placeable_fractions(world_size: int, scaling: Scaling | str) -> list[float]:
-    """The fractions a scaling can be placed with (``valid_fractions``; EKFAC, whose bases
-    every rank must hold, only COMM-OPT's 1)."""
-    if Scaling(scaling) is Scaling.EKFAC:
-        return [1.0]
-    return valid_fractions(world_size)
+    """The fractions ``scaling`` can be placed with (``valid_fractions``, ``placeable``)."""
+    return [f for f in valid_fractions(world_size) if placeable(scaling, world_size, f)]
 
 
 def resolve_grad_worker_fraction(

@@ -26,11 +26,11 @@ from kaisa_ray.train.spec import KFACSpec, OptimizerSpec, ScheduleSpec
 __all__ = ["EigenbasisAdam", "build_optimizer", "build_preconditioner", "lr_factor"]
 
 
-class EigenbasisAdam(torch.optim.Optimizer):
+class EigenbasisAdam(torch.optim.Adam):
     """The optimizer of ``kfac.scaling: adam-eigenbasis``. The layers K-FAC preconditions
     arrive with Adam's direction in K-FAC's eigenbasis as their gradient and take it as the
     step, ``p ← p − lr·d`` (SGD without momentum); every other parameter (embeddings, norms:
-    what K-FAC leaves alone) takes Adam's own step with the same betas, ε and lr, as SOAP
+    what K-FAC leaves alone) takes torch's Adam step with the same betas, ε and lr, as SOAP
     gives Adam to the parameters it does not rotate. One lr, so one schedule moves both;
     ``weight_decay`` is added to the gradients as torch's SGD and Adam add it."""
 
@@ -47,8 +47,7 @@ class EigenbasisAdam(torch.optim.Optimizer):
         groups: list[dict[str, Any]] = [{"params": directed, "preconditioned": True}]
         if others:
             groups.append({"params": others, "preconditioned": False})
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-        super().__init__(groups, defaults)
+        super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -56,30 +55,22 @@ class EigenbasisAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            lr = group["lr"]
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if group["weight_decay"]:  # L2, as torch's SGD and Adam add it
-                    grad = grad.add(param, alpha=group["weight_decay"])
-                if group["preconditioned"]:
-                    param.add_(grad, alpha=-lr)
-                    continue
-                beta1, beta2 = group["betas"]
-                state = self.state[param]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(param)
-                    state["exp_avg_sq"] = torch.zeros_like(param)
-                state["step"] += 1
-                count = state["step"]
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-                denominator = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2**count)).add_(group["eps"])
-                param.addcdiv_(exp_avg, denominator, value=-lr / (1.0 - beta1**count))
+        everything = self.param_groups
+        for group in everything:
+            if group["preconditioned"]:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        grad = param.grad
+                        if group["weight_decay"]:  # L2, as torch's SGD adds it
+                            grad = grad.add(param, alpha=group["weight_decay"])
+                        param.add_(grad, alpha=-group["lr"])
+        # Adam's own step over the other groups only (its state is theirs alone)
+        self.param_groups = [group for group in everything if not group["preconditioned"]]
+        try:
+            if self.param_groups:
+                super().step()
+        finally:
+            self.param_groups = everything
         return loss
 
 

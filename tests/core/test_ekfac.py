@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from support.models import small_cnn
 from torch import nn
 
 from kaisa_ray import KFACPreconditioner
@@ -116,16 +117,7 @@ def test_the_fitted_diagonal_is_the_projected_per_example_second_moment(
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 3, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(3 * 16, 8),
-        nn.Tanh(),
-        nn.Linear(8, 4),
-    ).double()
+    return small_cnn(classes=4)
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from support.models import small_cnn
 from torch import nn
 
 from kaisa_ray import KFACPreconditioner
@@ -23,16 +24,7 @@ FACTOR_EVERY, INVERSE_EVERY, STEPS = 2, 4, 20
 
 
 def model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 3, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(3 * 4 * 4, 8),
-        nn.Tanh(),
-        nn.Linear(8, 3),
-    ).double()
+    return small_cnn(classes=3)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,3 +48,17 @@ def grouped_and_odd() -> nn.Sequential:
         nn.Tanh(),
         nn.Linear(7, 5),
     )
+
+
+def small_cnn(classes: int) -> nn.Sequential:
+    """A convolution, pooling and two Linear layers in float64 (input 1×8×8), seed 0."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(3 * 4 * 4, 8),
+        nn.Tanh(),
+        nn.Linear(8, classes),
+    ).double()

@@ -29,7 +29,7 @@ from kaisa_ray.enums import (
     Scaling,
 )
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.strategy import resolve_grad_worker_fraction
+from kaisa_ray.strategy import placeable, resolve_grad_worker_fraction
 from kaisa_ray.train.records import SweepMetric
 from kaisa_ray.train.spec.bounds import AUTO, REFERENCE, Seed, Steps, StrictModel, limit_reason
 from kaisa_ray.train.spec.kfac import KFACSpec
@@ -76,7 +76,7 @@ class JobSpec(StrictModel):
                 fraction = resolve_grad_worker_fraction(self.kfac.strategy, workers)
             except ConfigurationError as exc:
                 raise ValueError(f"kfac.strategy does not fit scaling.workers: {exc}") from None
-            if self.kfac.scaling is Scaling.EKFAC and workers > 1 and fraction < 1.0:
+            if not placeable(self.kfac.scaling, workers, fraction):
                 raise ValueError(
                     f"kfac.scaling: ekfac fits its diagonal from every worker's examples "
                     f"projected onto the layers' eigenbases, so every worker must hold them; "
