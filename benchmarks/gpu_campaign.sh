@@ -7,7 +7,8 @@
 # Adam-eigenbasis step before and after a change), "f" (the tests, the step before and after,
 # profiler traces, the plan against this GPU), "g" (f's step and traces after a change), "h"
 # (the preconditioning in CUDA graphs against without; the plan against the GPU at batch 32, 64),
-# "i" (h without the plan), "j" (the plan alone), "k" (traces with and without the graph).
+# "i" (h without the plan), "j" (the plan alone), "k" (traces with and without the graph),
+# "l" (the tests, the plan, the step costs of every method, EKFAC included).
 # Expects the pydantic wheels in .whl (the image has torch but not pydantic) and the commit
 # before the change's kaisa_ray in .old (`git archive <commit> kaisa_ray | tar -x -C .old`).
 # The lent machine's copy has no history of its own: COMMIT=<hash> names what the tables
@@ -136,6 +137,18 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
         (cd benchmarks && run 250 plan_vs_gpu python3 plan_vs_gpu.py --rounds 1 \
             ${COMMIT:+--commit "$COMMIT"} --json "$OUT/plan_vs_gpu.json")
+        ;;
+    l)  # the gpu tests with tracebacks; the plan against this GPU (the one-sample host step,
+        # the model's own factor work); the step costs of the methods, EKFAC included
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        run 110 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_gpu.py -rA \
+            --tb=short
+        (cd benchmarks && run 230 plan_vs_gpu python3 plan_vs_gpu.py --rounds 1 \
+            ${COMMIT:+--commit "$COMMIT"} --json "$OUT/plan_vs_gpu.json")
+        (cd benchmarks && run 170 gpu_step python3 gpu_step.py --rounds 2 \
+            ${COMMIT:+--commit "$COMMIT"} --only "b32 fp32: SGD" "b32 fp32: K-FAC inverse 10/100" \
+            "b32 fp32: K-FAC eigen 10/100" "EKFAC" "b32 fp32: K-FAC Adam eigenbasis" \
+            --skip "highest" "graphs" --json "$OUT/gpu_step.json")
         ;;
     k)  # where the graphed step's time goes: traces with and without the graph
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -130,6 +130,14 @@ def configs(quick: bool) -> list[Config]:
             both,
             100,
         ),
+        Config(
+            "ResNet-50 b32 fp32: K-FAC EKFAC 10/100",
+            "resnet50",
+            32,
+            _kfac(10, 100, compute_method="eigen", scaling="ekfac", pi_damping=False),
+            after,
+            100,
+        ),
         Config("ResNet-50 b32 fp32: K-FAC inverse 1/10", "resnet50", 32, _kfac(1, 10), after, 100),
         Config(
             "ResNet-50 b32 fp32: K-FAC eigen 1/10",
