@@ -21,10 +21,28 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING, TypeAlias
 
 from kaisa_ray.enums import AssignmentStrategy
+
+if TYPE_CHECKING:
+    import torch
+
+DType: TypeAlias = "torch.dtype | str"
+"""A layer's state dtype: torch's (what the preconditioner registers) or its name, e.g.
+``'float32'`` (what the planner reads from stored shapes, without importing torch)."""
+
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def itemsize(dtype: DType) -> int:
+    """Bytes per element of ``dtype`` (a torch dtype or a name in ``ITEMSIZE``)."""
+    if isinstance(dtype, str):
+        try:
+            return ITEMSIZE[dtype]
+        except KeyError:
+            raise ValueError(f"dtype {dtype!r}: name one of {', '.join(ITEMSIZE)}") from None
+    return int(dtype.itemsize)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,9 +66,9 @@ class LayerShape:
 class PlannedLayer(LayerShape):
     """A layer's shape plus the dtypes of its state."""
 
-    factor_dtype: torch.dtype = torch.float32
-    inv_dtype: torch.dtype = torch.float32
-    grad_dtype: torch.dtype = torch.float32
+    factor_dtype: DType = "float32"
+    inv_dtype: DType = "float32"
+    grad_dtype: DType = "float32"
 
 
 @dataclass(frozen=True, kw_only=True)

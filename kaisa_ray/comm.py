@@ -22,9 +22,19 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from kaisa_ray.assignment import DType
 from kaisa_ray.plan import Bucket, Schedule
 
 logger = logging.getLogger(__name__)
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    """A plan's dtype as torch's (plans name it, e.g. ``'float64'``, where no torch was loaded)."""
+    if isinstance(dtype, str):
+        found = getattr(torch, dtype)
+        assert isinstance(found, torch.dtype), dtype
+        return found
+    return dtype
 
 
 @functools.cache
@@ -186,10 +196,14 @@ class Communicator:
             for piece in bucket.pieces:
                 value = batch(piece.layer, piece.part)
                 if value is None:  # the layer did not run (or has no bases yet): zeros
-                    parts.append(torch.zeros(piece.numel, dtype=bucket.dtype, device=self.device))
+                    parts.append(
+                        torch.zeros(
+                            piece.numel, dtype=torch_dtype(bucket.dtype), device=self.device
+                        )
+                    )
                 else:  # A and G are symmetric, EKFAC's diagonal 's' is not
                     parts.append(pack(value, self.symmetric and piece.part != "s"))
-            flat = torch.cat([p.to(bucket.dtype) for p in parts])
+            flat = torch.cat([p.to(torch_dtype(bucket.dtype)) for p in parts])
             work = dist.all_reduce(flat, group=self.group(bucket.group), async_op=True)
             self._launched.append((bucket, flat, work))
             self._next += 1
@@ -236,10 +250,15 @@ class Communicator:
         for bucket in buckets:
             if bucket.src == self.rank:
                 flat = torch.cat(
-                    [get(p.layer, p.part).reshape(-1).to(bucket.dtype) for p in bucket.pieces]
+                    [
+                        get(p.layer, p.part).reshape(-1).to(torch_dtype(bucket.dtype))
+                        for p in bucket.pieces
+                    ]
                 )
             else:
-                flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.device)
+                flat = torch.empty(
+                    bucket.numel, dtype=torch_dtype(bucket.dtype), device=self.device
+                )
             if bucket.src is None:
                 raise RuntimeError(f"broadcast bucket without a source rank: {bucket}")
             work = dist.broadcast(

@@ -35,12 +35,9 @@ import enum
 import functools
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
-import torch
-from torch import nn
-
-from kaisa_ray.assignment import Assignment, LayerShape, assign
+from kaisa_ray.assignment import Assignment, DType, LayerShape, assign, itemsize
 from kaisa_ray.assignment import PlannedLayer as PlannedLayer  # defined there, exported here too
 from kaisa_ray.enums import (
     AssignmentStrategy,
@@ -50,8 +47,10 @@ from kaisa_ray.enums import (
     parse_enum,
 )
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.registration import registered_layers
 from kaisa_ray.strategy import placeable, resolve_grad_worker_fraction
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 class StepType(enum.StrEnum):
@@ -84,7 +83,7 @@ class Bucket:
     op: str  # "all_reduce" | "broadcast"
     group: tuple[int, ...]
     src: int | None
-    dtype: torch.dtype
+    dtype: DType
     pieces: tuple[Piece, ...]
 
     @functools.cached_property
@@ -136,9 +135,8 @@ def _everyone(world_size: int) -> tuple[int, ...]:
     return tuple(range(world_size))
 
 
-@functools.cache
-def _elem(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def _elem(dtype: DType) -> int:
+    return itemsize(dtype)
 
 
 def factor_numel(dim: int, groups: int, symmetric: bool) -> int:
@@ -175,7 +173,7 @@ def decomposition_parts(
     )
 
 
-BucketKey = tuple[int, int | None, torch.dtype]  # (group's index in ``groups``, source, dtype)
+BucketKey = tuple[int, int | None, DType]  # (group's index in ``groups``, source, dtype)
 
 
 def _fill(
@@ -219,7 +217,7 @@ def _fill(
     ]
 
 
-STALENESS_DTYPE = torch.float64
+STALENESS_PROBES = 8  # columns of each factor's staleness sketch (``kaisa_ray.staleness``)
 STALENESS_VALUES = 3  # per layer: the change of A, of G, and the angle (kaisa_ray.staleness)
 
 
@@ -384,7 +382,7 @@ def schedule(layers: Sequence[PlannedLayer], assignment: Assignment, options: Op
     if options.staleness_probes > 0 and assignment.world_size > 1:
         items = [
             (
-                (0, None, STALENESS_DTYPE),
+                (0, None, "float64"),  # the staleness values travel in float64
                 Piece(layer=layer.name, part="staleness", numel=STALENESS_VALUES),
             )
             for layer in layers
@@ -689,6 +687,8 @@ def calls_for_rank(sched: Schedule, rank: int) -> dict[StepType, tuple[Collectiv
 
 def layer_shapes(model: nn.Module, **preconditioner_kwargs: object) -> list[PlannedLayer]:
     """The layers a ``KFACPreconditioner`` would register on ``model``, with their dtypes."""
+    from kaisa_ray.registration import registered_layers
+
     return registered_layers(model, **preconditioner_kwargs)
 
 
@@ -740,7 +740,7 @@ def plan(
         scaling=parse_enum(Scaling, scaling, "scaling"),
     )
     fraction = resolve_grad_worker_fraction(grad_worker_fraction, world_size)
-    if isinstance(model_or_layers, nn.Module):
+    if not isinstance(model_or_layers, Sequence):  # a model (torch is loaded: it made one)
         layers = layer_shapes(model_or_layers, skip_layers=skip_layers)
     else:
         layers = [

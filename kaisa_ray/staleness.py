@@ -25,9 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-PROBES = 8
+from kaisa_ray.plan import STALENESS_PROBES, STALENESS_VALUES
+
+PROBES = STALENESS_PROBES
 """Columns of each factor's sketch."""
-VALUES_PER_LAYER = 3
+VALUES_PER_LAYER = STALENESS_VALUES
 """What a layer's decomposition step measures: the change of A, of G, and the angle."""
 
 

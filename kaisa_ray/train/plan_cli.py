@@ -13,7 +13,6 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Precision
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.cli import _job
 from kaisa_ray.train.planning import (
     PlanRequest,
     hardware_names,
@@ -276,6 +275,8 @@ def plan(
         if config is not None or spec_json is not None:
             if model is not None:
                 raise click.UsageError("give the job (--config/--spec) or --model, not both")
+            from kaisa_ray.train.cli import _job  # the JobSpec's models import torch
+
             request = request_from_spec(_job(config, spec_json), hardware, sizes, gpus_per_node)
         else:
             if model is None or workers is None or batch is None:

@@ -33,7 +33,7 @@ from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Precision,
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import Plan, plan
 from kaisa_ray.strategy import placeable_fractions
-from kaisa_ray.train.shapes import PLANNING, workload
+from kaisa_ray.train.shape_table import PLANNING, planning_workload
 from tuner.cost import (
     DEFAULT_INTERVALS,
     Candidate,
@@ -263,7 +263,7 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
     """
     hardware = hardware or load_hardware(request.hardware)
     params = dict(request.params)
-    job = workload(
+    job = planning_workload(
         request.model,
         batch_size=request.batch_size,
         params=params,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,52 +30,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Precision, Scaling
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.registration import discover
-from kaisa_ray.train.registry import model_factory
+from kaisa_ray.train.registry import BUILTIN_MODELS, model_factory
+from kaisa_ray.train.shape_table import BATCHES, PLANNING, TABLE, Planning, entry
 from tuner.forecast import Workload
 
-__all__ = ["PLANNING", "Planning", "build_on_meta", "workload"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Planning:
-    """How to plan a registered model: its input and the layers K-FAC leaves out by default."""
-
-    example_input: Callable[[nn.Module, int], torch.Tensor] | None = None
-    skip_layers: tuple[str, ...] = ()
-    skip_source: str = ""  # where the default skip_layers come from
-    seq_len_param: bool = False  # a language model: params carry seq_len
-
-
-def _images(channels: int, side: int) -> Callable[[nn.Module, int], torch.Tensor]:
-    return lambda model, n: torch.empty(n, channels, side, side, device="meta")
-
-
-def _resnet20_input(model: nn.Module, n: int) -> torch.Tensor:
-    channels = int(getattr(getattr(model, "stem", None), "in_channels", 3))
-    side = 28 if channels == 1 else 32  # Fashion-MNIST's 28×28 for one channel, CIFAR's 32
-    return torch.empty(n, channels, side, side, device="meta")
-
-
-def _mlp_input(model: nn.Module, n: int) -> torch.Tensor:
-    first = next(m for m in model.modules() if isinstance(m, nn.Linear))
-    return torch.empty(n, first.in_features, device="meta")
-
-
-PLANNING: dict[str, Planning] = {
-    "lenet": Planning(example_input=_images(1, 28)),
-    "mlp": Planning(example_input=_mlp_input),
-    "resnet20": Planning(example_input=_resnet20_input),
-    "resnet50": Planning(
-        skip_source="every Conv2d and Linear, as gpauloski/kfac-pytorch's "
-        "examples/torch_imagenet_resnet.py registers them (--skip-layers defaults to none)"
-    ),
-    "bert-large": Planning(
-        skip_layers=(r"cls\.predictions",),
-        skip_source="gpauloski/BERT-PyTorch run_pretraining.py: --kfac_skip_layers defaults to "
-        "[BertLMPredictionHead, embedding] (the masked-LM head and the embeddings)",
-        seq_len_param=True,
-    ),
-}
+__all__ = ["PLANNING", "Planning", "build_on_meta", "table", "workload"]
 
 
 def build_on_meta(name: str, params: Mapping[str, Any] | None = None) -> nn.Module:
@@ -219,3 +177,46 @@ def workload(
         scaling=scaling,
         kfac_approx=str(KFACApprox(kfac_approx)),
     )
+
+
+def table() -> dict[str, Any]:
+    """``shape_table.json`` as the code makes it now: every registered built-in model that
+    says what its input looks like, at its default parameters, under each approximation."""
+    out: dict[str, Any] = {}
+    for name in sorted(BUILTIN_MODELS):
+        try:
+            out[name] = {
+                str(approx): entry(
+                    {b: workload(name, batch_size=b, kfac_approx=approx) for b in BATCHES}
+                )
+                for approx in KFACApprox
+            }
+        except ConfigurationError as err:
+            if "does not say what its input looks like" not in str(err):
+                raise
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kaisa_ray.train.shapes --write``: rewrite the stored shapes."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--write", action="store_true", help=f"write {TABLE.name}")
+    args = parser.parse_args(argv)
+    rows = [
+        f"{json.dumps(name)}: {json.dumps(value, separators=(',', ':'), sort_keys=True)}"
+        for name, value in sorted(table().items())
+    ]
+    text = "{\n" + ",\n".join(rows) + "\n}\n"  # a model a line, for readable diffs
+    if args.write:
+        TABLE.write_text(text)
+        print(f"wrote {TABLE} ({len(text)} bytes)")
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
