@@ -60,6 +60,16 @@ def sum_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.vdot(a.reshape(-1), b.to(a.dtype).reshape(-1))
 
 
+def group_dot(out: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """``Σ out[i]·raw[i]`` for each member ``i`` of ``(n, ...)`` stacks (float32 at least),
+    in one operation."""
+    if out.dtype in (torch.float16, torch.bfloat16):
+        out, raw = out.float(), raw.float()
+    flat = out.reshape(out.shape[0], -1)
+    dots: torch.Tensor = torch.linalg.vecdot(flat, raw.to(out.dtype).reshape(flat.shape))
+    return dots
+
+
 def finite_flags(tensors: Sequence[torch.Tensor]) -> list[bool]:
     """Whether each tensor's values are all finite, waiting for the device once: a norm per
     tensor, all in one multi-tensor operation (a NaN or an infinity makes it non-finite), an
@@ -142,6 +152,8 @@ class GradientSetter:
         kl_clip: float | torch.Tensor | None,
         lr: float | torch.Tensor,
         write_grads: bool = True,
+        *,
+        group_dots: bool = False,
     ) -> None:
         """KL clipping (scale by min(1, sqrt(kl_clip / |lr² Σ p·g|))), then set the grads;
         where a gradient or a preconditioned gradient is not finite, the raw gradients stay.
@@ -150,10 +162,19 @@ class GradientSetter:
         gradients in flat buffers (``batching.GradientLayout``), ``blocks`` the rest;
         ``order``: every layer, in the order the clip's sum adds them up; ``kl_clip`` and
         ``lr`` floats or scalars on the device. Without ``write_grads`` the result is left in
-        ``gathered``'s raw buffers for the caller to copy to the gradients."""
+        ``gathered``'s raw buffers for the caller to copy to the gradients. ``group_dots``:
+        the clip's products a shape group at a time (one operation for its members), for
+        steps where every rank groups every layer alike (one rank, or COMM-OPT); elsewhere a
+        layer preconditioned in a group on one rank arrives alone on another, and its
+        product must be the same operation on both."""
         if not blocks and gathered is None:
             return
-        if kl_clip is not None:
+        if kl_clip is not None and group_dots:  # Σ p·g a shape group (or a block) at a time
+            pairs = [(block.out, block.raw) for block in blocks]
+            if gathered is not None:
+                pairs += zip(gathered.outs, gathered.raws, strict=True)
+            total = torch.cat([group_dot(out, raw) for out, raw in pairs]).double().sum()
+        elif kl_clip is not None:
             # Σ p·g per layer (one product each, the same on every rank however the layer was
             # preconditioned there), summed in layer order in float64: not finite if any p or
             # g is (a NaN or an infinity spreads through the products).

@@ -272,16 +272,14 @@ def eigen_precondition(
     """``Q_G [(Q_Gᵀ ∇W Q_A) ⊙ dgda] Q_Aᵀ`` (or ``/ denominator``) for ``(k, g, a)`` gradients
     already in the decompositions' dtype: one layer's groups, or several layers' stacked
     (into ``out`` where given)."""
-    rotated = qg.transpose(-1, -2) @ grad @ qa
+    rotated = _mm(_mm(qg.transpose(-1, -2), grad), qa)
     if dgda is not None:
         rotated = rotated * dgda
     elif denominator is not None:
         rotated = rotated / denominator
     else:
         raise ValueError("eigen_precondition needs dgda or denominator")
-    if out is None:
-        return qg @ rotated @ qa.transpose(-1, -2)
-    return torch.matmul(qg @ rotated, qa.transpose(-1, -2), out=out)
+    return _mm(_mm(qg, rotated), qa.transpose(-1, -2), out=out)
 
 
 def inverse_precondition(
@@ -289,9 +287,16 @@ def inverse_precondition(
 ) -> torch.Tensor:
     """``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` for ``(k, g, a)`` gradients in the inverses' dtype (into
     ``out`` where given)."""
-    if out is None:
-        return g_inv @ grad @ a_inv
-    return torch.matmul(g_inv @ grad, a_inv, out=out)
+    return _mm(_mm(g_inv, grad), a_inv, out=out)
+
+
+def _mm(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ y``: ``bmm`` where both are ``(b, ·, ·)`` stacks of one length, the kernel that
+    ``matmul`` reaches there too (the same values) without the broadcasting views it launches
+    first (a shape group's step is a handful of operations, and each costs the host time)."""
+    if x.dim() == 3 and y.dim() == 3 and x.shape[0] == y.shape[0]:
+        return torch.bmm(x, y) if out is None else torch.bmm(x, y, out=out)
+    return x @ y if out is None else torch.matmul(x, y, out=out)
 
 
 def _stack_dampings(

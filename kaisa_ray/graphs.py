@@ -94,7 +94,7 @@ class GraphedPreconditioning:
 
         def body() -> None:
             batching.precondition(groups, gathered.raws, damping_t, gathered.outs)
-            self.setter.set([], gathered, order, clip_t, lr_t, write_grads=False)
+            self.setter.set([], gathered, order, clip_t, lr_t, write_grads=False, group_dots=True)
 
         key = self._key(kl_clip)
         if self.graph is None or key != self.key:

@@ -851,7 +851,14 @@ class KFACPreconditioner:
                     out = received[layer.name]
                     blocks.append(Block((layer,), layer.helper.grad().unsqueeze(0), out[None]))
                     preconditioned.put(layer.name, out)
-            self._setter.set(blocks, gathered, self._layers, self.kl_clip, self.lr)
+            self._setter.set(
+                blocks,
+                gathered,
+                self._layers,
+                self.kl_clip,
+                self.lr,
+                group_dots=not self._comm.gradient_buckets,  # every rank groups alike
+            )
         return preconditioned
 
     def _graphable(self, active: list[KFACLayer], groups: tuple[batching.ShapeGroup, ...]) -> bool:
