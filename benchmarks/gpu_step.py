@@ -135,7 +135,7 @@ def configs(quick: bool) -> list[Config]:
             "resnet50",
             32,
             _kfac(10, 100, compute_method="eigen", scaling="ekfac", pi_damping=False),
-            after,
+            both,
             100,
         ),
         Config("ResNet-50 b32 fp32: K-FAC inverse 1/10", "resnet50", 32, _kfac(1, 10), after, 100),
