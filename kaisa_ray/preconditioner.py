@@ -77,7 +77,7 @@ from kaisa_ray.options import (
     PreconditionerOptions,
 )
 from kaisa_ray.plan import Options, Plan, build_plan
-from kaisa_ray.registration import discover
+from kaisa_ray.registration import discover, refuse_sharded
 from kaisa_ray.staleness import PROBES, VALUES_PER_LAYER, LayerStaleness, angle_degrees
 from kaisa_ray.strategy import resolve_grad_worker_fraction
 from kaisa_ray.timing import PhaseTimes
@@ -311,6 +311,7 @@ class KFACPreconditioner:
                 f"{', '.join(skipped) or 'no parametrised modules'}). Loosen skip_layers, "
                 "unfreeze a layer, or train this model with the base optimizer alone."
             )
+        refuse_sharded((reg.name, reg.module) for reg in found)
         self._layers: list[KFACLayer] = []
         self._by_module: dict[nn.Module, KFACLayer] = {}
         for reg in found:
@@ -551,6 +552,8 @@ class KFACPreconditioner:
         active = [layer for layer in self._layers if layer.helper.has_grad()]
         times = self.times
         decompose = self.schedule.decomposition_layers(step)
+        if decompose:  # a model sharded after this was built (checked where a step costs more)
+            refuse_sharded((layer.name, layer.helper.module) for layer in self._layers)
         grads_finite: bool | None = None  # known where the step waits for the device anyway
         if self._factor_step:
             if not self.update_factors_in_hook:
