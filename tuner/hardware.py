@@ -37,11 +37,13 @@ PRODUCT_PRECISIONS = (*PRECISIONS, TF32)
 METHODS = tuple(m.value for m in ComputeMethod)
 # Operations K-FAC runs per layer (or shape group) beyond its products, as counted with
 # torch.profiler on this code (tests/tuner/test_plan_terms.py counts them again): the fallback of a
-# profile that did not measure ``kfac_overhead_s``, each operation at the kernel latency.
+# profile that did not measure ``kfac_overhead_s``, each operation at the kernel latency. On one
+# rank or COMM-OPT (the KL clip's products a group at a time); MEM-OPT and HYBRID-OPT add a
+# few per layer (their clip takes one product per layer).
 OVERHEAD_OPERATIONS = {
     "factors_per_layer": 8.0,
-    "precondition_per_layer": 9.0,
-    "precondition_per_group": 6.0,
+    "precondition_per_layer": 3.5,
+    "precondition_per_group": 10.0,
 }
 
 

@@ -33,7 +33,7 @@ from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Precision,
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import Plan, plan
 from kaisa_ray.strategy import placeable_fractions
-from kaisa_ray.train.shape_table import PLANNING, planning_workload
+from kaisa_ray.train.shape_table import PLANNING, stored_workload
 from tuner.cost import (
     DEFAULT_INTERVALS,
     Candidate,
@@ -254,6 +254,17 @@ def _pick(table: Sequence[Candidate], budget: int | None) -> Candidate | None:
     return min(feasible, key=lambda c: (c.step_s, -c.grad_worker_fraction))
 
 
+def workload(name: str, *, batch_size: int, **options: Any) -> Workload:
+    """Model ``name``'s shapes from the stored table where it holds them (no torch), else
+    from the meta pass (``kaisa_ray.train.shapes``, which imports torch)."""
+    found = stored_workload(name, batch_size=batch_size, **options)
+    if found is not None:
+        return found
+    from kaisa_ray.train.shapes import workload as measured
+
+    return measured(name, batch_size=batch_size, **options)
+
+
 def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanReport:
     """Price every strategy and interval pair for ``request``; the tuner's choices.
 
@@ -263,7 +274,7 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
     """
     hardware = hardware or load_hardware(request.hardware)
     params = dict(request.params)
-    job = planning_workload(
+    job = workload(
         request.model,
         batch_size=request.batch_size,
         params=params,

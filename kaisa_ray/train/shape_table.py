@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["PLANNING", "TABLE", "Planning", "entry", "planning_workload", "stored_workload"]
+__all__ = ["PLANNING", "TABLE", "Planning", "entry", "stored_workload"]
 
 TABLE = Path(__file__).with_name("shape_table.json")
 BATCHES = (1, 2)
@@ -180,13 +180,3 @@ def stored_workload(
         scaling=scaling,
         kfac_approx=str(KFACApprox(kfac_approx)),
     )
-
-
-def planning_workload(name: str, *, batch_size: int, **options: Any) -> Workload:
-    """The table's workload where it holds it, else the meta pass's (which imports torch)."""
-    found = stored_workload(name, batch_size=batch_size, **options)
-    if found is not None:
-        return found
-    from kaisa_ray.train.shapes import workload
-
-    return workload(name, batch_size=batch_size, **options)

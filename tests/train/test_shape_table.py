@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kaisa_ray.train import shape_table
+from kaisa_ray.train import planning, shape_table
 from kaisa_ray.train.planning import PlanRequest, plan_job
 from kaisa_ray.train.shape_table import stored_workload
 from kaisa_ray.train.shapes import table, workload
@@ -71,12 +71,12 @@ def test_what_the_table_does_not_hold_goes_to_the_meta_pass(
     shape_table._table.cache_clear()
     try:
         assert stored_workload("resnet50", batch_size=8) is None
-        job = shape_table.planning_workload("resnet50", batch_size=8, kfac_approx="reduce")
+        job = planning.workload("resnet50", batch_size=8, kfac_approx="reduce")
         assert len(job.layers) == 54
     finally:
         monkeypatch.undo()
         shape_table._table.cache_clear()
-    short = shape_table.planning_workload("bert-large", batch_size=2, params={"seq_len": 16})
+    short = planning.workload("bert-large", batch_size=2, params={"seq_len": 16})
     assert short.seq_len == 16
 
 
@@ -95,7 +95,7 @@ def test_a_plan_from_the_table_equals_the_plan_from_the_meta_pass(
         intervals=((1, 10), (10, 100)),
     )
     stored = plan_job(request).to_json()
-    monkeypatch.setattr(shape_table, "stored_workload", lambda *args, **kwargs: None)
+    monkeypatch.setattr(planning, "stored_workload", lambda *args, **kwargs: None)
     assert plan_job(request).to_json() == stored
 
 
