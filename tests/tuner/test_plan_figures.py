@@ -8,8 +8,10 @@ change a figure, and say so in the commit. Rewritten once since: when the foreca
 products at the size of their volume and added K-FAC's fixed costs (issue 32), which changed
 the predicted times and the choices made from them; and when the quiet step and the factor
 update were made to dispatch fewer operations per layer (the estimated fixed costs,
-``OVERHEAD_OPERATIONS``: the predicted times and the adaptive case's choice). Every byte, call
-and memory figure stayed a85ad65's. The cases cover world sizes whose receiver groups
+``OVERHEAD_OPERATIONS``: the predicted times and the adaptive case's choice); and when the quiet
+step's products became ``bmm`` calls and the KL clip's products one per shape group (the same
+counts, 9 → 3.5 per layer and 6 → 10 per group: predicted times only). Every byte, call and
+memory figure stayed a85ad65's. The cases cover world sizes whose receiver groups
 straddle nodes (24 and 12 ranks on nodes of 8, and 5 per node), the nothing-fits account,
 the inverse method, and the tuner's adaptive choice.
 """
