@@ -193,17 +193,14 @@ class Communicator:
             if not force and any(p.layer not in self._ready for p in bucket.pieces):
                 return
             parts = []
+            dtype = torch_dtype(bucket.dtype)
             for piece in bucket.pieces:
                 value = batch(piece.layer, piece.part)
                 if value is None:  # the layer did not run (or has no bases yet): zeros
-                    parts.append(
-                        torch.zeros(
-                            piece.numel, dtype=torch_dtype(bucket.dtype), device=self.device
-                        )
-                    )
+                    parts.append(torch.zeros(piece.numel, dtype=dtype, device=self.device))
                 else:  # A and G are symmetric, EKFAC's diagonal 's' is not
                     parts.append(pack(value, self.symmetric and piece.part != "s"))
-            flat = torch.cat([p.to(torch_dtype(bucket.dtype)) for p in parts])
+            flat = torch.cat([p.to(dtype) for p in parts])
             work = dist.all_reduce(flat, group=self.group(bucket.group), async_op=True)
             self._launched.append((bucket, flat, work))
             self._next += 1
@@ -248,17 +245,13 @@ class Communicator:
         receivers ``put`` the pieces."""
         in_flight: InFlight = []
         for bucket in buckets:
+            dtype = torch_dtype(bucket.dtype)
             if bucket.src == self.rank:
                 flat = torch.cat(
-                    [
-                        get(p.layer, p.part).reshape(-1).to(torch_dtype(bucket.dtype))
-                        for p in bucket.pieces
-                    ]
+                    [get(p.layer, p.part).reshape(-1).to(dtype) for p in bucket.pieces]
                 )
             else:
-                flat = torch.empty(
-                    bucket.numel, dtype=torch_dtype(bucket.dtype), device=self.device
-                )
+                flat = torch.empty(bucket.numel, dtype=dtype, device=self.device)
             if bucket.src is None:
                 raise RuntimeError(f"broadcast bucket without a source rank: {bucket}")
             work = dist.broadcast(

@@ -92,7 +92,7 @@ class Bucket:
 
     @functools.cached_property
     def nbytes(self) -> int:
-        return self.numel * _elem(self.dtype)
+        return self.numel * itemsize(self.dtype)
 
     @functools.cached_property
     def members(self) -> frozenset[int]:
@@ -133,10 +133,6 @@ STEP_SCALAR_BYTES = 16
 def _everyone(world_size: int) -> tuple[int, ...]:
     """The group of all ranks (one tuple shared by the plans of a world size)."""
     return tuple(range(world_size))
-
-
-def _elem(dtype: DType) -> int:
-    return itemsize(dtype)
 
 
 def factor_numel(dim: int, groups: int, symmetric: bool) -> int:
@@ -194,9 +190,9 @@ def _fill(
     order: list[tuple[BucketKey, list[Piece]]] = []
     for key, piece in items:
         current = open_buckets.get(key)
-        size = piece.numel * _elem(key[2])
+        size = piece.numel * itemsize(key[2])
         if current is not None and (
-            sum(p.numel for p in current) * _elem(key[2]) + size > cap_bytes
+            sum(p.numel for p in current) * itemsize(key[2]) + size > cap_bytes
         ):
             current = None
         if current is None:
@@ -636,7 +632,7 @@ def memory_for_rank(
 def decomposition_bytes(layer: PlannedLayer, options: Options) -> int:
     """Bytes of one layer's decompositions, held by each of its gradient workers."""
     a_parts, g_parts, table = decomposition_parts(layer, options)
-    return _elem(layer.inv_dtype) * (sum(p.numel for p in a_parts + g_parts) + table)
+    return itemsize(layer.inv_dtype) * (sum(p.numel for p in a_parts + g_parts) + table)
 
 
 def _every_rank_bytes(layers: Sequence[PlannedLayer], options: Options) -> tuple[int, int]:
@@ -645,7 +641,7 @@ def _every_rank_bytes(layers: Sequence[PlannedLayer], options: Options) -> tuple
     the step's two device scalars)."""
     factors = extra = 0
     for layer in layers:
-        elem = _elem(layer.factor_dtype)
+        elem = itemsize(layer.factor_dtype)
         factors += elem * layer.groups * (layer.a_dim**2 + layer.g_dim**2)
         extra += elem * layer.groups * (layer.a_dim + layer.g_dim) * options.staleness_probes
         if options.scaling is Scaling.EKFAC:  # the batch's fitted diagonal

@@ -20,6 +20,7 @@ built only when the meta pass runs, and KAISA's authors' default skips).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable, Iterable, Mapping
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["PLANNING", "TABLE", "Planning", "entry", "stored_workload"]
+__all__ = ["PLANNING", "TABLE", "Planning", "entry", "stored_workload", "with_options"]
 
 TABLE = Path(__file__).with_name("shape_table.json")
 BATCHES = (1, 2)
@@ -137,20 +138,41 @@ def _affine(one: Any, two: Any, batch: int) -> Any:
     return type(one)(grown)
 
 
+def with_options(
+    job: Workload,
+    *,
+    precision: str = Precision.FP32,
+    optimizer: str = OptimizerName.SGD.value,
+    compute_method: str = ComputeMethod.EIGEN,
+    scaling: str = Scaling.KRONECKER,
+) -> Workload:
+    """A model's float32 workload (from the meta pass or the table) under the job's options:
+    what they change is not the model's shapes."""
+    activations = job.activation_bytes
+    if precision in (Precision.BF16, Precision.FP16):
+        activations //= 2  # autocast keeps most saved activations in half precision
+    return dataclasses.replace(
+        job,
+        precision=precision,
+        activation_bytes=activations,
+        optimizer_states=OptimizerName(optimizer).state_tensors,
+        compute_method=compute_method,
+        scaling=scaling,
+    )
+
+
 def stored_workload(
     name: str,
     *,
     batch_size: int,
     params: Mapping[str, Any] | None = None,
-    precision: str = Precision.FP32,
     kfac_approx: str = KFACApprox.EXPAND,
     skip_layers: Iterable[str] | None = None,
-    optimizer: str = OptimizerName.SGD.value,
-    compute_method: str = ComputeMethod.EIGEN,
-    scaling: str = Scaling.KRONECKER,
+    **options: Any,
 ) -> Workload | None:
     """``shapes.workload``'s answer from the table, or None where the table does not hold it
-    (parameters or skips of the caller's own, or a model it does not list)."""
+    (parameters or skips of the caller's own, or a model it does not list); ``options`` as
+    ``with_options`` takes them."""
     if params or skip_layers is not None or batch_size < 1:
         return None
     found = _table().get(name, {}).get(str(KFACApprox(kfac_approx)))
@@ -158,25 +180,16 @@ def stored_workload(
         return None
     one, two = (found["at"][str(b)] for b in BATCHES)
     grown = {key: _affine(one[key], two[key], batch_size) for key in _GROWING}
-    activations = grown["activation_bytes"]
-    if precision in (Precision.BF16, Precision.FP16):
-        activations //= 2  # as the meta pass halves it
-    return Workload(
+    job = Workload(
         model=name,
         batch_size=batch_size,
         seq_len=found["seq_len"],
-        precision=precision,
+        precision=Precision.FP32,
         layers=tuple(
             PlannedLayer(name=n, a_dim=a, g_dim=g, groups=k) for n, a, g, k in found["layers"]
         ),
-        rows=grown["rows"],
-        moved=grown["moved"],
-        patch_bytes=grown["patch_bytes"],
         parameters=found["parameters"],
-        activation_bytes=activations,
-        forward_flops=grown["forward_flops"],
-        optimizer_states=OptimizerName(optimizer).state_tensors,
-        compute_method=compute_method,
-        scaling=scaling,
         kfac_approx=str(KFACApprox(kfac_approx)),
+        **grown,
     )
+    return with_options(job, **options)

@@ -19,7 +19,9 @@ choices come with each model (``PLANNING[name].skip_layers``).
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -27,14 +29,16 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Precision, Scaling
+from kaisa_ray.enums import KFACApprox, Precision
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.registration import discover
 from kaisa_ray.train.registry import BUILTIN_MODELS, model_factory
-from kaisa_ray.train.shape_table import BATCHES, PLANNING, TABLE, Planning, entry
+from kaisa_ray.train.shape_table import BATCHES, PLANNING, TABLE, Planning, entry, with_options
 from tuner.forecast import Workload
 
 __all__ = ["PLANNING", "Planning", "build_on_meta", "table", "workload"]
+
+logger = logging.getLogger(__name__)
 
 
 def build_on_meta(name: str, params: Mapping[str, Any] | None = None) -> nn.Module:
@@ -78,18 +82,17 @@ def workload(
     *,
     batch_size: int,
     params: Mapping[str, Any] | None = None,
-    precision: str = Precision.FP32,
     kfac_approx: str = KFACApprox.EXPAND,
     skip_layers: Iterable[str] | None = None,
-    optimizer: str = OptimizerName.SGD.value,
-    compute_method: str = ComputeMethod.EIGEN,
-    scaling: str = Scaling.KRONECKER,
+    **options: Any,
 ) -> Workload:
     """What one rank's step of model ``name`` at ``batch_size`` is, from its shapes.
 
     Args:
         skip_layers: K-FAC's ``skip_layers``; None takes the model's default
             (``PLANNING[name].skip_layers``, KAISA's authors' choice).
+        options: the job's ``precision``, ``optimizer``, ``compute_method`` and ``scaling``
+            (``shape_table.with_options``).
 
     Example:
         >>> w = workload("resnet50", batch_size=32)
@@ -157,26 +160,21 @@ def workload(
             f"model {name!r}: K-FAC layers {', '.join(missing)} are not used by its forward "
             "pass; skip them (skip_layers) to plan it"
         )
-    activations = sum(saved.values())
-    if precision in (Precision.BF16, Precision.FP16):
-        activations //= 2  # autocast keeps most saved activations in half precision
-    return Workload(
+    job = Workload(
         model=name,
         batch_size=batch_size,
         seq_len=int(x.shape[1]) if planning.seq_len_param else None,
-        precision=precision,
+        precision=Precision.FP32,
         layers=tuple(r.planned() for r in registered),
         rows=tuple(rows[r.name] for r in registered),
         moved=tuple(moved[r.name] for r in registered),
         patch_bytes=patches,
         parameters=sum(p.numel() for p in model.parameters()),
-        activation_bytes=activations,
+        activation_bytes=sum(saved.values()),
         forward_flops=float(flops.get_total_flops()),
-        optimizer_states=OptimizerName(optimizer).state_tensors,
-        compute_method=compute_method,
-        scaling=scaling,
         kfac_approx=str(KFACApprox(kfac_approx)),
     )
+    return with_options(job, **options)
 
 
 def table() -> dict[str, Any]:
@@ -212,9 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     text = "{\n" + ",\n".join(rows) + "\n}\n"  # a model a line, for readable diffs
     if args.write:
         TABLE.write_text(text)
-        print(f"wrote {TABLE} ({len(text)} bytes)")
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        logger.info("wrote %s (%d bytes)", TABLE, len(text))
     else:
-        print(text, end="")
+        sys.stdout.write(text)
     return 0
 
 
