@@ -81,12 +81,12 @@ def finite_flags(tensors: Sequence[torch.Tensor]) -> list[bool]:
 
 
 def param_grads(layers: Sequence[KFACLayer]) -> list[torch.Tensor]:
-    """The layers' weight and bias gradients, as the parameters hold them."""
+    """The layers' weight and bias gradients (whole, also where the parameters are sharded)."""
     grads = []
     for layer in layers:
-        for param in (layer.helper.weight(), layer.helper.bias()):
-            if param is not None and param.grad is not None:
-                grads.append(param.grad)
+        for grad in (layer.helper.weight_grad(), layer.helper.bias_grad()):
+            if grad is not None:
+                grads.append(grad)
     return grads
 
 
@@ -238,12 +238,12 @@ class GradientSetter:
             out = torch.where(ok, out, block.raw.to(out.dtype))
             for index, layer in enumerate(block.layers):
                 helper = layer.helper
-                weight_grad, bias = helper.weight().grad, helper.bias()
+                weight_grad, bias_grad = helper.weight_grad(), helper.bias_grad()
                 if weight_grad is None:
                     continue
                 k, g = helper.groups, helper.g_dim
                 weight_view = weight_grad.view(k, g, -1)
                 pairs.append((weight_view, out[index, :, :, : weight_view.shape[-1]]))
-                if bias is not None and bias.grad is not None:
-                    pairs.append((bias.grad.view(k, g), out[index, :, :, -1]))
+                if bias_grad is not None:
+                    pairs.append((bias_grad.view(k, g), out[index, :, :, -1]))
         batching.copy_all(pairs)

@@ -268,8 +268,7 @@ class GradientLayout:
         (allocated on the first such call and kept, as a CUDA graph needs them)."""
         grads = []
         for helper, is_bias, _ in self.params:
-            param = helper.bias() if is_bias else helper.weight()
-            grad = None if param is None else param.grad
+            grad = helper.bias_grad() if is_bias else helper.weight_grad()
             if grad is None:
                 what = "bias gradient" if is_bias else "gradient; call backward() first"
                 raise RuntimeError(f"{helper.describe()} has no {what}.")

@@ -105,6 +105,9 @@ class LayerHelper(ABC):
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        # During a step of a sharded model (FSDP2): the whole weight and bias gradients,
+        # standing in for the parameters' shards (``kaisa_ray/sharding.py``); else None.
+        self.whole: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def has_bias(self) -> bool:
@@ -158,33 +161,45 @@ class LayerHelper(ABC):
         bias = getattr(self.module, "bias", None)
         return bias if isinstance(bias, torch.Tensor) else None
 
-    def has_grad(self) -> bool:
+    def weight_grad(self) -> torch.Tensor | None:
+        """The weight's gradient (whole, also where the parameter is sharded)."""
+        return self.weight().grad if self.whole is None else self.whole[0]
+
+    def bias_grad(self) -> torch.Tensor | None:
+        """The bias's gradient (whole), None without a bias."""
+        if self.whole is not None:
+            return self.whole[1]
         bias = self.bias()
-        return self.weight().grad is not None and (bias is None or bias.grad is not None)
+        return None if bias is None else bias.grad
+
+    def has_grad(self) -> bool:
+        return self.weight_grad() is not None and (
+            self.bias() is None or self.bias_grad() is not None
+        )
 
     def grad(self) -> torch.Tensor:
         """The gradient as ``grad_out_by_in`` ``(k, g_dim, a_dim)``."""
-        weight_grad = self.weight().grad
+        weight_grad = self.weight_grad()
         if weight_grad is None:
             raise RuntimeError(f"{self.describe()} has no gradient; call backward() first.")
         k = self.groups
         grad = weight_grad.reshape(k, self.g_dim, -1)
-        bias = self.bias()
-        if bias is not None:
-            if bias.grad is None:
+        if self.bias() is not None:
+            bias_grad = self.bias_grad()
+            if bias_grad is None:
                 raise RuntimeError(f"{self.describe()} has no bias gradient.")
-            grad = torch.cat([grad, bias.grad.reshape(k, self.g_dim, 1)], dim=-1)
+            grad = torch.cat([grad, bias_grad.reshape(k, self.g_dim, 1)], dim=-1)
         return grad
 
     def set_grad(self, grad_out_by_in: torch.Tensor) -> None:
-        """Write ``(k, g_dim, a_dim)`` back into ``weight.grad`` (and ``bias.grad``)."""
-        weight, bias = self.weight(), self.bias()
-        if weight.grad is None or (bias is not None and bias.grad is None):
+        """Write ``(k, g_dim, a_dim)`` back into the weight's gradient (and the bias's)."""
+        weight_grad, bias_grad = self.weight_grad(), self.bias_grad()
+        if weight_grad is None or (self.bias() is not None and bias_grad is None):
             raise RuntimeError(f"{self.describe()} has no gradient to replace.")
-        if bias is not None and bias.grad is not None:
-            bias.grad.copy_(grad_out_by_in[..., -1].reshape(bias.grad.shape))
+        if bias_grad is not None:
+            bias_grad.copy_(grad_out_by_in[..., -1].reshape(bias_grad.shape))
             grad_out_by_in = grad_out_by_in[..., :-1]
-        weight.grad.copy_(grad_out_by_in.reshape(weight.grad.shape))
+        weight_grad.copy_(grad_out_by_in.reshape(weight_grad.shape))
 
     def describe(self) -> str:
         return type(self.module).__name__

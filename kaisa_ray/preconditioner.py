@@ -77,7 +77,8 @@ from kaisa_ray.options import (
     PreconditionerOptions,
 )
 from kaisa_ray.plan import Options, Plan, build_plan
-from kaisa_ray.registration import discover, refuse_sharded
+from kaisa_ray.registration import discover
+from kaisa_ray.sharding import ShardedGradients, sharded_layers
 from kaisa_ray.staleness import PROBES, VALUES_PER_LAYER, LayerStaleness, angle_degrees
 from kaisa_ray.strategy import resolve_grad_worker_fraction
 from kaisa_ray.timing import PhaseTimes
@@ -311,7 +312,6 @@ class KFACPreconditioner:
                 f"{', '.join(skipped) or 'no parametrised modules'}). Loosen skip_layers, "
                 "unfreeze a layer, or train this model with the base optimizer alone."
             )
-        refuse_sharded((reg.name, reg.module) for reg in found)
         self._layers: list[KFACLayer] = []
         self._by_module: dict[nn.Module, KFACLayer] = {}
         for reg in found:
@@ -395,6 +395,11 @@ class KFACPreconditioner:
                     "preconditioner, or leave cuda_graphs off."
                 )
         self._graphs: dict[batching.GradientLayout, GraphedPreconditioning] = {}
+        # FSDP2: the type of the first layer's weight when last looked, and the whole
+        # gradients' keeper if it was sharded (checked now: a sharding K-FAC cannot take is
+        # refused before the first step)
+        self._sharding: tuple[type, ShardedGradients | None] | None = None
+        self._sharded_now()
         self._steps = 0
         self.skipped_factor_updates = 0
         # Kept on the device from the first step on, so that a step need not wait for them
@@ -541,27 +546,62 @@ class KFACPreconditioner:
         inverse-update steps the decompositions are recomputed. If a gradient is not finite
         (a GradScaler overflow), the gradients are left as they are for the scaler to skip,
         and ``skipped_steps`` counts it. With several ranks every rank must call ``step()``;
-        gradients must already be averaged over ranks (DDP does this).
+        gradients must already be averaged over ranks (DDP does this; FSDP2's ``fully_shard``
+        too: the step then works on the layers' whole gradients and leaves each rank its rows,
+        see docs/fsdp.md).
 
         A step that updates neither factors nor decompositions never waits for the device:
         whether the gradients were finite, the KL clip's scale and the skipped-step count are
         decided on the device (read ``skipped_steps`` or ``last_grad_scale`` to wait).
         """
+        sharded = self._sharded_now()
+        factor_step = self._factor_step
+        if factor_step:
+            if not self.update_factors_in_hook:
+                with self.times.phase("factors"), self._products():
+                    for layer in self._layers:
+                        layer.factor_saved(self._g_divisor())
+            with self.times.phase("communication"):
+                self._comm.reduce_factors(self._batch_part, self._store_reduced)
+        if sharded is None:
+            self._step(factor_step)
+            return
+        with self.times.phase("communication"):
+            wholes = sharded.gather([layer.helper for layer in self._layers])
+        try:
+            self._step(factor_step)
+        finally:  # on an error the shards stay as backward left them
+            wholes.release()
+        wholes.write_back()
+
+    def _sharded_now(self) -> ShardedGradients | None:
+        """Whole gradients for a model FSDP2 shards (built sharded or sharded since), else None:
+        whether the first layer's weight is a ``DTensor`` decides, checked every step."""
+        weight = self._layers[0].helper.weight()
+        if self._sharding is not None and type(weight) is self._sharding[0]:
+            return self._sharding[1]
+        modules = [(layer.name, layer.helper.module) for layer in self._layers]
+        if not sharded_layers(modules, self.world_size):
+            self._sharding = (type(weight), None)
+            return None
+        if self.cuda_graphs:
+            raise ConfigurationError(
+                "cuda_graphs=True is not available for a model sharded by FSDP2 (the step "
+                "gathers each layer's gradient first): leave cuda_graphs off."
+            )
+        helpers = [layer.helper for layer in self._layers]
+        self._sharding = (type(weight), ShardedGradients(helpers, self.rank, self.world_size))
+        return self._sharding[1]
+
+    def _step(self, factor_step: bool) -> None:
+        """The step after its factors' reduction (and, under FSDP2, the gradients' gather)."""
         step = self._steps
         damping = self.damping
         active = [layer for layer in self._layers if layer.helper.has_grad()]
         times = self.times
         decompose = self.schedule.decomposition_layers(step)
-        if decompose:  # a model sharded after this was built (checked where a step costs more)
-            refuse_sharded((layer.name, layer.helper.module) for layer in self._layers)
         grads_finite: bool | None = None  # known where the step waits for the device anyway
-        if self._factor_step:
-            if not self.update_factors_in_hook:
-                with times.phase("factors"), self._products():
-                    for layer in self._layers:
-                        layer.factor_saved(self._g_divisor())
-            with times.phase("communication"):
-                self._comm.reduce_factors(self._batch_part, self._store_reduced)
+        if factor_step:
             with times.phase("factors"):
                 grads_finite = self._fold_factors(active)
         else:

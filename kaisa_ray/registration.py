@@ -13,7 +13,6 @@ modules' share of the gradient with the layer's.
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -167,28 +166,6 @@ def discover(
             )
         )
     return found, skipped
-
-
-def refuse_sharded(modules: Iterable[tuple[str, nn.Module]]) -> None:
-    """Refuse layers whose parameters are sharded (``DTensor``: FSDP2's ``fully_shard``,
-    tensor parallelism): K-FAC here preconditions whole gradients, and a shard read as one
-    would be wrong. No ``DTensor`` exists unless its module was imported."""
-    tensors = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(tensors, "DTensor", None)
-    if dtensor is None:
-        return
-    sharded = [
-        name
-        for name, module in modules
-        if any(isinstance(p, dtensor) for p in module.parameters(recurse=False))
-    ]
-    if sharded:
-        raise ConfigurationError(
-            f"layers {', '.join(sharded[:5])}{' ...' if len(sharded) > 5 else ''} have "
-            "sharded parameters (DTensor: FSDP2's fully_shard or tensor parallelism), which "
-            "K-FAC does not precondition yet (the design: docs/fsdp.md). Train this model "
-            "with DistributedDataParallel, or leave these layers out with skip_layers."
-        )
 
 
 def registered_layers(model: nn.Module, **options: object) -> list[PlannedLayer]:

@@ -40,40 +40,6 @@ pytestmark = [
 ]
 
 
-def test_two_worker_kfac_job_end_to_end(ray_head: RayHead, tmp_path: Path) -> None:
-    result = run_job(parse_job_spec(job()), storage_path=tmp_path, progress=False)
-    assert result.succeeded, result.error
-    assert result.metrics["step"] == 40
-    assert result.metrics["finished"] is True
-
-    # The progress sink saw both workers, every 10th step, and the evaluations.
-    workers = records(result.run_name, "worker")
-    assert sorted(r["rank"] for r in workers) == [0, 1]
-    steps = records(result.run_name, "step")
-    assert [r["step"] for r in steps] == [10, 20, 30, 40]
-    assert all(r["samples_per_s"] > 0 and r["kfac_ms_per_step"] > 0 for r in steps)
-    assert all(r.get("damping") is None for r in steps)  # only the quadratic model's step
-    assert steps[-1]["loss"] < 0.8 * steps[0]["loss"], [r["loss"] for r in steps]
-    evals = records(result.run_name, "eval")
-    assert [r["step"] for r in evals] == [20, 40]
-    assert [e.wire() for e in result.evals] == evals  # the driver followed the sink meanwhile
-    assert evals[-1]["test_loss"] < evals[0]["test_loss"]
-
-    # The checkpoint loads: the model reproduces the reported accuracy, K-FAC state restores.
-    assert result.checkpoint is not None
-    state = load_checkpoint_file(result.checkpoint)
-    assert state["step"] == 40
-    assert state["sampler"] == {"epoch": 2, "batch": 8, "seed": 3}  # 2048/2/64 = 16 per epoch
-    assert len(state["rng"]) == 2
-    model = LeNetCNN()
-    model.load_state_dict(state["model"])
-    test_x, test_y = load_idx_dataset(None, "test", limit=LIMIT)
-    assert evaluate(model, test_x, test_y) == pytest.approx(result.metrics["test_accuracy"])
-    preconditioner = KFACPreconditioner(model, factor_update_steps=5, inv_update_steps=20)
-    preconditioner.load_state_dict(state["preconditioner"])
-    assert preconditioner.steps == 40
-
-
 def _final_model(result: JobResult) -> dict[str, torch.Tensor]:
     assert result.checkpoint is not None
     model: dict[str, torch.Tensor] = load_checkpoint_file(result.checkpoint)["model"]
@@ -133,6 +99,7 @@ def test_killed_worker_resumes_from_its_checkpoint(ray_head: RayHead, tmp_path: 
     assert resumed["resumed_from"] == held[-1]["path"]
     assert resumed["from_step"] < 140
     assert len(records("killed", "worker")) == 4  # two workers, started twice
+    assert all(r.get("damping") is None for r in records("killed", "step"))  # quadratic's only
 
     # An uninterrupted run from that same checkpoint ends with identical parameters.
     again = run_job(
@@ -149,17 +116,45 @@ def test_killed_worker_resumes_from_its_checkpoint(ray_head: RayHead, tmp_path: 
         assert torch.equal(ours[name], theirs[name]), name
 
 
-def test_quadratic_model_job_trains_and_resumes_bit_for_bit(
+def test_two_worker_kfac_job_end_to_end_resumes_bit_for_bit(
     ray_head: RayHead, tmp_path: Path
 ) -> None:
-    """``kfac.update: quadratic-model`` on 2 workers: K-FAC takes each step itself (its α in
-    the step records), the loss falls, and a resume from the step-20 checkpoint (λ and δ₀ in
-    it) ends where the uninterrupted run did."""
+    """A 2-worker K-FAC job with ``kfac.update: quadratic-model``: the records (both workers,
+    every 10th step, the evaluations, followed by the driver), a checkpoint that reproduces
+    the reported accuracy and restores K-FAC; K-FAC takes each step itself (its α in the step
+    records), the loss falls, and a resume from the step-20 checkpoint (λ and δ₀ in it) ends
+    where the uninterrupted run did. (A job of the default update: the killed worker's.)"""
     kfac = {"factor_update_steps": 1, "inv_update_steps": 5, "update": "quadratic-model"}
     spec = parse_job_spec(job(kfac={**kfac, "factor_samples": 16}))
     result = run_job(spec, storage_path=tmp_path / "a", run_name="qm", progress=False)
     assert result.succeeded, result.error
+    assert result.metrics["step"] == 40
+    assert result.metrics["finished"] is True
+
+    # The progress sink saw both workers, every 10th step, and the evaluations.
+    assert sorted(r["rank"] for r in records("qm", "worker")) == [0, 1]
     steps = records("qm", "step")
+    assert [r["step"] for r in steps] == [10, 20, 30, 40]
+    assert all(r["samples_per_s"] > 0 and r["kfac_ms_per_step"] > 0 for r in steps)
+    evals = records("qm", "eval")
+    assert [r["step"] for r in evals] == [20, 40]
+    assert [e.wire() for e in result.evals] == evals  # the driver followed the sink meanwhile
+    assert evals[-1]["test_loss"] < evals[0]["test_loss"]
+
+    # The checkpoint loads: the model reproduces the reported accuracy, K-FAC state restores.
+    assert result.checkpoint is not None
+    final = load_checkpoint_file(result.checkpoint)
+    assert final["step"] == 40
+    assert final["sampler"] == {"epoch": 2, "batch": 8, "seed": 3}  # 2048/2/64 = 16 per epoch
+    assert len(final["rng"]) == 2
+    model = LeNetCNN()
+    model.load_state_dict(final["model"])
+    test_x, test_y = load_idx_dataset(None, "test", limit=LIMIT)
+    assert evaluate(model, test_x, test_y) == pytest.approx(result.metrics["test_accuracy"])
+    preconditioner = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=5)
+    preconditioner.load_state_dict(final["preconditioner"])
+    assert preconditioner.steps == 40
+
     assert all(r["lr"] > 0 for r in steps), [r["lr"] for r in steps]  # the model's α
     assert steps[-1]["loss"] < 0.8 * steps[0]["loss"], [r["loss"] for r in steps]
     at_20 = next(r for r in records("qm", "checkpoint") if r["step"] == 20)
