@@ -40,6 +40,14 @@ class DistributedStrategy(enum.StrEnum):
     HYBRID_OPT = "hybrid-opt"
 
 
+class Parallel(enum.StrEnum):
+    """How the model's parameters are spread over the ranks: whole on every rank (DDP, or
+    gradients averaged by hand) or sharded by rows (FSDP2's ``fully_shard``: docs/fsdp.md)."""
+
+    DDP = "ddp"
+    FSDP = "fsdp"
+
+
 class KFACApprox(enum.StrEnum):
     """How Conv2d factors treat spatial positions (Eschenhagen et al., NeurIPS 2023).
 

@@ -43,6 +43,7 @@ from kaisa_ray.enums import (
     AssignmentStrategy,
     ComputeMethod,
     DistributedStrategy,
+    Parallel,
     Scaling,
     parse_enum,
 )
@@ -80,7 +81,7 @@ class Bucket:
     """One collective call: its pieces travel together in one flat buffer."""
 
     purpose: Purpose
-    op: str  # "all_reduce" | "broadcast"
+    op: str  # "all_reduce" | "broadcast" | "all_gather" (FSDP2's gradient rows)
     group: tuple[int, ...]
     src: int | None
     dtype: DType
@@ -119,6 +120,7 @@ class Options:
     allreduce_bucket_cap_mb: float = 25.0
     staleness_probes: int = 0  # columns of each factor's staleness sketch; 0: not measured
     scaling: Scaling = Scaling.KRONECKER
+    parallel: Parallel = Parallel.DDP
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -232,6 +234,7 @@ class Schedule:
     decomposition_buckets: tuple[Bucket, ...]
     gradient_row: tuple[Bucket, ...]
     staleness_buckets: tuple[Bucket, ...] = ()
+    gather_buckets: tuple[Bucket, ...] = ()  # FSDP2: every rank's gradient rows, every step
     layers: tuple[PlannedLayer, ...] = ()
     options: Options = field(default_factory=Options)
     _subsets: dict[tuple[frozenset[str], frozenset[str]], Schedule] = field(
@@ -296,6 +299,7 @@ class Schedule:
                 ),
                 gradient_row=self.gradient_row,
                 staleness_buckets=self.staleness_buckets,
+                gather_buckets=self.gather_buckets,
                 layers=self.layers,
                 options=self.options,
             )
@@ -372,6 +376,33 @@ def _gradient_row(
     )
 
 
+def _gather_buckets(
+    layers: Sequence[PlannedLayer], assignment: Assignment, options: Options
+) -> list[Bucket]:
+    """FSDP2: each step's all-gather of the layers' gradient rows (``kaisa_ray.sharding``),
+    one call per gradient dtype; a rank sends ``⌈rows / W⌉`` rows of every layer (the
+    ``torch.chunk`` split, padded), so the call's bytes are the same on every rank."""
+    if options.parallel is not Parallel.FSDP:
+        return []
+    world = assignment.world_size
+    by_dtype: dict[DType, list[Piece]] = {}
+    for layer in layers:
+        rows = -(-layer.groups * layer.g_dim // world)
+        piece = Piece(layer=layer.name, part="grad_rows", numel=rows * layer.a_dim)
+        by_dtype.setdefault(layer.grad_dtype, []).append(piece)
+    return [
+        Bucket(
+            purpose=Purpose.GRADIENTS,
+            op="all_gather",
+            group=_everyone(world),
+            src=None,
+            dtype=dtype,
+            pieces=tuple(pieces),
+        )
+        for dtype, pieces in by_dtype.items()
+    ]
+
+
 def schedule(layers: Sequence[PlannedLayer], assignment: Assignment, options: Options) -> Schedule:
     """Build the communication schedule of a strategy (no process group needed)."""
     staleness_buckets: list[Bucket] = []
@@ -396,6 +427,7 @@ def schedule(layers: Sequence[PlannedLayer], assignment: Assignment, options: Op
         decomposition_buckets=tuple(_decomposition_buckets(layers, assignment, options)),
         gradient_row=tuple(_gradient_row(layers, assignment, options)),
         staleness_buckets=tuple(staleness_buckets),
+        gather_buckets=tuple(_gather_buckets(layers, assignment, options)),
         layers=tuple(layers),
         options=options,
     )
@@ -483,6 +515,11 @@ class Plan:
         return tuple(b.collective for b in self.schedule.factor_buckets)
 
     @functools.cached_property
+    def gather_calls(self) -> tuple[Collective, ...]:
+        """FSDP2's all-gather of the gradient rows, on every step (every rank)."""
+        return tuple(b.collective for b in self.schedule.gather_buckets)
+
+    @functools.cached_property
     def staleness_calls(self) -> tuple[Collective, ...]:
         """The staleness all-reduce of a decomposition step (every rank), if measured."""
         return tuple(b.collective for b in self.schedule.staleness_buckets)
@@ -547,14 +584,15 @@ class Plan:
         """``rank``'s plan, composed of its column's and its row's (see the class)."""
         row, column = divmod(rank, self.assignment.columns)
         gradients = self.row_calls(row)
-        factors = self.factor_calls
+        factors, gathers = self.factor_calls, self.gather_calls
         return RankPlan(
             rank=rank,
             memory=self.column_memory(column),
             calls={
-                StepType.PLAIN: gradients,
-                StepType.FACTOR_UPDATE: factors + gradients,
+                StepType.PLAIN: gathers + gradients,
+                StepType.FACTOR_UPDATE: factors + gathers + gradients,
                 StepType.INVERSE_UPDATE: factors
+                + gathers
                 + self.column_calls(column)
                 + gradients
                 + self.staleness_calls,
@@ -658,10 +696,12 @@ def _memory(every_rank: tuple[int, int], decompositions: int) -> dict[str, int]:
 
 def _calls(sched: Schedule, rank: int, *, staleness: bool) -> tuple[Collective, ...]:
     """One step's collectives on ``rank`` in the order the preconditioner issues them:
-    factors, decompositions, gradients, then (on steps with decompositions) staleness. Of the
+    factors, FSDP2's gradient rows, decompositions, gradients, then (on steps with
+    decompositions) staleness. Of the
     gradient broadcasts only its own row's can include it (no need to list every row's)."""
     buckets = [
         *sched.factor_buckets,
+        *sched.gather_buckets,
         *sched.decomposition_buckets,
         *sched.gradient_buckets_of_row(rank // sched.assignment.columns),
         *(sched.staleness_buckets if staleness else ()),
@@ -702,6 +742,7 @@ def plan(
     skip_layers: Iterable[str] | str | None = None,
     staleness_probes: int = 0,
     scaling: Scaling | str = Scaling.KRONECKER,
+    parallel: Parallel | str = Parallel.DDP,
 ) -> Plan:
     """Price a strategy: per-rank K-FAC memory and per-step collectives, exactly.
 
@@ -715,6 +756,8 @@ def plan(
         scaling: as for ``KFACPreconditioner`` ('adam-eigenbasis' holds Adam's moments
             beside the eigen method's decompositions, and no eigenvalue table; 'ekfac' its
             fitted diagonal, reduced with the factors).
+        parallel: 'ddp' (whole parameters on every rank) or 'fsdp' (sharded by FSDP2's
+            ``fully_shard``: each step also all-gathers the layers' gradient rows).
 
     Example:
         >>> from kaisa_ray.plan import plan
@@ -734,6 +777,7 @@ def plan(
         allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
         staleness_probes=staleness_probes,
         scaling=parse_enum(Scaling, scaling, "scaling"),
+        parallel=parse_enum(Parallel, parallel, "parallel"),
     )
     fraction = resolve_grad_worker_fraction(grad_worker_fraction, world_size)
     if not isinstance(model_or_layers, Sequence):  # a model (torch is loaded: it made one)

@@ -21,6 +21,7 @@ never enter the running averages, and a failed ``eigh`` falls back instead of cr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -48,6 +49,7 @@ from kaisa_ray.enums import (
     FactorScale,
     KFACApprox,
     MatmulPrecision,
+    Parallel,
     RunningAverage,
     Scaling,
 )
@@ -335,6 +337,8 @@ class KFACPreconditioner:
             self._by_module[reg.module] = layer
         self._by_name = {layer.name: layer for layer in self._layers}
 
+        # FSDP2 (checked now: a sharding K-FAC cannot take is refused before the first step)
+        sharded = sharded_layers(((reg.name, reg.module) for reg in found), self.world_size)
         self.plan: Plan = build_plan(
             [reg.planned() for reg in found],
             self.world_size,
@@ -348,6 +352,7 @@ class KFACPreconditioner:
                 allreduce_bucket_cap_mb=options.allreduce_bucket_cap_mb,
                 staleness_probes=PROBES if self.measures_staleness else 0,
                 scaling=self.scaling,
+                parallel=Parallel.FSDP if sharded else Parallel.DDP,
             ),
         )
         self.assignment = self.plan.assignment
@@ -396,10 +401,8 @@ class KFACPreconditioner:
                 )
         self._graphs: dict[batching.GradientLayout, GraphedPreconditioning] = {}
         # FSDP2: the type of the first layer's weight when last looked, and the whole
-        # gradients' keeper if it was sharded (checked now: a sharding K-FAC cannot take is
-        # refused before the first step)
+        # gradients' keeper if it was sharded
         self._sharding: tuple[type, ShardedGradients | None] | None = None
-        self._sharded_now()
         self._steps = 0
         self.skipped_factor_updates = 0
         # Kept on the device from the first step on, so that a step need not wait for them
@@ -591,6 +594,11 @@ class KFACPreconditioner:
             )
         helpers = [layer.helper for layer in self._layers]
         self._sharding = (type(weight), ShardedGradients(helpers, self.rank, self.world_size))
+        if self.plan.options.parallel is not Parallel.FSDP:  # sharded since it was built
+            options = dataclasses.replace(self.plan.options, parallel=Parallel.FSDP)
+            self.plan = build_plan(
+                self.plan.layers, self.world_size, self.grad_worker_fraction, options
+            )
         return self._sharding[1]
 
     def _step(self, factor_step: bool) -> None:

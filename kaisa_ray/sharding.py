@@ -16,7 +16,7 @@ split FSDP2 and DTensor make.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +25,6 @@ from torch import nn
 
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.layers import LayerHelper
-
-# torch 2.13 names it all_gather_single (all_gather_into_tensor, deprecated, before)
-_all_gather: Callable[..., object] = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 FIX = "Train this model with DistributedDataParallel, or leave these layers out with skip_layers."
 
@@ -90,6 +87,13 @@ def sharded_layers(modules: Iterable[tuple[str, nn.Module]], world_size: int) ->
     return True
 
 
+def all_gather_rows(gathered: torch.Tensor, mine: torch.Tensor) -> None:
+    """Every rank's ``mine`` into ``gathered``, by rank (over all ranks)."""
+    # torch 2.13 names it all_gather_single (all_gather_into_tensor, now deprecated, before)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, mine)
+
+
 def rows_of(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     """The first and one-past-last row rank ``rank`` holds of ``rows`` (``torch.chunk``'s split)."""
     each = -(-rows // world_size)
@@ -141,7 +145,7 @@ class ShardedGradients:
                 local = _shard_grad(piece.helper, piece.is_bias).to_local()  # type: ignore[attr-defined]
                 mine[piece.offset : piece.offset + local.numel()] = local.reshape(-1)
             gathered = torch.empty(self.world_size * share, dtype=dtype, device=device)
-            _all_gather(gathered, mine)
+            all_gather_rows(gathered, mine)
             parts = gathered.view(self.world_size, share)
             for piece in pieces:
                 row = piece.shape[1:].numel()

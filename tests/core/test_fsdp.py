@@ -1,19 +1,88 @@
-"""FSDP2 (``fully_shard``) is not preconditioned yet (docs/fsdp.md is the design): a sharded
-model is refused with the reason and the fix, whether it was sharded before the
-preconditioner was built or after, never with DTensor's own error from deep in a step."""
+"""K-FAC on a model sharded by FSDP2 (``fully_shard``; docs/fsdp.md), gloo on the CPU: the
+same parameters as under DDP and as one process on the whole batch, under every strategy,
+both methods and the JobSpec's curvature options; the bytes each rank sends equal the plan's
+FSDP schedule (the gradient rows' all-gather beside DDP's calls) on every step; and a sharding
+K-FAC cannot take is refused naming the layers and the fix."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
-from support.fsdp_workers import sharded_refused
+import torch
+from support.fsdp_workers import partly_sharded, sharded_after_build
 from support.harness import run_distributed
+from support.kfac_workers import equivalence_worker, reference_params
+
+from kaisa_ray.assignment import LayerShape
+from kaisa_ray.plan import plan
+
+pytestmark = pytest.mark.slow  # processes of gloo, spawned per test
+
+STRATEGIES = {2: ["comm-opt", "mem-opt"], 4: ["comm-opt", "hybrid-opt", "mem-opt"]}
 
 
-@pytest.mark.parametrize("shard_first", [True, False])
-def test_a_sharded_model_is_refused_with_the_fix(shard_first: bool) -> None:
-    said = run_distributed(sharded_refused, 2, shard_first=shard_first)
+def combos_for(world_size: int) -> list[dict[str, Any]]:
+    """An MLP and a small LeNet-like CNN (its layers of 4, 6, 12 and 4 rows: at 4 ranks some
+    split unevenly and one rank holds no row of a layer), eigen with the reference's curvature
+    and inverse with the JobSpec's (Fisher scale, debiased averages, π-damping)."""
+    return [
+        {"model": model, "method": method, "strategy": strategy, "curvature": curvature}
+        for model in ("mlp", "cnn")
+        for method, curvature in (("eigen", "reference"), ("inverse", "natural"))
+        for strategy in STRATEGIES[world_size]
+    ]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fsdp_equals_ddp_and_one_process_and_sends_what_the_plan_says(world_size: int) -> None:
+    combos = combos_for(world_size)
+    runs = [combo | {"fsdp": fsdp} for combo in combos for fsdp in (False, True)]
+    per_rank = run_distributed(equivalence_worker, world_size, combos=runs, timeout=400)
+    for index in range(0, len(runs), 2):
+        combo = runs[index]
+        label = f"{combo} at world size {world_size}"
+        ddp, fsdp = per_rank[0][index], per_rank[0][index + 1]
+        for rank in range(world_size):
+            sharded = per_rank[rank][index + 1]
+            assert sharded["mismatches"] == [], f"{label}, rank {rank}: {sharded['mismatches']}"
+            assert sharded["memory"] == sharded["planned_memory"], f"{label}, rank {rank}"
+            for a, b in zip(sharded["params"], fsdp["params"], strict=True):
+                assert torch.equal(a, b), f"{label}: rank {rank} differs from rank 0"
+        # Beside DDP's calls, every step sends each rank's rows of every layer's gradient.
+        for kind, sent in fsdp["sent_bytes"].items():
+            assert sent > ddp["sent_bytes"][kind], (label, kind)
+        expected = reference_params(combo | {"strategy": "comm-opt", "fsdp": False})
+        for name, other in (("DDP", ddp["params"]), ("one process", expected)):
+            for a, e in zip(fsdp["params"], other, strict=True):
+                scale = e.abs().max().item()
+                assert (a - e).abs().max().item() <= 1e-6 * scale, f"{label}: FSDP vs {name}"
+
+
+def test_the_plan_counts_each_rank_s_rows_of_every_gradient() -> None:
+    """A 7-row and a 3-row layer on 4 ranks: each rank sends ⌈7/4⌉ = 2 and ⌈3/4⌉ = 1 rows
+    (the last ranks pad what they lack), of 6 and 8 columns, in float32, on every step."""
+    layers = [LayerShape(name="a", a_dim=6, g_dim=7), LayerShape(name="b", a_dim=8, g_dim=3)]
+    sharded = plan(layers, 4, "mem-opt", parallel="fsdp")
+    ddp = plan(layers, 4, "mem-opt")
+    for kind in ("plain", "factor_update", "inverse_update"):
+        extra = sharded.ranks[3].bytes(kind) - ddp.ranks[3].bytes(kind)
+        assert extra == (2 * 6 + 1 * 8) * 4, kind
+    (gather,) = sharded.gather_calls
+    assert (gather.op, gather.group, gather.src) == ("all_gather", (0, 1, 2, 3), None)
+    assert ddp.gather_calls == ()
+
+
+def test_a_model_sharded_after_the_preconditioner_was_built_trains_as_one_sharded_before() -> None:
+    said = run_distributed(sharded_after_build, 2)
+    for parallel, difference in said:
+        assert parallel == "fsdp"  # the plan follows: it prices the gather now
+        assert difference == 0.0
+
+
+def test_a_layer_left_unsharded_beside_sharded_ones_is_refused_with_the_fix() -> None:
+    said = run_distributed(partly_sharded, 2)
     for message in said:
-        assert "sharded parameters" in message, message
-        assert "docs/fsdp.md" in message
+        assert "layers 2 are not sharded while layers 0 are" in message, message
+        assert "fully_shard" in message
         assert "DistributedDataParallel" in message
-        assert "layers 0, 2" in message

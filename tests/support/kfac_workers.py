@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from kaisa_ray import KFACPreconditioner
+from kaisa_ray import KFACPreconditioner, sharding
 from kaisa_ray.intervals import AdaptiveIntervals
 from kaisa_ray.plan import StepType
 
@@ -117,7 +117,8 @@ def kfac_options(combo: dict[str, Any]) -> dict[str, Any]:
 
 
 class Counter:
-    """Wraps torch.distributed's all_reduce and broadcast to record what this rank sends."""
+    """Wraps torch.distributed's all_reduce and broadcast, and the all-gather of a sharded
+    model's gradient rows (``kaisa_ray.sharding``), to record what this rank sends."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
@@ -137,6 +138,11 @@ class Counter:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         real_all_reduce, real_broadcast = dist.all_reduce, dist.broadcast
+        real_gather = sharding.all_gather_rows
+
+        def all_gather_rows(gathered: torch.Tensor, mine: torch.Tensor) -> None:
+            self._record("all_gather", mine, None)
+            real_gather(gathered, mine)
 
         def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             self._record("all_reduce", tensor, kwargs.get("group"))
@@ -147,10 +153,12 @@ class Counter:
             return real_broadcast(tensor, *args, **kwargs)
 
         dist.all_reduce, dist.broadcast = all_reduce, broadcast  # type: ignore[assignment]
+        sharding.all_gather_rows = all_gather_rows
         try:
             yield
         finally:
             dist.all_reduce, dist.broadcast = real_all_reduce, real_broadcast
+            sharding.all_gather_rows = real_gather
 
 
 def step_type(step: int) -> StepType:
@@ -161,6 +169,22 @@ def step_type(step: int) -> StepType:
     return StepType.PLAIN
 
 
+def shard(model: nn.Module) -> None:
+    """FSDP2 as a user applies it: each K-FAC layer its own unit, then the whole model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Conv2d)):
+            fully_shard(module)
+    fully_shard(model)
+
+
+def whole(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value on this rank (gathered where FSDP2 shards it)."""
+    full_tensor = getattr(param, "full_tensor", None)
+    return (param if full_tensor is None else full_tensor()).detach().cpu().clone()
+
+
 def make(
     combo: dict[str, Any], distributed: bool
 ) -> tuple[nn.Module, nn.Module, KFACPreconditioner, torch.optim.Optimizer]:
@@ -168,11 +192,17 @@ def make(
     if combo.get("device", "cpu") == "cuda":  # the rank's own GPU (the harness set it)
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     cuda = next(model.parameters()).device.type == "cuda"
-    wrapped = (
-        DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if cuda else None)
-        if distributed and combo.get("ddp", True)
-        else model
-    )
+    if distributed and combo.get("fsdp", False):
+        shard(model)
+        wrapped = model
+    else:
+        wrapped = (
+            DistributedDataParallel(
+                model, device_ids=[torch.cuda.current_device()] if cuda else None
+            )
+            if distributed and combo.get("ddp", True)
+            else model
+        )
     preconditioner = KFACPreconditioner(wrapped, **kfac_options(combo))
     # Adam's directions are of order one in every coordinate: a step of its size, and no
     # momentum on top of its own.
@@ -308,7 +338,7 @@ def equivalence_worker(
             )
         results.append(
             {
-                "params": [p.detach().cpu().clone() for p in model.parameters()],
+                "params": [whole(p) for p in model.parameters()],
                 "memory": preconditioner.memory_usage(),
                 "planned_memory": preconditioner.plan.ranks[rank].memory,
                 "mismatches": mismatches,
