@@ -87,6 +87,19 @@ def sharded_layers(modules: Iterable[tuple[str, nn.Module]], world_size: int) ->
     return True
 
 
+def shard_layers(model: nn.Module) -> None:
+    """FSDP2 as a K-FAC job applies it: ``fully_shard`` on each ``nn.Linear`` and ``nn.Conv2d``
+    with parameters (a unit of its own: its gathers and frees around its own forward and
+    backward), then on the whole model (the rest of the parameters)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        own = next(module.parameters(recurse=False), None)
+        if isinstance(module, (nn.Linear, nn.Conv2d)) and own is not None:
+            fully_shard(module)
+    fully_shard(model)
+
+
 def all_gather_rows(gathered: torch.Tensor, mine: torch.Tensor) -> None:
     """Every rank's ``mine`` into ``gathered``, by rank (over all ranks)."""
     # torch 2.13 names it all_gather_single (all_gather_into_tensor, now deprecated, before)

@@ -102,16 +102,21 @@ def _totals(
     device: torch.device,
     batch_size: int,
     precision: MixedPrecision,
+    batches: int | None = None,
 ) -> torch.Tensor:
     """(summed cross-entropy, correct predictions, predictions) over ``images``, in float64.
 
     A prediction is a target: one per sample for a classifier, one per position for a
     sequence model (logits ``(batch, classes, positions)``), so the loss is a mean per token.
+    ``batches``: forward passes to make (more than ``images`` fill: empty ones), so that every
+    rank of a model whose forward is collective (DDP's buffers, FSDP2's gathers) makes as many.
     """
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64)
-    for start in range(0, images.shape[0], batch_size):
+    if batches is None:
+        batches = -(-images.shape[0] // batch_size)
+    for start in range(0, batches * batch_size, batch_size):
         x = images[start : start + batch_size].to(device)
         y = labels[start : start + batch_size].to(device)
         with precision.autocast():
@@ -144,7 +149,12 @@ def evaluate_shard(
 ) -> tuple[float, float]:
     """(test loss, test accuracy) over the whole test split, summed over every rank's slice."""
     autocast = precision or MixedPrecision(device_type=device.type)
-    totals = _totals(model, shard.test_x, shard.test_y, device, batch_size, autocast)
+    batches = None
+    if distributed():  # the most any rank makes (a rank's slice may be one batch shorter)
+        most = torch.tensor([-(-shard.test_x.shape[0] // batch_size)], device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        batches = int(most.item())
+    totals = _totals(model, shard.test_x, shard.test_y, device, batch_size, autocast, batches)
     if distributed():
         on_device = totals.to(device)
         dist.all_reduce(on_device)

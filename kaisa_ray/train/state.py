@@ -3,7 +3,9 @@
 A checkpoint is one file, ``state.pt``, in a Ray Train checkpoint directory
 (``<storage>/<run>/checkpoint_*``): the model, optimizer, lr schedule, GradScaler and
 preconditioner state, the step and sampler position, every rank's RNG state, the best test
-accuracy so far, what ``kfac: auto`` chose, and the job's spec. It is written by rank 0 every
+accuracy so far, what ``kfac: auto`` chose, and the job's spec. The model and optimizer are
+saved whole, as one process holds them, also from a job sharded by FSDP2 (gathered to rank 0
+first), so a checkpoint resumes a job of either kind. It is written by rank 0 every
 ``checkpoint.every_steps`` steps and when the job stops; a resumed run is bit for bit the run
 that did not stop (``tests/train/test_ray_train.py``).
 """
@@ -52,10 +54,76 @@ def _gather(obj: Any, world: int) -> list[Any]:
     return out
 
 
+def _whole_states(training: Training) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and the optimizer's state as one process holds them (torch's formats):
+    under FSDP2 every sharded tensor gathered whole (collective: every rank, in the same
+    order), so that a sharded job's checkpoint is a DDP job's too."""
+    model, optimizer = training.model.state_dict(), training.optimizer.state_dict()
+    if not training.sharded:
+        return model, optimizer
+    whole_model = {name: _whole(value) for name, value in model.items()}
+    whole_optimizer = {
+        "state": {
+            index: {key: _whole(value) for key, value in state.items()}
+            for index, state in optimizer["state"].items()
+        },
+        "param_groups": optimizer["param_groups"],
+    }
+    return whole_model, whole_optimizer
+
+
+def _whole(value: Any) -> Any:
+    full_tensor = getattr(value, "full_tensor", None)  # a DTensor's
+    return value if full_tensor is None else full_tensor().cpu()
+
+
+def _load_whole_states(training: Training, model: dict[str, Any], optimizer: Any) -> None:
+    """Load what ``_whole_states`` saved (from a sharded job or not) into ``training``:
+    under FSDP2, each rank's rows of every sharded tensor."""
+    if not training.sharded:
+        training.model.load_state_dict(model)
+        training.optimizer.load_state_dict(optimizer)
+        return
+    own = training.model.state_dict()
+    training.model.load_state_dict({name: _rows(value, own[name]) for name, value in model.items()})
+    params = [p for group in training.optimizer.param_groups for p in group["params"]]
+    training.optimizer.load_state_dict(
+        {
+            "state": {
+                index: {key: _rows(value, params[int(index)]) for key, value in state.items()}
+                for index, state in optimizer["state"].items()
+            },
+            "param_groups": optimizer["param_groups"],
+        }
+    )
+
+
+def _rows(value: Any, like: Any) -> Any:
+    """This rank's rows of a whole tensor, as a DTensor sharded as ``like`` is (a tensor of
+    another shape, such as Adam's step count, or a plain ``like``: as it is)."""
+    mesh = getattr(like, "device_mesh", None)
+    if mesh is None or not isinstance(value, torch.Tensor) or value.shape != like.shape:
+        return value
+    from torch.distributed.tensor import DTensor
+
+    from kaisa_ray.sharding import rows_of
+
+    start, end = rows_of(value.shape[0], mesh.get_local_rank(), mesh.size())
+    return DTensor.from_local(
+        value[start:end].to(like.device),
+        mesh,
+        like.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
+
+
 def snapshot(training: Training) -> dict[str, Any] | None:
     """The checkpoint's content on rank 0 (None elsewhere); collective on every rank."""
     kfac = training.preconditioner.state_dict() if training.preconditioner is not None else None
     rngs = _gather(_rng_state(), training.world)
+    model, optimizer = _whole_states(training)
     if training.rank != 0:
         return None
     epoch, batch = training.shard.position(training.step + 1)
@@ -65,8 +133,8 @@ def snapshot(training: Training) -> dict[str, Any] | None:
         "step": training.step,
         "sampler": {"epoch": epoch, "batch": batch, "seed": spec.seed},
         "world_size": training.world,
-        "model": training.model.state_dict(),
-        "optimizer": training.optimizer.state_dict(),
+        "model": model,
+        "optimizer": optimizer,
         "scheduler": training.scheduler.state_dict(),
         "scaler": training.scaler.state_dict(),
         "preconditioner": kfac,
@@ -91,8 +159,7 @@ def restore(training: Training, state: dict[str, Any], source: str) -> None:
             f"{'off' if state['preconditioner'] is None else 'on'}; resume it with the same "
             "kfac setting"
         )
-    training.model.load_state_dict(state["model"])
-    training.optimizer.load_state_dict(state["optimizer"])
+    _load_whole_states(training, state["model"], state["optimizer"])
     training.scheduler.load_state_dict(state["scheduler"])
     if state.get("scaler"):  # empty for a disabled scaler (fp32, bf16)
         training.scaler.load_state_dict(state["scaler"])

@@ -1,7 +1,7 @@
 """Everything one worker trains with, built from the job's spec (``Training.build``): the
-model (in DDP when distributed), its shard of the data, the optimizer and lr schedule, mixed
-precision, and K-FAC as the job asks for it (with ``kfac: auto``, as the tuner chooses on
-these workers).
+model (in DDP when distributed, or sharded by FSDP2 with ``scaling.parallel: fsdp``), its
+shard of the data, the optimizer and lr schedule, mixed precision, and K-FAC as the job asks
+for it (with ``kfac: auto``, as the tuner chooses on these workers).
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray.amp import MixedPrecision, optimizer_step
+from kaisa_ray.enums import Parallel
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.quadratic import QuadraticModelStep
+from kaisa_ray.sharding import shard_layers
 from kaisa_ray.train.optimizers import build_optimizer, build_preconditioner, lr_factor
 from kaisa_ray.train.records import KFACChoice, TunerRecord
 from kaisa_ray.train.registry import model_factory
@@ -34,7 +36,7 @@ class Training:
     world: int
     device: torch.device
     model: nn.Module
-    net: nn.Module  # the DDP wrapper when distributed, else the model itself
+    net: nn.Module  # the DDP wrapper when distributed, else the model itself (also FSDP2's)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     preconditioner: KFACPreconditioner | None
@@ -47,6 +49,12 @@ class Training:
     quadratic: QuadraticModelStep | None = None  # kfac.update: quadratic-model
     step: int = 0
     best: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def sharded(self) -> bool:
+        """The model is sharded by FSDP2 over the workers (its state is gathered to save)."""
+        fsdp = self.spec.scaling.parallel is Parallel.FSDP
+        return fsdp and self.net is self.model and self.world > 1
 
     @classmethod
     def build(
@@ -70,9 +78,12 @@ class Training:
         model = model_factory(spec.model.name)(**spec.model.params).to(device)
         net: nn.Module = model
         if distributed() and world > 1:
-            net = DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None
-            )
+            if spec.scaling.parallel is Parallel.FSDP:
+                shard_layers(model)  # the model is its own wrapper
+            else:
+                net = DistributedDataParallel(
+                    model, device_ids=[device.index] if device.type == "cuda" else None
+                )
         kfac = spec.kfac if isinstance(spec.kfac, KFACSpec) else None
         optimizer = build_optimizer(spec.optimizer, model.parameters(), model, kfac)
         precision = MixedPrecision(mode=spec.precision, device_type=device.type)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.fsdp_workers import partly_sharded, sharded_after_build
+from support.fsdp_workers import checkpoint_round_trip, partly_sharded, sharded_after_build
 from support.harness import run_distributed
 from support.kfac_workers import equivalence_worker, reference_params
 
@@ -86,3 +86,13 @@ def test_a_layer_left_unsharded_beside_sharded_ones_is_refused_with_the_fix() ->
         assert "layers 2 are not sharded while layers 0 are" in message, message
         assert "fully_shard" in message
         assert "DistributedDataParallel" in message
+
+
+def test_a_sharded_checkpoint_is_whole_and_resumes_a_sharded_model_exactly() -> None:
+    """A job's checkpoint of a sharded model and Adam (``kaisa_ray.train.state``): saved as
+    whole tensors that a plain model and Adam load; loaded back into a sharded model, the
+    next steps equal those of the model that never stopped."""
+    for said in run_distributed(checkpoint_round_trip, 2):
+        assert said["equal"] is True
+        assert said["plain_types"] == ["Tensor"]
+        assert said["moments"] == [(7, 5), (7,), (3, 7), (3,)]

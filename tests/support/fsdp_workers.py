@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,3 +66,55 @@ def partly_sharded(rank: int, world_size: int) -> str:
     except ConfigurationError as err:
         return str(err)
     return "no error"
+
+
+def checkpoint_round_trip(rank: int, world_size: int) -> dict[str, object]:
+    """A sharded model with Adam: 3 steps, its state saved whole (as a job's checkpoint
+    holds it), loaded into a second sharded model and Adam; both take 2 more steps. Returns
+    whether they ended equal, and whether a plain model and Adam load the saved state."""
+    from types import SimpleNamespace
+
+    from kaisa_ray.sharding import shard_layers
+    from kaisa_ray.train.state import _load_whole_states, _whole_states
+
+    def built() -> tuple[nn.Module, torch.optim.Optimizer, KFACPreconditioner]:
+        model = _model()
+        shard_layers(model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        return model, optimizer, KFACPreconditioner(model, factor_update_steps=1)
+
+    def steps(model: nn.Module, optimizer: torch.optim.Optimizer, count: int) -> None:
+        for step in range(count):
+            generator = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(4, 5, generator=generator)
+            y = torch.randint(0, 3, (4,), generator=generator)
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+
+    first, first_optimizer, _ = built()
+    steps(first, first_optimizer, 3)
+    saved = SimpleNamespace(model=first, optimizer=first_optimizer, sharded=True)
+    written = io.BytesIO()  # as a checkpoint file holds it (nothing shared with the first)
+    torch.save(_whole_states(saved), written)  # type: ignore[arg-type]
+    written.seek(0)
+    model_state, optimizer_state = torch.load(written, weights_only=True)
+    second, second_optimizer, _ = built()
+    loaded = SimpleNamespace(model=second, optimizer=second_optimizer, sharded=True)
+    _load_whole_states(loaded, model_state, optimizer_state)  # type: ignore[arg-type]
+    steps(first, first_optimizer, 2)
+    steps(second, second_optimizer, 2)
+    equal = all(
+        torch.equal(a.full_tensor(), b.full_tensor())  # type: ignore[operator]
+        for a, b in zip(first.parameters(), second.parameters(), strict=True)
+    )
+    plain = _model()
+    plain.load_state_dict(model_state)
+    plain_optimizer = torch.optim.Adam(plain.parameters(), lr=0.01)
+    plain_optimizer.load_state_dict(optimizer_state)
+    moments = [s["exp_avg"] for s in plain_optimizer.state.values()]
+    return {
+        "equal": equal,
+        "plain_types": sorted({type(t).__name__ for t in model_state.values()}),
+        "moments": [tuple(m.shape) for m in moments],
+    }

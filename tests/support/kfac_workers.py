@@ -169,16 +169,6 @@ def step_type(step: int) -> StepType:
     return StepType.PLAIN
 
 
-def shard(model: nn.Module) -> None:
-    """FSDP2 as a user applies it: each K-FAC layer its own unit, then the whole model."""
-    from torch.distributed.fsdp import fully_shard
-
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Conv2d)):
-            fully_shard(module)
-    fully_shard(model)
-
-
 def whole(param: torch.Tensor) -> torch.Tensor:
     """A parameter's whole value on this rank (gathered where FSDP2 shards it)."""
     full_tensor = getattr(param, "full_tensor", None)
@@ -193,7 +183,7 @@ def make(
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     cuda = next(model.parameters()).device.type == "cuda"
     if distributed and combo.get("fsdp", False):
-        shard(model)
+        sharding.shard_layers(model)  # FSDP2: each K-FAC layer its own unit, then the model
         wrapped = model
     else:
         wrapped = (

@@ -46,11 +46,18 @@ def _final_model(result: JobResult) -> dict[str, torch.Tensor]:
     return model
 
 
-def test_killed_worker_resumes_from_its_checkpoint(ray_head: RayHead, tmp_path: Path) -> None:
-    """With Adam's moments in K-FAC's eigenbasis (``kfac.scaling``): state beyond the
-    factors and decompositions that the checkpoint carries and the resume restores."""
+def test_killed_worker_of_a_sharded_job_resumes_from_its_checkpoint(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    """A job sharded by FSDP2 (``scaling.parallel: fsdp``), with Adam's moments in K-FAC's
+    eigenbasis (``kfac.scaling``: state beyond the factors and decompositions that the
+    checkpoint carries and the resume restores): a worker killed mid-run, the job resumed from
+    its checkpoint (the model and optimizer gathered whole), ending with the parameters of an
+    uninterrupted run from that checkpoint; the checkpoint is a DDP job's (a plain LeNet loads
+    it and reproduces the reported accuracy)."""
     spec = parse_job_spec(
         job(
+            scaling={"workers": 2, "parallel": "fsdp"},
             optimizer={"name": "sgd", "lr": 0.004, "momentum": 0.0},
             kfac={
                 "strategy": "comm-opt",
@@ -114,6 +121,15 @@ def test_killed_worker_resumes_from_its_checkpoint(ray_head: RayHead, tmp_path: 
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
+
+    # Whole tensors, in one process's format: a LeNet and SGD of its own load them.
+    assert result.checkpoint is not None
+    final = load_checkpoint_file(result.checkpoint)
+    model = LeNetCNN()
+    model.load_state_dict(final["model"])
+    torch.optim.SGD(model.parameters(), lr=0.004).load_state_dict(final["optimizer"])
+    test_x, test_y = load_idx_dataset(None, "test", limit=LIMIT)
+    assert evaluate(model, test_x, test_y) == pytest.approx(result.metrics["test_accuracy"])
 
 
 def test_two_worker_kfac_job_end_to_end_resumes_bit_for_bit(

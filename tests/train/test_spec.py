@@ -98,6 +98,33 @@ def test_strategy_must_fit_the_workers_and_auto_is_a_strategy() -> None:
     assert parse_job_spec(with_(kfac="off")).kfac == "off"
 
 
+@pytest.mark.parametrize(
+    ("change", "what", "fix"),
+    [
+        ({"kfac": "auto"}, "kfac: auto", "name kfac.strategy"),
+        (
+            {"kfac": {"update": "quadratic-model", "factor_update_steps": 1}},
+            "kfac.update: quadratic-model",
+            "kfac.update: optimizer",
+        ),
+        ({"precision": "fp16"}, "precision: fp16", "precision: bf16 or fp32"),
+    ],
+)
+def test_what_a_sharded_job_does_not_run_yet_is_refused_with_the_fix(
+    change: dict[str, Any], what: str, fix: str
+) -> None:
+    sharded = {"workers": 2, "parallel": "fsdp"}
+    assert parse_job_spec(with_(scaling=sharded)).scaling.parallel == "fsdp"
+    assert parse_job_spec(GOOD).scaling.parallel == "ddp"
+    with pytest.raises(JobSpecError) as caught:
+        parse_job_spec(with_(scaling=sharded, **change))
+    message = str(caught.value)
+    assert f"scaling.parallel: fsdp does not run with {what}" in message
+    assert f"set {fix}, or scaling.parallel: ddp" in message
+    with pytest.raises(JobSpecError, match=r"scaling.parallel.*'ddp' or 'fsdp'"):
+        parse_job_spec(with_(scaling={"workers": 2, "parallel": "zero3"}))
+
+
 def test_cuda_graphs_need_gpu_workers_and_reach_the_preconditioner() -> None:
     graphs = {**GOOD["kfac"], "cuda_graphs": True}
     with pytest.raises(JobSpecError, match=r"scaling.gpus_per_worker is 0: give each worker a GPU"):

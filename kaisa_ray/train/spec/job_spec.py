@@ -25,6 +25,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from kaisa_ray.enums import (
     OptimizerName,
+    Parallel,
     Precision,
     Scaling,
 )
@@ -144,6 +145,31 @@ class JobSpec(StrictModel):
                 f"optimizer.weight_decay {self.optimizer.weight_decay} would not be applied; "
                 "set optimizer.weight_decay: 0, or kfac.update: optimizer"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fsdp_fits(self) -> JobSpec:
+        """What FSDP2 jobs do not run yet (docs/fsdp.md), each with the fix."""
+        if self.scaling.parallel is not Parallel.FSDP:
+            return self
+        kfac = self.kfac if isinstance(self.kfac, KFACSpec) else None
+        problems = [
+            (kfac is not None and kfac.auto, "kfac: auto (the tuner profiles DDP only)",
+             "name kfac.strategy"),
+            (kfac is not None and kfac.quadratic_model, "kfac.update: quadratic-model",
+             "kfac.update: optimizer"),
+            (self.optimizer.name not in (OptimizerName.SGD, OptimizerName.ADAM,
+                                         OptimizerName.ADAMW),
+             f"optimizer {self.optimizer.name}", "optimizer.name: sgd, adam or adamw"),
+            (self.precision is Precision.FP16, "precision: fp16 (its GradScaler)",
+             "precision: bf16 or fp32"),
+        ]  # fmt: skip
+        for refused, what, fix in problems:
+            if refused:
+                raise ValueError(
+                    f"scaling.parallel: fsdp does not run with {what} yet: set {fix}, or "
+                    "scaling.parallel: ddp"
+                )
         return self
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ from pydantic import (
 from kaisa_ray.enums import (
     EvalMetric,
     OptimizerName,
+    Parallel,
 )
 from kaisa_ray.train.data_roots import check_root
 from kaisa_ray.train.registry import dataset_entry, dataset_names
@@ -119,13 +120,16 @@ class ScalingSpec(StrictModel):
     one node) or ``strict-spread`` (one per node, or wait for enough nodes).
     ``resource_timeout_s``: how long the worker group may wait for its resources, at the start
     and after losing a node, before the job fails saying so; unset, it waits as long as it
-    takes (an autoscaling cluster adds nodes), except in a sweep's trials (120 s)."""
+    takes (an autoscaling cluster adds nodes), except in a sweep's trials (120 s).
+    ``parallel``: ``ddp`` (every worker holds the whole model) or ``fsdp`` (FSDP2 shards the
+    parameters, gradients and optimizer state by rows over the workers; docs/fsdp.md)."""
 
     workers: Annotated[int, Field(gt=0, le=MAX_WORKERS)] = 1
     gpus_per_worker: Annotated[float, Field(ge=0, le=MAX_GPUS_PER_WORKER)] = 0
     cpus_per_worker: Annotated[float, Field(gt=0, le=1024)] = 1
     placement: Literal["pack", "spread", "strict-pack", "strict-spread"] = "pack"
     resource_timeout_s: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None
+    parallel: Parallel = Parallel.DDP
 
     @property
     def placement_strategy(self) -> str:
