@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from support.fsdp_workers import checkpoint_round_trip, partly_sharded, sharded_after_build
+from support.fsdp_workers import (
+    accumulated,
+    bf16_parameters,
+    checkpoint_round_trip,
+    partly_sharded,
+    sharded_after_build,
+)
 from support.harness import run_distributed
 from support.kfac_workers import equivalence_worker, reference_params
 
@@ -96,3 +102,20 @@ def test_a_sharded_checkpoint_is_whole_and_resumes_a_sharded_model_exactly() -> 
         assert said["equal"] is True
         assert said["plain_types"] == ["Tensor"]
         assert said["moments"] == [(7, 5), (7,), (3, 7), (3,)]
+
+
+def test_accumulated_micro_batches_equal_ddp_s() -> None:
+    """Two micro-batches a step (FSDP2 syncs on the last, as ``no_sync`` does for DDP) with
+    ``accumulation_steps=2``: the same parameters as DDP's after 4 steps."""
+    assert run_distributed(accumulated, 2) == [0.0, 0.0]
+
+
+def test_bf16_parameters_with_fp32_reduction_train_as_fp32_does() -> None:
+    """FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: the hooks
+    see bf16 activations, the factors stay float32, K-FAC preconditions the float32 gradient
+    shards it is given, and the losses of 6 steps follow the fp32 run's within bf16's
+    precision."""
+    for said in run_distributed(bf16_parameters, 2):
+        assert said["bf16_grad_dtype"] == said["bf16_factor_dtype"] == "torch.float32"
+        assert said["bf16_losses"] == pytest.approx(said["fp32_losses"], rel=1e-2)
+        assert said["bf16_losses"] != said["fp32_losses"]  # it did run in bf16

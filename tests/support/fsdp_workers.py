@@ -118,3 +118,84 @@ def checkpoint_round_trip(rank: int, world_size: int) -> dict[str, object]:
         "plain_types": sorted({type(t).__name__ for t in model_state.values()}),
         "moments": [tuple(m.shape) for m in moments],
     }
+
+
+def _data(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(4, 5, generator=generator), torch.randint(0, 3, (4,), generator=generator)
+
+
+def accumulated(rank: int, world_size: int) -> float:
+    """Two micro-batches a step (FSDP2's ``set_requires_gradient_sync``, DDP's ``no_sync``),
+    K-FAC with ``accumulation_steps=2``: the largest relative difference of the sharded
+    model's parameters from DDP's after 4 steps."""
+    import contextlib
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from kaisa_ray.sharding import shard_layers
+
+    ended = {}
+    for fsdp in (False, True):
+        model = _model()
+        net: nn.Module = model
+        if fsdp:
+            shard_layers(model)
+        else:
+            net = DistributedDataParallel(model)
+        preconditioner = KFACPreconditioner(
+            net, factor_update_steps=1, inv_update_steps=2, accumulation_steps=2
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            optimizer.zero_grad()
+            for micro in range(2):
+                last = micro == 1
+                if fsdp:
+                    model.set_requires_gradient_sync(last)  # type: ignore[operator]
+                quiet = contextlib.nullcontext() if fsdp or last else net.no_sync()  # type: ignore[operator]
+                with quiet:
+                    x, y = _data(step, micro, rank)
+                    (F.cross_entropy(net(x), y) / 2).backward()
+            preconditioner.step()
+            optimizer.step()
+        ended[fsdp] = [
+            (p.full_tensor() if fsdp else p).detach().clone()  # type: ignore[operator]
+            for p in model.parameters()
+        ]
+    return max(
+        ((a - b).abs().max() / a.abs().max()).item()
+        for a, b in zip(ended[False], ended[True], strict=True)
+    )
+
+
+def bf16_parameters(rank: int, world_size: int) -> dict[str, object]:
+    """FSDP2's ``MixedPrecisionPolicy`` (bf16 parameters in forward and backward, fp32
+    gradient reduction) against fp32, K-FAC on both: the losses of 6 steps, the gradients'
+    dtype K-FAC preconditioned, and the factors' dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    said: dict[str, object] = {}
+    for name, policy in (
+        ("fp32", MixedPrecisionPolicy()),
+        ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+    ):
+        model = _model()
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        preconditioner = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(6):
+            x, y = _data(step, 0, rank)
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x).float(), y)
+            loss.backward()
+            said[f"{name}_grad_dtype"] = str(model[0].weight.grad.dtype)  # type: ignore[union-attr]
+            preconditioner.step()
+            optimizer.step()
+            losses.append(loss.item())
+        said[f"{name}_losses"] = losses
+        said[f"{name}_factor_dtype"] = str(preconditioner.layers[0].a_factor.dtype)  # type: ignore[union-attr]
+    return said
