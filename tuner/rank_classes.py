@@ -105,6 +105,7 @@ class RankClasses:
             self.row_class.append(by_prices[key])
 
         factors = self._prices(strategy.factor_calls)
+        gathers = self._prices(strategy.gather_calls)  # FSDP2's gradient rows, every step
         staleness = self._prices(strategy.staleness_calls)
         # Per (column, class of rows): the seconds of communication of a plain step, a
         # factor-update step and an inverse-update step, summed call by call in the order
@@ -114,9 +115,9 @@ class RankClasses:
             decompositions = self._prices(strategy.column_calls(column))
             for row_class, gradients in enumerate(self.row_prices):
                 self.communication[column, row_class] = (
-                    sum(gradients),
-                    sum(factors + gradients),
-                    sum(factors + decompositions + gradients + staleness),
+                    sum(gathers + gradients),
+                    sum(factors + gathers + gradients),
+                    sum(factors + gathers + decompositions + gradients + staleness),
                 )
         self.candidates = self._lowest_of_each_class()
 
@@ -125,12 +126,21 @@ class RankClasses:
         plan, priced by identity: hashing 65,536 ranks per call was most of a plan's time)."""
         prices = []
         for call in calls:
-            key = (call.op, id(call.group))
-            link = self._links.get(key)
-            if link is None:
-                link = self._links[key] = (call.group, self._pricer(call.op, call.group))
-            prices.append(link[1](call.nbytes))
+            if call.op == "all_gather":
+                # A ring all-gather of every rank's share is the second half of a ring
+                # all-reduce of all the shares: priced as half of that, on the same link.
+                reduce = self._link("all_reduce", call.group)
+                prices.append(reduce(call.nbytes * len(call.group)) / 2)
+            else:
+                prices.append(self._link(call.op, call.group)(call.nbytes))
         return prices
+
+    def _link(self, op: str, group: tuple[int, ...]) -> Callable[[int], float]:
+        key = (op, id(group))
+        link = self._links.get(key)
+        if link is None:
+            link = self._links[key] = (group, self._pricer(op, group))
+        return link[1]
 
     def class_of_row(self, row: int) -> int:
         return self.row_class[row % self._apart]

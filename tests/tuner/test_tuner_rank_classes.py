@@ -241,3 +241,20 @@ def test_the_span_of_spaced_ranks_is_counted_by_formula_exactly(per_node: int) -
     groups += [(4, 5, 7), (9, 8, 7), (2, 2, 3)]
     for group in groups:
         assert topology.span(group) == counted(group), group
+
+
+@pytest.mark.parametrize("strategy", ["comm-opt", "mem-opt"])
+def test_a_sharded_plan_costs_its_gather_on_every_step(strategy: str) -> None:
+    """FSDP2's all-gather of the gradient rows (``plan(..., parallel='fsdp')``) is priced as
+    the all-gather half of a ring all-reduce of every rank's share, on every step type, and
+    is the only difference from the DDP plan's price."""
+    shapes = layers(3, 6)
+    world = 4
+    ddp, fsdp = plan(shapes, world, strategy), plan(shapes, world, strategy, parallel="fsdp")
+    (gather,) = fsdp.gather_calls
+    base = profile(world, shapes)
+    expected = base.allreduce.seconds(world * gather.nbytes) / 2
+    for fus, ius in [(1, 1), (1, 10), (10, 100)]:
+        plain, sharded = price(base, ddp, fus, ius), price(base, fsdp, fus, ius)
+        assert sharded.step_s - plain.step_s == pytest.approx(expected, rel=1e-9), (fus, ius)
+        assert sharded.kfac_state_bytes == plain.kfac_state_bytes
