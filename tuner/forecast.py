@@ -80,6 +80,9 @@ class Workload:
     # Per layer: elements the A and G factors' extraction moves before their products (a
     # convolution's patch matrix or position sums, its output gradient); empty: not priced
     moved: tuple[tuple[int, int], ...] = ()
+    # FSDP2: the ranks the parameters, gradients and optimizer state are sharded over (1:
+    # whole on every rank, DDP); a sharded step also gathers the K-FAC layers' gradients
+    sharded_over: int = 1
 
     def __post_init__(self) -> None:
         if self.accumulation_steps < 1:
@@ -145,14 +148,25 @@ def host_step(workload: Workload, hardware: Hardware) -> float | None:
 
 
 def memory_basis(workload: Workload) -> tuple[int, int]:
-    """(base bytes, K-FAC temporaries) per rank."""
-    weights = workload.parameters * FLOAT32 * (2 + workload.optimizer_states)
+    """(base bytes, K-FAC temporaries) per rank. Sharded over ``W`` ranks (FSDP2), a rank
+    holds ``⌈1/W⌉`` of the parameters, gradients and optimizer state, and the step adds the
+    K-FAC layers' whole gradients and the gather's buffer of every rank's rows
+    (``kaisa_ray.sharding``: about twice the K-FAC layers' gradients)."""
+    shards = workload.sharded_over
+    weights = -(-workload.parameters // shards) * FLOAT32 * (2 + workload.optimizer_states)
     base = weights + workload.activation_bytes
     widest = max(
         (layer.groups * (layer.a_dim**2 + layer.g_dim**2) for layer in workload.layers), default=0
     )
     largest = max((max(layer.a_dim, layer.g_dim) for layer in workload.layers), default=0)
     transient = FLOAT32 * (widest + largest**2) + workload.patch_bytes
+    if shards > 1:
+        gathered = sum(
+            -(-layer.groups * layer.g_dim // shards) * shards * layer.a_dim
+            for layer in workload.layers
+        )
+        whole = sum(layer.groups * layer.g_dim * layer.a_dim for layer in workload.layers)
+        transient += FLOAT32 * (gathered + whole)
     return base, transient
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import click
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Precision
+from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Parallel, Precision
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.planning import (
     PlanRequest,
@@ -142,6 +142,12 @@ def render_plan(report: dict[str, Any]) -> str:
             ]
         )
     lines += _table(rows, right={2, 3, 4, 5})
+    if inputs.get("parallel") == Parallel.FSDP:
+        gathers = {calls(s["collectives"]["gradient_rows"]) for s in report["strategies"]}
+        lines.append(
+            f"sharded by FSDP2: each rank's gradient rows all-gathered every step, "
+            f"{', '.join(sorted(gathers))} (beside the calls above; docs/fsdp.md)"
+        )
     lines += ["", "Predicted time per step (slowest rank), ms"]
     rows = [
         [
@@ -243,6 +249,12 @@ def _params(pairs: tuple[str, ...]) -> dict[str, Any]:
     multiple=True,
     help="K-FAC skip_layers regex (repeat) [default: the model's, KAISA's authors' choice].",
 )
+@click.option(
+    "--parallel",
+    type=click.Choice([m.value for m in Parallel]),
+    default=None,
+    help="ddp, or fsdp (sharded by FSDP2) [default: the job's, else ddp].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(
     config: Path | None,
@@ -262,6 +274,7 @@ def plan(
     seq_len: int | None,
     params: tuple[str, ...],
     skip_layers: tuple[str, ...],
+    parallel: str | None,
     as_json: bool,
 ) -> None:
     """What K-FAC would cost for a job (--config/--spec) or a model (--model, --workers,
@@ -305,6 +318,7 @@ def plan(
             ("kfac_approx", kfac_approx),
             ("compute_method", compute_method),
             ("optimizer", optimizer),
+            ("parallel", parallel),
         ):
             if value is not None:
                 overrides[name] = value

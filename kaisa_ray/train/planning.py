@@ -29,7 +29,14 @@ from typing import Any
 
 import yaml
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Precision, Scaling
+from kaisa_ray.enums import (
+    ComputeMethod,
+    KFACApprox,
+    OptimizerName,
+    Parallel,
+    Precision,
+    Scaling,
+)
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import Plan, plan
 from kaisa_ray.strategy import placeable_fractions
@@ -128,6 +135,7 @@ class PlanRequest:
     accumulation_steps: int = 1
     gpus_per_node: int | None = None  # None: the hardware's
     spec_strategy: float | str | None = None  # a JobSpec's own choice, marked in the report
+    parallel: str = Parallel.DDP  # fsdp: sharded by FSDP2 (docs/fsdp.md)
 
     def __post_init__(self) -> None:
         problems = []
@@ -186,6 +194,7 @@ def request_from_spec(
         optimizer=spec.optimizer.name,
         gpus_per_node=gpus_per_node,
         spec_strategy=None if kfac.auto else kfac.strategy,
+        parallel=spec.scaling.parallel,
     )
 
 
@@ -218,6 +227,8 @@ def _collectives(strategy: Plan, topology: Topology) -> dict[str, Any]:
         "decompositions": [strategy.column_calls(column) for column in strategy.representatives],
         "gradients": [strategy.row_calls(0)],
     }
+    if strategy.gather_calls:  # FSDP2: every rank's gradient rows, to every rank
+        parts["gradient_rows"] = [strategy.gather_calls]
     out: dict[str, Any] = {}
     for purpose, candidates in parts.items():
         best: tuple[int, int, int] = (0, 0, 0)  # bytes, calls, nodes spanned
@@ -285,8 +296,13 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
         compute_method=request.compute_method,
         scaling=request.scaling,
     )
-    job = dataclasses.replace(job, accumulation_steps=request.accumulation_steps)
     world = request.workers
+    sharded = Parallel(request.parallel) is Parallel.FSDP
+    job = dataclasses.replace(
+        job,
+        accumulation_steps=request.accumulation_steps,
+        sharded_over=world if sharded else 1,
+    )
     profile, basis = forecast_profile(job, hardware, world, gpus_per_node=request.gpus_per_node)
     topology = profile.topology
     assert isinstance(topology, Topology)
@@ -300,6 +316,7 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
             fraction,
             compute_method=job.compute_method,
             scaling=job.scaling,
+            parallel=request.parallel,
         )
         worst = strategy.most_memory()
         candidates = []
@@ -396,7 +413,7 @@ def _inputs(request: PlanRequest, hardware: Hardware, job: Workload, topology: T
         "skip_layers_source": planning.skip_source if planning else "",
         "intervals": [list(pair) for pair in request.intervals],
         "spec_strategy": request.spec_strategy,
-    }
+    } | ({"parallel": str(Parallel.FSDP)} if Parallel(request.parallel) is Parallel.FSDP else {})
 
 
 def _model(job: Workload) -> dict[str, Any]:

@@ -164,3 +164,18 @@ def test_the_route_is_in_the_openapi_schema(client: TestClient) -> None:
 def test_plans_do_not_create_jobs(client: TestClient) -> None:
     post(client, {"model": "lenet", "workers": 2, "batch_size": 64})
     assert client.get("/v1/jobs").json()["total"] == 0
+
+
+def test_a_sharded_job_is_planned_sharded(client: TestClient) -> None:
+    """A JobSpec that says ``scaling.parallel: fsdp`` is planned with FSDP2's gather."""
+    spec = {
+        "name": "sharded",
+        "model": {"name": "resnet50"},
+        "dataset": {"name": "synthetic", "batch_size": 32},
+        "kfac": {"strategy": "mem-opt"},
+        "scaling": {"workers": 8, "parallel": "fsdp"},
+        "stop": {"max_steps": 100},
+    }
+    report = post(client, {"spec": spec})
+    assert report["inputs"]["parallel"] == "fsdp"
+    assert all(s["collectives"]["gradient_rows"]["calls"] == 1 for s in report["strategies"])

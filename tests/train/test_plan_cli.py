@@ -183,6 +183,50 @@ def test_a_job_file_is_planned_with_its_own_settings(tmp_path: Path) -> None:
     assert len(bigger["strategies"]) == 8
 
 
+def test_a_sharded_job_is_planned_with_its_gather_and_its_shards(tmp_path: Path) -> None:
+    """``--parallel fsdp`` (or a JobSpec's ``scaling.parallel: fsdp``): every strategy adds
+    the all-gather of every rank's gradient rows to every step (priced, and said in the text),
+    a GPU holds 1/W of the parameters, gradients and optimizer state, and the step's
+    temporaries grow by the gathered and the whole gradients (``tuner.forecast.memory_basis``)."""
+    args = ["--model", "resnet50", "--workers", "8", "--batch", "32", "--intervals", "10/100"]
+    ddp, fsdp = plan_json(*args), plan_json(*args, "--parallel", "fsdp")
+    assert "parallel" not in ddp["inputs"]  # as before FSDP2 (the pinned figures' reports)
+    assert fsdp["inputs"]["parallel"] == "fsdp"
+    layers = list(workload("resnet50", batch_size=32).layers)
+    rows = sum(-(-layer.groups * layer.g_dim // 8) * layer.a_dim for layer in layers)
+    for plain, sharded in zip(ddp["strategies"], fsdp["strategies"], strict=True):
+        assert "gradient_rows" not in plain["collectives"]
+        gather = sharded["collectives"]["gradient_rows"]
+        assert (gather["bytes"], gather["calls"]) == (4 * rows, 1)
+        (a,), (b,) = plain["candidates"], sharded["candidates"]
+        assert b["parts_s"]["communication"] > a["parts_s"]["communication"]
+        assert sharded["memory"] == plain["memory"]  # K-FAC's own state is DDP's
+    base, sharded_base = ddp["basis"], fsdp["basis"]
+    assert sharded_base["base_memory_bytes"] < base["base_memory_bytes"]
+    assert sharded_base["kfac_transient_bytes"] > base["kfac_transient_bytes"]
+    text = kaisa_ray("plan", *args, "--parallel", "fsdp").output
+    assert "sharded by FSDP2: each rank's gradient rows all-gathered every step" in text
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "sharded",
+                "model": {"name": "resnet50"},
+                "dataset": {"name": "synthetic", "batch_size": 32},
+                "kfac": {"strategy": "mem-opt", "factor_update_steps": 10},
+                "scaling": {"workers": 8, "parallel": "fsdp"},
+                "stop": {"max_steps": 100},
+            }
+        )
+    )
+    from_job = plan_json("--config", str(job))
+    assert from_job["inputs"]["parallel"] == "fsdp"
+    assert [s["collectives"]["gradient_rows"] for s in from_job["strategies"]] == [
+        s["collectives"]["gradient_rows"] for s in fsdp["strategies"]
+    ]
+    assert from_job["basis"]["base_memory_bytes"] == sharded_base["base_memory_bytes"]
+
+
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
