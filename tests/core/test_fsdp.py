@@ -14,6 +14,7 @@ from support.fsdp_workers import (
     accumulated,
     bf16_parameters,
     checkpoint_round_trip,
+    hybrid_sharded,
     partly_sharded,
     sharded_after_build,
 )
@@ -119,3 +120,15 @@ def test_bf16_parameters_with_fp32_reduction_train_as_fp32_does() -> None:
         assert said["bf16_grad_dtype"] == said["bf16_factor_dtype"] == "torch.float32"
         assert said["bf16_losses"] == pytest.approx(said["fp32_losses"], rel=1e-2)
         assert said["bf16_losses"] != said["fp32_losses"]  # it did run in bf16
+
+
+def test_a_model_sharded_over_a_2d_mesh_is_refused_with_the_fix() -> None:
+    """HSDP (a 2-D mesh: replicated over one dimension, sharded over the other) is not what
+    K-FAC gathers (rows over all ranks): refused before the first step, naming the layers,
+    their placements and the fix."""
+    for message in run_distributed(hybrid_sharded, 4):
+        assert "layers 0 (" in message, message
+        assert ", 2 (" in message, message
+        assert "sharded in a way K-FAC does not precondition" in message
+        assert "a 1-D mesh of all 4 ranks" in message
+        assert "DistributedDataParallel" in message

@@ -199,3 +199,19 @@ def bf16_parameters(rank: int, world_size: int) -> dict[str, object]:
         said[f"{name}_losses"] = losses
         said[f"{name}_factor_dtype"] = str(preconditioner.layers[0].a_factor.dtype)  # type: ignore[union-attr]
     return said
+
+
+def hybrid_sharded(rank: int, world_size: int) -> str:
+    """What the preconditioner says of a model sharded over a 2-D mesh (HSDP: replicated over
+    one dimension, sharded over the other)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, mesh=mesh)
+    try:
+        KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    except ConfigurationError as err:
+        return str(err)
+    return "no error"
