@@ -570,7 +570,7 @@ class KFACPreconditioner:
             self._step(factor_step)
             return
         with self.times.phase("communication"):
-            wholes = sharded.gather([layer.helper for layer in self._layers])
+            wholes = sharded.gather()
         try:
             self._step(factor_step)
         finally:  # on an error the shards stay as backward left them

@@ -130,10 +130,10 @@ class ShardedGradients:
         self.rank, self.world_size = rank, world_size
         self.helpers = list(helpers)
 
-    def _pieces(self, helpers: Sequence[LayerHelper]) -> dict[torch.dtype, list[_Piece]]:
+    def _pieces(self) -> dict[torch.dtype, list[_Piece]]:
         by_dtype: dict[torch.dtype, list[_Piece]] = {}
         offsets: dict[torch.dtype, int] = {}
-        for helper in helpers:
+        for helper in self.helpers:
             for is_bias, param in ((False, helper.weight()), (True, helper.bias())):
                 if param is None or param.grad is None:
                     continue
@@ -146,11 +146,11 @@ class ShardedGradients:
                 offsets[dtype] = offset + each
         return by_dtype
 
-    def gather(self, helpers: Sequence[LayerHelper]) -> Wholes:
+    def gather(self) -> Wholes:
         """All-gather the layers' gradient rows (one collective per dtype) and lend each
         helper its layer's whole gradients (``LayerHelper.whole``) until ``release``."""
-        wholes: dict[LayerHelper, dict[bool, torch.Tensor]] = {h: {} for h in helpers}
-        for dtype, pieces in self._pieces(helpers).items():
+        wholes: dict[LayerHelper, dict[bool, torch.Tensor]] = {h: {} for h in self.helpers}
+        for dtype, pieces in self._pieces().items():
             share = sum(p.each for p in pieces)
             device = _shard_grad(pieces[0].helper, pieces[0].is_bias).device
             mine = torch.zeros(share, dtype=dtype, device=device)

@@ -149,8 +149,8 @@ def host_step(workload: Workload, hardware: Hardware) -> float | None:
 
 def memory_basis(workload: Workload) -> tuple[int, int]:
     """(base bytes, K-FAC temporaries) per rank. Sharded over ``W`` ranks (FSDP2), a rank
-    holds ``⌈1/W⌉`` of the parameters, gradients and optimizer state, and the step adds the
-    K-FAC layers' whole gradients and the gather's buffer of every rank's rows
+    holds ``1/W`` of the parameters, gradients and optimizer state (rounded up), and the step
+    adds the K-FAC layers' whole gradients and the gather's buffer of every rank's rows
     (``kaisa_ray.sharding``: about twice the K-FAC layers' gradients)."""
     shards = workload.sharded_over
     weights = -(-workload.parameters // shards) * FLOAT32 * (2 + workload.optimizer_states)

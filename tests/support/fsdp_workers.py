@@ -17,16 +17,25 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
 
 
-def _train(model: nn.Module, preconditioner: KFACPreconditioner, rank: int) -> None:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(4):
-        generator = torch.Generator().manual_seed(100 * step + rank)
-        x = torch.randn(4, 5, generator=generator)
-        y = torch.randint(0, 3, (4,), generator=generator)
+def _train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    steps: range,
+    preconditioner: KFACPreconditioner | None = None,
+) -> None:
+    for step in steps:
+        x, y = _data(step, 0, rank)
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        preconditioner.step()
+        if preconditioner is not None:
+            preconditioner.step()
         optimizer.step()
+
+
+def _data(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(4, 5, generator=generator), torch.randint(0, 3, (4,), generator=generator)
 
 
 def _shard(model: nn.Sequential) -> None:
@@ -45,8 +54,8 @@ def sharded_after_build(rank: int, world_size: int) -> tuple[str, float]:
     first = KFACPreconditioner(before, factor_update_steps=1, inv_update_steps=2)
     second = KFACPreconditioner(after, factor_update_steps=1, inv_update_steps=2)
     _shard(after)
-    _train(before, first, rank)
-    _train(after, second, rank)
+    _train(before, torch.optim.SGD(before.parameters(), lr=0.1), rank, range(4), first)
+    _train(after, torch.optim.SGD(after.parameters(), lr=0.1), rank, range(4), second)
     difference = max(
         (a.full_tensor() - b.full_tensor()).abs().max().item()  # type: ignore[operator]
         for a, b in zip(before.parameters(), after.parameters(), strict=True)
@@ -83,17 +92,8 @@ def checkpoint_round_trip(rank: int, world_size: int) -> dict[str, object]:
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
         return model, optimizer, KFACPreconditioner(model, factor_update_steps=1)
 
-    def steps(model: nn.Module, optimizer: torch.optim.Optimizer, count: int) -> None:
-        for step in range(count):
-            generator = torch.Generator().manual_seed(100 * step + rank)
-            x = torch.randn(4, 5, generator=generator)
-            y = torch.randint(0, 3, (4,), generator=generator)
-            optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-
     first, first_optimizer, _ = built()
-    steps(first, first_optimizer, 3)
+    _train(first, first_optimizer, rank, range(3))
     saved = SimpleNamespace(model=first, optimizer=first_optimizer, sharded=True)
     written = io.BytesIO()  # as a checkpoint file holds it (nothing shared with the first)
     torch.save(_whole_states(saved), written)  # type: ignore[arg-type]
@@ -102,8 +102,8 @@ def checkpoint_round_trip(rank: int, world_size: int) -> dict[str, object]:
     second, second_optimizer, _ = built()
     loaded = SimpleNamespace(model=second, optimizer=second_optimizer, sharded=True)
     _load_whole_states(loaded, model_state, optimizer_state)  # type: ignore[arg-type]
-    steps(first, first_optimizer, 2)
-    steps(second, second_optimizer, 2)
+    _train(first, first_optimizer, rank, range(3, 5))
+    _train(second, second_optimizer, rank, range(3, 5))
     equal = all(
         torch.equal(a.full_tensor(), b.full_tensor())  # type: ignore[operator]
         for a, b in zip(first.parameters(), second.parameters(), strict=True)
@@ -118,11 +118,6 @@ def checkpoint_round_trip(rank: int, world_size: int) -> dict[str, object]:
         "plain_types": sorted({type(t).__name__ for t in model_state.values()}),
         "moments": [tuple(m.shape) for m in moments],
     }
-
-
-def _data(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-    return torch.randn(4, 5, generator=generator), torch.randint(0, 3, (4,), generator=generator)
 
 
 def accumulated(rank: int, world_size: int) -> float:
