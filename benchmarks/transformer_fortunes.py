@@ -68,10 +68,26 @@ MIN_DAMPING = 1e-3
 # the embeddings and LayerNorms K-FAC leaves alone (``EigenbasisAdam``); the eigen method at
 # the AdamW + K-FAC row's intervals, on AdamW's lr grid.
 ADAM_EIGENBASIS = "K-FAC (Adam eigenbasis)"
+# The same with SOAP's cadence (added 2026-11-28): the factors every step and the bases every
+# 10 (heavyball's SOAP updates its factors every step and its bases every 2 to 10 steps), where
+# the row above refreshes them every 5 and 50.
+ADAM_EIGENBASIS_FRESH = "K-FAC (Adam eigenbasis, 1/10)"
+ADAM_EIGENBASIS_FRESHER = "K-FAC (Adam eigenbasis, 1/5)"
+# ... and its factors from 8 of a worker's 32 sequences (kfac.factor_samples): the factors'
+# products over 512 tokens instead of 2048, a quarter of their cost every step.
+ADAM_EIGENBASIS_SAMPLED = "K-FAC (Adam eigenbasis, 1/5, 8 sequences)"
+FRESH_INTERVALS = {
+    ADAM_EIGENBASIS_FRESH: {"factor_update_steps": 1, "inv_update_steps": 10},
+    ADAM_EIGENBASIS_FRESHER: {"factor_update_steps": 1, "inv_update_steps": 5},
+    ADAM_EIGENBASIS_SAMPLED: {"factor_update_steps": 1, "inv_update_steps": 5, "factor_samples": 8},
+}
 GRIDS = {
     "AdamW": [1e-3, 2e-3, 4e-3, 8e-3],
     "AdamW + K-FAC": [1e-3, 2e-3, 4e-3, 8e-3],
     ADAM_EIGENBASIS: [1e-3, 2e-3, 4e-3, 8e-3],
+    ADAM_EIGENBASIS_FRESH: [1e-3, 2e-3, 4e-3, 8e-3],
+    ADAM_EIGENBASIS_FRESHER: [1e-3, 2e-3, 4e-3, 8e-3],
+    ADAM_EIGENBASIS_SAMPLED: [1e-3, 2e-3, 4e-3, 8e-3],
     # kfac.update: quadratic-model: no lr to tune; its one setting, the starting damping,
     # adapts, so it runs untuned at the JobSpec's 0.1 (the step sizes here are that damping).
     QM: [0.1],
@@ -103,7 +119,7 @@ def spec(optimizer: str, lr: float, seed: int, max_steps: int) -> dict[str, Any]
             "kfac-qm"
             if optimizer in (QM, QM_FLOOR)
             else "kfac-adam-eigenbasis"
-            if optimizer == ADAM_EIGENBASIS
+            if optimizer == ADAM_EIGENBASIS or optimizer in FRESH_INTERVALS
             else "kfac"
             if "K-FAC" in optimizer
             else PEERS.get(optimizer, "adamw")
@@ -117,7 +133,7 @@ def spec(optimizer: str, lr: float, seed: int, max_steps: int) -> dict[str, Any]
                 "momentum": 0.0,
                 "schedule": {"kind": "constant", "warmup_steps": 50},
             }
-            if optimizer == ADAM_EIGENBASIS
+            if optimizer == ADAM_EIGENBASIS or optimizer in FRESH_INTERVALS
             else {
                 "name": PEERS.get(optimizer, "adamw"),
                 "lr": lr,
@@ -134,6 +150,13 @@ def spec(optimizer: str, lr: float, seed: int, max_steps: int) -> dict[str, Any]
             if optimizer == QM
             else {**KFAC, "compute_method": "eigen", "scaling": "adam-eigenbasis"}
             if optimizer == ADAM_EIGENBASIS
+            else {
+                **KFAC,
+                **FRESH_INTERVALS[optimizer],
+                "compute_method": "eigen",
+                "scaling": "adam-eigenbasis",
+            }
+            if optimizer in FRESH_INTERVALS
             else KFAC
             if "K-FAC" in optimizer
             else "off"
