@@ -40,6 +40,7 @@ from kaisa_ray.train.records import (
     TrialState,
     Unit,
 )
+from kaisa_ray.train.stream_sources import ImageMode, StreamSource
 from service.model.lifecycle import JobState
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +62,8 @@ CLOSED_SETS: list[type[enum.Enum]] = [
     UpdateMode,
     EvalMetric,
     Unit,
+    StreamSource,
+    ImageMode,
 ]
 RECORDS = ROOT / "kaisa_ray" / "train" / "records.py"
 

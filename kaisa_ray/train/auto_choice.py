@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from kaisa_ray.amp import MixedPrecision
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.records import AdaptiveChoice, CandidateRow, KFACChoice, TunerRecord
-from kaisa_ray.train.shard import Shard, distributed
+from kaisa_ray.train.shard import AnyShard, distributed
 from kaisa_ray.train.spec import JobSpec, KFACSpec
 from tuner.actor import profile_key, tuner_actor
 from tuner.cost import DEFAULT_INTERVALS, Candidate, Decision, Profile
@@ -85,7 +85,7 @@ def choose_in_workers(
     kfac: KFACSpec,
     net: nn.Module,
     optimizer: torch.optim.Optimizer,
-    shard: Shard,
+    shard: AnyShard,
     device: torch.device,
     precision: MixedPrecision,
 ) -> tuple[KFACChoice, TunerRecord]:

@@ -298,6 +298,9 @@ class StepRecord(_Record):
     lr: float | None = None
     samples_per_s: float | None = Field(default=None, description="over every worker")
     ms_per_step: float | None = None
+    data_wait_ms: float | None = Field(
+        default=None, description="per step, waiting for the batch (within ms_per_step)"
+    )
     kfac_ms_per_step: float | None = None
     kfac_factors_ms: float | None = None
     kfac_decompositions_ms: float | None = None

@@ -15,8 +15,10 @@ from typing import Any, Protocol
 import torch
 
 from kaisa_ray.train.records import Record
+from kaisa_ray.train.shard import StreamData
 from kaisa_ray.train.state import CHECKPOINT_FILE, load_checkpoint_file
 from kaisa_ray.train.storage import local_checkpoint
+from kaisa_ray.train.streaming import TRAIN, VALIDATION, StreamCounts
 
 __all__ = ["LocalSession", "RaySession", "Session"]
 
@@ -37,6 +39,9 @@ class Session(Protocol):
     def keeps_checkpoints(self) -> bool:
         """Whether a checkpoint reported here is kept (else the loop skips making one)."""
 
+    def stream(self) -> StreamData | None:
+        """A streamed dataset's splits for this worker, or None (the data is in memory)."""
+
     def push(self, *records: Record, wait: bool = False) -> None:
         """Send records (from rank 0) where the job's followers read them; ``wait``: until
         they are there (the worker stops next)."""
@@ -51,7 +56,9 @@ class Session(Protocol):
 class RaySession:
     """A rank of the job's Ray Train worker group."""
 
-    def __init__(self, run: str, resume_from: str | None = None) -> None:
+    def __init__(
+        self, run: str, resume_from: str | None = None, counts: StreamCounts | None = None
+    ) -> None:
         import ray.train
         import ray.train.torch
 
@@ -64,6 +71,18 @@ class RaySession:
         self._world = int(context.get_world_size())
         self._device = ray.train.torch.get_device()
         self._sink = progress_sink()
+        self._counts = counts
+
+    def stream(self) -> StreamData | None:
+        import ray.train
+
+        if self._counts is None:
+            return None
+        train = ray.train.get_dataset_shard(TRAIN)
+        validation = ray.train.get_dataset_shard(VALIDATION)
+        assert train is not None  # the trainer's datasets
+        assert validation is not None
+        return train, validation, self._counts
 
     @property
     def rank(self) -> int:
@@ -124,6 +143,9 @@ class LocalSession:
         self.rank, self.world = 0, 1
         self.device = torch.device("cpu")
         self.keeps_checkpoints = False
+
+    def stream(self) -> StreamData | None:
+        return None  # a streamed dataset's jobs run on Ray Train (load_shard says so)
 
     def push(self, *records: Record, wait: bool = False) -> None:
         for record in records:

@@ -10,8 +10,9 @@ uninterrupted one would.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,20 @@ from kaisa_ray.amp import MixedPrecision
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.registry import DatasetRequest, dataset_entry
 from kaisa_ray.train.spec import DatasetSpec
+from kaisa_ray.train.streaming import StreamCounts, StreamShard
 
-__all__ = ["Shard", "distributed", "evaluate", "evaluate_shard", "load_shard"]
+if TYPE_CHECKING:
+    from ray.data import DataIterator
+
+__all__ = [
+    "AnyShard",
+    "Shard",
+    "StreamData",
+    "distributed",
+    "evaluate",
+    "evaluate_shard",
+    "load_shard",
+]
 
 
 def distributed() -> bool:
@@ -42,6 +55,7 @@ class Shard:
     sampler: DistributedSampler[Any]
     batch_size: int
     steps_per_epoch: int
+    waited_s: float = 0.0  # in ``batch``: seconds spent gathering this worker's batches
     _epoch: int = -1
     _order: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
 
@@ -50,17 +64,47 @@ class Shard:
         return divmod(step - 1, self.steps_per_epoch)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        started = time.perf_counter()
         epoch, index = self.position(step)
         if epoch != self._epoch:
             self.sampler.set_epoch(epoch)
             self._order = torch.tensor(list(iter(self.sampler)), dtype=torch.long)
             self._epoch = epoch
         rows = self._order[index * self.batch_size : (index + 1) * self.batch_size]
-        return self.train_x[rows], self.train_y[rows]
+        batch = self.train_x[rows], self.train_y[rows]
+        self.waited_s += time.perf_counter() - started
+        return batch
 
 
-def load_shard(dataset: DatasetSpec, seed: int, rank: int, world: int) -> Shard:
-    """Rank ``rank`` of ``world``'s shard of the job's dataset."""
+AnyShard = Shard | StreamShard
+StreamData = tuple["DataIterator", "DataIterator", StreamCounts]
+"""A streamed job's worker: its train and validation splits (``ray.train.get_dataset_shard``)
+and what the driver counted."""
+
+
+def load_shard(
+    dataset: DatasetSpec, seed: int, rank: int, world: int, stream: StreamData | None = None
+) -> AnyShard:
+    """Rank ``rank`` of ``world``'s shard of the job's dataset (``stream``: a streamed one's
+    splits, from Ray Train)."""
+    if dataset.streamed:
+        if stream is None:
+            raise ConfigurationError(
+                f"dataset {dataset.name!r} is streamed by Ray Data to a Ray Train job's "
+                "workers: run it with kaisa-ray train (or submit it to the service), not in "
+                "one process"
+            )
+        train, validation, counts = stream
+        return StreamShard.open(
+            train,
+            validation,
+            counts,
+            batch_size=dataset.batch_size,
+            seed=seed,
+            rank=rank,
+            world=world,
+            shuffle_buffer=dataset.shuffle_buffer,
+        )
     entry = dataset_entry(dataset.name)
     data_dir = dataset.data_dir or entry.default_dir
 
@@ -142,19 +186,26 @@ def evaluate(
 
 def evaluate_shard(
     model: nn.Module,
-    shard: Shard,
+    shard: AnyShard,
     device: torch.device,
     batch_size: int = 1000,
     precision: MixedPrecision | None = None,
 ) -> tuple[float, float]:
-    """(test loss, test accuracy) over the whole test split, summed over every rank's slice."""
+    """(test loss, test accuracy) over the whole test split, summed over every rank's slice
+    (a streamed one's: every worker's share of the validation split, as many rows each)."""
     autocast = precision or MixedPrecision(device_type=device.type)
     batches = None
-    if distributed():  # the most any rank makes (a rank's slice may be one batch shorter)
+    if isinstance(shard, StreamShard):
+        totals = torch.zeros(3, dtype=torch.float64)
+        for x, y in shard.validation_batches(batch_size):
+            totals += _totals(model, x, y, device, batch_size, autocast)
+    elif distributed():  # the most any rank makes (a rank's slice may be one batch shorter)
         most = torch.tensor([-(-shard.test_x.shape[0] // batch_size)], device=device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         batches = int(most.item())
-    totals = _totals(model, shard.test_x, shard.test_y, device, batch_size, autocast, batches)
+        totals = _totals(model, shard.test_x, shard.test_y, device, batch_size, autocast, batches)
+    else:
+        totals = _totals(model, shard.test_x, shard.test_y, device, batch_size, autocast)
     if distributed():
         on_device = totals.to(device)
         dist.all_reduce(on_device)

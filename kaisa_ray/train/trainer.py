@@ -16,12 +16,14 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
+from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.connection import ensure_ray
 from kaisa_ray.train.progress import progress_sink
 from kaisa_ray.train.records import CheckpointRecord
 from kaisa_ray.train.spec import JobSpec
 from kaisa_ray.train.state import CHECKPOINT_FILE
 from kaisa_ray.train.storage import latest_checkpoint
+from kaisa_ray.train.streaming import StreamCounts, open_stream, spare_cpus_message
 from kaisa_ray.train.worker import train_worker
 from kaisa_ray.train.worker_config import WorkerConfig
 
@@ -29,6 +31,7 @@ __all__ = [
     "build_trainer",
     "ensure_ray",
     "resource_timeout",
+    "stream_for",
     "unique_run_name",
     "unplaced_message",
     "waited_too_long",
@@ -78,9 +81,14 @@ def build_trainer(
     if scaling.gpus_per_worker > 0:
         resources["GPU"] = scaling.gpus_per_worker
     failures = spec.max_failures if max_failures is None else max_failures
+    datasets: dict[str, Any] = {}
+    counts = None
+    if spec.dataset.streamed:
+        datasets, counts = stream_for(spec)
     return TorchTrainer(
         train_worker,
-        train_loop_config={"worker": config},
+        train_loop_config={"worker": config, "stream": counts},
+        datasets=datasets or None,
         scaling_config=ray.train.ScalingConfig(
             num_workers=scaling.workers,
             use_gpu=scaling.gpus_per_worker > 0,
@@ -101,6 +109,16 @@ def build_trainer(
             ),
         ),
     )
+
+
+def stream_for(spec: JobSpec) -> tuple[dict[str, Any], StreamCounts]:
+    """A streamed job's Ray Data pipelines and counts, on a cluster with CPUs to read with."""
+    cpus = float(ray.cluster_resources().get("CPU", 0))  # type: ignore[no-untyped-call]
+    scaling = spec.scaling
+    refused = spare_cpus_message(cpus, scaling.workers, scaling.cpus_per_worker)
+    if refused is not None:
+        raise ConfigurationError(refused)
+    return open_stream(spec.dataset)
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from kaisa_ray.sharding import shard_layers
 from kaisa_ray.train.optimizers import build_optimizer, build_preconditioner, lr_factor
 from kaisa_ray.train.records import KFACChoice, TunerRecord
 from kaisa_ray.train.registry import model_factory
-from kaisa_ray.train.shard import Shard, distributed, load_shard
+from kaisa_ray.train.shard import AnyShard, StreamData, distributed, load_shard
 from kaisa_ray.train.spec import JobSpec, KFACSpec
 
 __all__ = ["Training"]
@@ -40,7 +40,7 @@ class Training:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     preconditioner: KFACPreconditioner | None
-    shard: Shard
+    shard: AnyShard
     max_steps: int
     precision: MixedPrecision
     scaler: torch.amp.GradScaler  # enabled for fp16 only
@@ -65,10 +65,12 @@ class Training:
         world: int,
         device: torch.device,
         decided: KFACChoice | None = None,
+        stream: StreamData | None = None,
     ) -> Training:
         """Everything a worker trains with. With ``kfac: auto`` the tuner profiles this job on
-        these workers and chooses (collective), unless ``decided`` says what it chose."""
-        shard = load_shard(spec.dataset, spec.seed, rank, world)
+        these workers and chooses (collective), unless ``decided`` says what it chose.
+        ``stream``: a streamed dataset's splits for this worker (from Ray Train)."""
+        shard = load_shard(spec.dataset, spec.seed, rank, world, stream)
         if spec.stop.max_steps is not None:
             max_steps = spec.stop.max_steps
         else:

@@ -46,6 +46,7 @@ from kaisa_ray.train.session import RaySession, Session
 from kaisa_ray.train.shard import evaluate_shard
 from kaisa_ray.train.spec import JobSpec, KFACSpec
 from kaisa_ray.train.state import restore, snapshot
+from kaisa_ray.train.streaming import StreamCounts
 from kaisa_ray.train.training import Training
 from kaisa_ray.train.worker_config import MeasureConfig, ProfileConfig, TrainConfig
 
@@ -59,12 +60,13 @@ class TrainingDivergedError(KaisaRayError):
 def train_worker(config: dict[str, Any]) -> None:
     """``train_loop_per_worker``: what ``config["worker"]`` says."""
     worker = config["worker"]
+    counts = config.get("stream")  # a streamed dataset's (StreamCounts), else None
     if isinstance(worker, ProfileConfig):
-        _profile(worker)
+        _profile(worker, counts)
     elif isinstance(worker, MeasureConfig):
-        _measure(worker)
+        _measure(worker, counts)
     elif isinstance(worker, TrainConfig):
-        session = RaySession(worker.run, worker.resume_from)
+        session = RaySession(worker.run, worker.resume_from, counts)
         _announce(session)
         train(worker, session)
     else:
@@ -88,16 +90,21 @@ def _announce(session: RaySession) -> None:
 
 def _build(spec: JobSpec, session: Session, decided: KFACChoice | None = None) -> Training:
     return Training.build(
-        spec, rank=session.rank, world=session.world, device=session.device, decided=decided
+        spec,
+        rank=session.rank,
+        world=session.world,
+        device=session.device,
+        decided=decided,
+        stream=session.stream(),
     )
 
 
-def _profile(config: ProfileConfig) -> None:
+def _profile(config: ProfileConfig, counts: StreamCounts | None = None) -> None:
     """``kfac: auto`` profiles and decides; rank 0 reports the decision (or why nothing
     fits, which the driver raises), and the workers stop."""
     import ray.train
 
-    session = RaySession(config.run)
+    session = RaySession(config.run, counts=counts)
     try:
         training = _build(config.spec, session)
     except ConfigurationError as error:
@@ -109,7 +116,7 @@ def _profile(config: ProfileConfig) -> None:
     ray.train.report({"done": True})
 
 
-def _measure(config: MeasureConfig) -> None:
+def _measure(config: MeasureConfig, counts: StreamCounts | None = None) -> None:
     """Each candidate's peak memory per worker (from the first round) and median time per
     step (``tuner.profile.measure_candidate``), from the same weights; rank 0 reports them."""
     import ray.train
@@ -119,7 +126,7 @@ def _measure(config: MeasureConfig) -> None:
     kfac = config.spec.kfac
     if not isinstance(kfac, KFACSpec):
         raise ConfigurationError("measuring a K-FAC strategy needs a job with kfac on")
-    session = RaySession(config.run)
+    session = RaySession(config.run, counts=counts)
     training = _build(config.spec.model_copy(update={"kfac": "off"}), session)
     candidates = config.candidates
     memory: dict[int, int] = {}
@@ -171,6 +178,7 @@ class Window:
     correct: int = 0
     samples: int = 0
     step_s: float = 0.0
+    data_s: float = 0.0  # waiting for the batches (a streamed dataset's)
     kfac_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     def add_kfac(self, seconds: dict[str, float]) -> None:
@@ -192,6 +200,7 @@ class Window:
             lr=lr,
             samples_per_s=world * self.samples / max(self.step_s, 1e-9),
             ms_per_step=1000 * self.step_s / n,
+            data_wait_ms=1000 * self.data_s / n,
             kfac_ms_per_step=1000 * sum(self.kfac_s.values()) / n,
             kfac_factors_ms=ms["factors"],
             kfac_decompositions_ms=ms["decompositions"],
@@ -327,7 +336,9 @@ def _diverged(training: Training, step: int, loss: float) -> TrainingDivergedErr
 def _train_step(training: Training, criterion: nn.Module, step: int, window: Window) -> float:
     """One optimizer step on the step's batch, added to ``window``; its seconds."""
     tick = time.perf_counter()
+    waited = training.shard.waited_s
     x, y = training.shard.batch(step)
+    window.data_s += training.shard.waited_s - waited
     x = x.to(training.device, non_blocking=True)
     y = y.to(training.device, non_blocking=True)
     training.optimizer.zero_grad(set_to_none=True)

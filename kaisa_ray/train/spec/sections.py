@@ -29,13 +29,68 @@ from kaisa_ray.train.spec.bounds import (
     Steps,
     StrictModel,
 )
+from kaisa_ray.train.stream_sources import ImageMode, StreamSource, is_uri
+
+Side = Annotated[int, Field(gt=0, le=65536)]  # an image's height or width, in pixels
+Spread = Annotated[float, Field(gt=0)]  # a channel's standard deviation
+
+
+class ImageSpec(StrictModel):
+    """How a streamed dataset's images become the model's input: converted to ``mode``
+    (``L``: one channel, ``RGB``: three), resized to ``size`` ([height, width]; unset: as
+    stored, every image the same size), scaled to [0, 1] and normalised by ``mean`` and
+    ``std`` (one value, or one per channel)."""
+
+    mode: ImageMode = ImageMode.GRAY
+    size: (
+        tuple[Annotated[int, Field(gt=0, le=65536)], Annotated[int, Field(gt=0, le=65536)]] | None
+    ) = None
+    mean: Annotated[tuple[float, ...], Field(min_length=1, max_length=3)] = (0.5,)
+    std: Annotated[tuple[Annotated[float, Field(gt=0)], ...], Field(min_length=1, max_length=3)] = (
+        0.5,
+    )
+
+    @model_validator(mode="after")
+    def _channels(self) -> ImageSpec:
+        channels = 1 if self.mode is ImageMode.GRAY else 3
+        for name, values in (("mean", self.mean), ("std", self.std)):
+            if len(values) not in (1, channels):
+                raise ValueError(
+                    f"image.{name} has {len(values)} values for mode {self.mode.value} "
+                    f"({channels} channel(s)): give one value, or one per channel"
+                )
+        return self
+
+
+class ColumnsSpec(StrictModel):
+    """A Parquet dataset's columns: ``input`` (encoded images, or numbers) and ``label``
+    (integer class indices from 0)."""
+
+    input: Annotated[str, Field(min_length=1, max_length=256)] = "image"
+    label: Annotated[str, Field(min_length=1, max_length=256)] = "label"
+
+
+STREAM_ONLY = ("train", "validation", "image", "columns", "shuffle_buffer", "classes")
 
 
 class DatasetSpec(StrictModel):
+    """The data. A built-in or plugin dataset (``fashion-mnist``, ``fortunes``, ...) is read
+    whole into each worker from ``data_dir``. ``image-folder`` and ``parquet`` stream a user's
+    own files through Ray Data (docs/data.md): ``train`` and ``validation`` name the two
+    splits (a folder, a file, or a URI such as ``s3://bucket/train`` that the cluster
+    reads), ``image`` and ``columns`` say how rows become the model's input, ``shuffle_buffer``
+    how many rows each worker shuffles within."""
+
     name: Annotated[str, Field(max_length=64)]
     data_dir: Path | None = None
     batch_size: Annotated[int, Field(gt=0, le=65536)] = 128
     limit: Annotated[int, Field(gt=0, le=10**9)] | None = None
+    train: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    validation: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    image: ImageSpec = ImageSpec()
+    columns: ColumnsSpec = ColumnsSpec()
+    shuffle_buffer: Annotated[int, Field(ge=0, le=10**7)] = 4096
+    classes: Annotated[int, Field(gt=0, le=10**7)] | None = None
 
     @field_validator("data_dir")
     @classmethod
@@ -44,13 +99,29 @@ class DatasetSpec(StrictModel):
             raise ValueError(f"a path of {len(str(path))} characters: {LIMITS['dataset.data_dir']}")
         return path
 
+    @property
+    def streamed(self) -> bool:
+        """Read by Ray Data from the user's files (``image-folder``, ``parquet``)."""
+        return self.name in {source.value for source in StreamSource}
+
     @model_validator(mode="after")
     def _available(self) -> DatasetSpec:
+        if self.streamed:
+            return self._stream_paths()
+        defaults = DatasetSpec.model_fields
+        given = [f for f in STREAM_ONLY if getattr(self, f) != defaults[f].get_default()]
+        if given:
+            raise ValueError(
+                f"dataset.{given[0]} is for the streamed datasets "
+                f"({', '.join(s.value for s in StreamSource)}), not {self.name!r}: remove it, "
+                "or stream your files with one of those"
+            )
         try:
             entry = dataset_entry(self.name)
         except KeyError:
             raise ValueError(
-                f"unknown dataset {self.name!r}; choose one of {', '.join(dataset_names())}, "
+                f"unknown dataset {self.name!r}; choose one of "
+                f"{', '.join([*dataset_names(), *(s.value for s in StreamSource)])}, "
                 "or register your own under the 'kaisa_ray.datasets' entry point"
             ) from None
         directory = self.data_dir or entry.default_dir
@@ -65,6 +136,30 @@ class DatasetSpec(StrictModel):
                 raise ValueError(
                     f"data directory {directory} of dataset {self.name!r} does not exist: "
                     f"{entry.install_hint}"
+                )
+        return self
+
+    def _stream_paths(self) -> DatasetSpec:
+        if self.data_dir is not None:
+            raise ValueError(
+                f"dataset {self.name!r} streams from dataset.train and dataset.validation, "
+                "not data_dir: name the two splits' folders (or files, or URIs) there"
+            )
+        for split in ("train", "validation"):
+            path = getattr(self, split)
+            if path is None:
+                raise ValueError(
+                    f"dataset {self.name!r} needs dataset.{split}: the {split} split's folder, "
+                    f"file or URI (e.g. s3://bucket/fashion-mnist/{split})"
+                )
+            if is_uri(path):
+                continue  # read by the cluster; nothing here can check it
+            local = Path(path)
+            check_root(local)  # before anything looks at it (kaisa_ray.train.data_roots)
+            if not local.exists():
+                raise ValueError(
+                    f"dataset.{split}: {path} does not exist. Point it at the {split} split's "
+                    "folder or file (an absolute path where the workers read it)"
                 )
         return self
 

@@ -1,0 +1,27 @@
+"""The streamed datasets' closed sets (``dataset.name``, ``dataset.image.mode``), apart from
+the reading (``streaming.py``), so that the JobSpec names them without importing it."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+__all__ = ["ImageMode", "StreamSource", "is_uri"]
+
+
+class ImageMode(StrEnum):
+    """The channels images are converted to (PIL's modes)."""
+
+    GRAY = "L"
+    RGB = "RGB"
+
+
+class StreamSource(StrEnum):
+    """The datasets a job streams from a user's own files (``dataset.name``)."""
+
+    IMAGE_FOLDER = "image-folder"  # one subfolder per class, images in it (torchvision's layout)
+    PARQUET = "parquet"  # an input column (image bytes or numbers) and an integer label column
+
+
+def is_uri(path: str) -> bool:
+    """``s3://...``, ``gs://...`` and the like: read by Ray Data, not checked here."""
+    return "://" in path

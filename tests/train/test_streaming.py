@@ -1,0 +1,353 @@
+"""Users' own files streamed by Ray Data (``dataset.name: image-folder | parquet``): the spec's
+checks, each source's reader on small generated data, a worker's position in the stream, the
+bad-data errors naming the file, and a 2-worker job that checkpoints and resumes in place."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+from pydantic import ValidationError
+from support.ray_head import RayHead
+from support.ray_jobs import records
+
+from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset
+from kaisa_ray.train.job import run_job
+from kaisa_ray.train.spec import DatasetSpec, parse_job_spec
+from kaisa_ray.train.state import load_checkpoint_file
+from kaisa_ray.train.streaming import (
+    StreamCounts,
+    StreamShard,
+    open_stream,
+    spare_cpus_message,
+)
+
+CLASSES = ("ant", "bee", "cat")
+
+
+def _png(value: int, size: tuple[int, int] = (8, 6), mode: str = "L") -> bytes:
+    channels = {"L": (), "RGB": (3,)}[mode]
+    pixels = np.full((*size, *channels), value, dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels, mode=mode).save(out, format="PNG")
+    return out.getvalue()
+
+
+def image_folder(root: Path, per_class: int = 4, classes: tuple[str, ...] = CLASSES) -> Path:
+    """Class ``k``'s images are all pixel value ``10 * k + i`` (i: the image's index)."""
+    for k, name in enumerate(classes):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            (root / name / f"{i}.png").write_bytes(_png(10 * k + i))
+    return root
+
+
+def parquet_files(root: Path, rows: int = 12, files: int = 2) -> Path:
+    root.mkdir(parents=True)
+    per = rows // files
+    for f in range(files):
+        values = range(f * per, (f + 1) * per)
+        pq.write_table(
+            pa.table(
+                {
+                    "png": pa.array([_png(v) for v in values], type=pa.binary()),
+                    "pixels": pa.array(
+                        [np.full(48, v, np.uint8) for v in values], type=pa.list_(pa.uint8())
+                    ),
+                    "target": pa.array([v % 3 for v in values], type=pa.int64()),
+                }
+            ),
+            root / f"part-{f}.parquet",
+        )
+    return root
+
+
+def stream_spec(name: str, train: Path, validation: Path, **fields: Any) -> DatasetSpec:
+    return DatasetSpec(
+        name=name, train=str(train), validation=str(validation), batch_size=4, **fields
+    )
+
+
+def every_row(pipeline: Any) -> tuple[np.ndarray, np.ndarray]:
+    batches = list(pipeline.iter_batches(batch_size=None, batch_format="numpy"))
+    return np.concatenate([b["x"] for b in batches]), np.concatenate([b["y"] for b in batches])
+
+
+# -- the spec ----------------------------------------------------------------------------------
+
+
+def test_a_streamed_dataset_names_both_splits_and_nothing_else_takes_their_fields(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ValidationError, match=r"needs dataset\.validation"):
+        DatasetSpec(name="parquet", train=str(tmp_path))
+    with pytest.raises(ValidationError, match=r"not data_dir"):
+        DatasetSpec(name="image-folder", train="s3://b/t", validation="s3://b/v", data_dir=tmp_path)
+    with pytest.raises(ValidationError, match=r"dataset\.train: .*missing does not exist"):
+        DatasetSpec(name="parquet", train=str(tmp_path / "missing"), validation=str(tmp_path))
+    with pytest.raises(ValidationError, match=r"dataset\.train is for the streamed datasets"):
+        DatasetSpec(name="synthetic", train=str(tmp_path))
+    with pytest.raises(ValidationError, match=r"image\.mean has 2 values for mode L"):
+        DatasetSpec(
+            name="parquet", train="s3://b/t", validation="s3://b/v", image={"mean": [0.1, 0.2]}
+        )
+    # A URI is the cluster's to read: nothing here looks at it.
+    spec = DatasetSpec(name="parquet", train="s3://bucket/train", validation="gs://b/v")
+    assert spec.streamed
+    assert not DatasetSpec(name="synthetic").streamed
+
+
+def test_a_streamed_job_leaves_ray_data_a_cpu() -> None:
+    assert spare_cpus_message(4, 2, 1) is None
+    refused = spare_cpus_message(2, 2, 1)
+    assert refused is not None
+    assert "Lower scaling.cpus_per_worker (e.g. to 0.5)" in refused
+
+
+# -- what the driver checks before anything starts ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ("stray", r"loose\.png .*is not in a class subfolder of"),
+        ("empty class", r"the class folder .*/dog holds no images"),
+        ("no images", r"holds no images"),
+        ("unknown class", r"class folders emu of .* are not in the training split"),
+    ],
+)
+def test_an_image_folder_that_cannot_be_a_dataset_is_refused_naming_the_path(
+    tmp_path: Path, layout: str, message: str
+) -> None:
+    train = image_folder(tmp_path / "train")
+    validation = image_folder(tmp_path / "validation")
+    if layout == "stray":
+        (train / "loose.png").write_bytes(_png(1))
+    elif layout == "empty class":
+        (train / "dog").mkdir()
+    elif layout == "no images":
+        train = tmp_path / "nothing"
+        (train / "a").mkdir(parents=True)
+        (train / "a" / "notes.txt").write_text("not an image")
+    else:
+        image_folder(tmp_path / "emu", per_class=1, classes=("emu",))
+        (tmp_path / "emu" / "emu").rename(validation / "emu")
+    with pytest.raises(ConfigurationError, match=message):
+        open_stream(stream_spec("image-folder", train, validation))
+
+
+# -- the readers (Ray Data, on the test's Ray head) ---------------------------------------------
+
+
+@pytest.mark.ray
+def test_an_image_folder_is_read_with_its_folders_labels_and_the_specs_normalisation(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    train = image_folder(tmp_path / "train")
+    validation = image_folder(tmp_path / "validation", per_class=2, classes=("bee",))
+    spec = stream_spec("image-folder", train, validation, image={"mean": [0.5], "std": [0.25]})
+    pipelines, counts = open_stream(spec)
+    assert counts == StreamCounts(12, 2, CLASSES)
+    x, y = every_row(pipelines["train"])
+    assert x.shape == (12, 1, 8, 6)
+    assert x.dtype == np.float32
+    value = (x[:, 0, 0, 0] * 0.25 + 0.5) * 255  # the pixel value, back from the normalisation
+    np.testing.assert_allclose(value, np.round(value), atol=1e-3)
+    assert sorted(zip(np.round(value).astype(int).tolist(), y.tolist(), strict=True)) == [
+        (10 * k + i, k) for k in range(3) for i in range(4)
+    ]
+    _, y_val = every_row(pipelines["validation"])
+    assert y_val.tolist() == [1, 1]  # "bee" is the training split's class 1
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("column", ["png", "pixels"])
+def test_parquet_rows_become_images_from_bytes_or_numbers(
+    ray_head: RayHead, tmp_path: Path, column: str
+) -> None:
+    files = parquet_files(tmp_path / "train")
+    spec = stream_spec(
+        "parquet",
+        files,
+        files,
+        columns={"input": column, "label": "target"},
+        image={"size": [8, 6], "mean": [0.0], "std": [1.0]},
+        limit=10,
+    )
+    pipelines, counts = open_stream(spec)
+    assert counts == StreamCounts(10, 10)
+    x, y = every_row(pipelines["validation"])  # in file order (the training split: shuffled)
+    assert x.shape == (10, 1, 8, 6)
+    np.testing.assert_allclose(x[:, 0, 3, 2] * 255, np.arange(10), atol=1e-4)
+    assert y.tolist() == [v % 3 for v in range(10)]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("column", r"part-0\.parquet has no column 'png' \(it has .*pixels.*\)"),
+        ("corrupt", r"part-1\.parquet: row \d+ of a batch of column 'png' is not a readable"),
+        ("label", r"part-1\.parquet: label 7 in column 'target' is outside the classes \(0 to 2"),
+    ],
+)
+def test_bad_parquet_data_is_an_error_naming_the_file_and_the_fix(
+    ray_head: RayHead, tmp_path: Path, damage: str, message: str
+) -> None:
+    files = parquet_files(tmp_path / "train")
+    if damage == "column":
+        for part in files.iterdir():
+            table = pq.read_table(part)
+            pq.write_table(table.drop_columns(["png"]), part)
+    else:
+        table = pq.read_table(files / "part-1.parquet").to_pydict()
+        if damage == "corrupt":
+            table["png"][2] = b"\x89PNG not really"
+        else:
+            table["target"][2] = 7
+        pq.write_table(pa.table(table), files / "part-1.parquet")
+    spec = stream_spec(
+        "parquet", files, files, columns={"input": "png", "label": "target"}, classes=3
+    )
+
+    def read() -> None:
+        pipelines, _ = open_stream(spec)
+        every_row(pipelines["validation"])
+
+    # At the start (the column), or in Ray Data's task (its error carries ours).
+    with pytest.raises(Exception, match=message):
+        read()
+
+
+# -- a worker's place in the stream (a fake split at the seam) ----------------------------------
+
+
+class FakeSplit:
+    """A split of ``rows`` rows whose batch ``b`` of an iteration holds the values
+    ``iteration * 1000 + b``; counts the iterations started."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.iterations = 0
+
+    def iter_torch_batches(self, *, batch_size: int, **_: Any) -> Iterator[dict[str, Any]]:
+        self.iterations += 1
+        started = self.iterations
+        for b in range(self.rows // batch_size):
+            yield {"x": torch.full((batch_size,), started * 1000 + b), "y": torch.zeros(1)}
+
+
+def test_a_worker_reads_its_epochs_in_order_and_a_jump_starts_a_fresh_iteration() -> None:
+    train = FakeSplit(rows=20)
+    shard = StreamShard.open(
+        train,  # type: ignore[arg-type]
+        FakeSplit(rows=4),  # type: ignore[arg-type]
+        StreamCounts(train_rows=41, validation_rows=8),
+        batch_size=4,
+        seed=0,
+        rank=0,
+        world=2,
+        shuffle_buffer=0,
+    )
+    assert shard.steps_per_epoch == 5  # 41 rows over 2 workers: 20 each, 5 batches of 4
+    assert [int(shard.batch(s)[0][0]) for s in range(1, 8)] == [
+        1000, 1001, 1002, 1003, 1004,  # epoch 0: one iteration
+        2000, 2001,  # epoch 1: the next
+    ]  # fmt: skip
+    assert shard.position(7) == (1, 1)
+    # A resume at step 4 (epoch 0, batch 3): a fresh iteration, read from its start.
+    assert int(shard.batch(4)[0][0]) == 3000
+    assert int(shard.batch(5)[0][0]) == 3001
+    assert int(shard.batch(6)[0][0]) == 4000  # the next epoch begins on time
+    assert train.iterations == 4
+    assert shard.waited_s > 0
+    short = StreamShard.open(
+        FakeSplit(rows=8),  # type: ignore[arg-type]
+        FakeSplit(rows=4),  # type: ignore[arg-type]
+        StreamCounts(train_rows=40, validation_rows=8),
+        batch_size=4,
+        seed=0,
+        rank=0,
+        world=2,
+        shuffle_buffer=0,
+    )
+    short.batch(1)
+    short.batch(2)
+    with pytest.raises(ConfigurationError, match="ran out at batch 2 of epoch 0"):
+        short.batch(3)
+
+
+# -- a job on Ray Train --------------------------------------------------------------------------
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
+)
+def test_a_two_worker_job_streams_an_image_folder_and_resumes_at_its_step(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    """Fashion-MNIST's first images as a PNG folder, streamed to 2 workers: the job learns
+    (its accuracy well above chance), the step records say how long the workers waited for
+    data, and a run resumed from the step-20 checkpoint starts at step 21 in the epoch the
+    checkpoint names."""
+    for split, rows in (("train", 1024), ("test", 256)):
+        images, labels = load_idx_dataset(None, split, limit=rows, standardize=False)
+        pixels = (images.squeeze(1) * 255).round().numpy().astype(np.uint8)
+        for i, (image, label) in enumerate(zip(pixels, labels.tolist(), strict=True)):
+            folder = tmp_path / split / str(label)
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image, mode="L").save(folder / f"{i}.png")
+    spec = parse_job_spec(
+        {
+            "name": "streamed",
+            "model": {"name": "lenet"},
+            "dataset": {
+                "name": "image-folder",
+                "train": str(tmp_path / "train"),
+                "validation": str(tmp_path / "test"),
+                "image": {"mean": [0.286], "std": [0.353]},
+                "batch_size": 32,
+                "shuffle_buffer": 256,
+            },
+            "optimizer": {"name": "adamw", "lr": 0.008, "weight_decay": 0.0},
+            "kfac": {"strategy": "comm-opt", "factor_update_steps": 5, "inv_update_steps": 20},
+            "scaling": {"workers": 2, "cpus_per_worker": 1},
+            "stop": {"max_steps": 40},
+            "eval_every": 20,
+            "checkpoint": {"every_steps": 20, "keep": 4},
+            "seed": 1,
+        }
+    )
+    result = run_job(spec, storage_path=tmp_path / "a", run_name="streamed", progress=False)
+    assert result.succeeded, result.error
+    assert result.metrics["step"] == 40
+    assert result.metrics["test_accuracy"] > 0.5  # 10 classes: chance is 0.1
+    steps = records("streamed", "step")
+    assert [r["epoch"] for r in steps] == [0, 1, 1, 2]  # 1024 rows / 2 workers / 32: 16 a epoch
+    assert all(r["data_wait_ms"] is not None and r["data_wait_ms"] >= 0 for r in steps)
+    at_20 = next(r for r in records("streamed", "checkpoint") if r["step"] == 20)
+    assert load_checkpoint_file(at_20["path"])["sampler"]["epoch"] == 1  # step 21: epoch 1
+
+    again = run_job(
+        spec,
+        storage_path=tmp_path / "b",
+        run_name="streamed-again",
+        resume_from=at_20["path"],
+        progress=False,
+    )
+    assert again.succeeded, again.error
+    (start,) = records("streamed-again", "start")
+    assert start["from_step"] == 20
+    assert [r["step"] for r in records("streamed-again", "step")] == [30, 40]
+    assert again.metrics["test_accuracy"] > 0.5
