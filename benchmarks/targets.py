@@ -33,6 +33,7 @@ class Run:
     curve: list[tuple[float, float, int]]  # (train_s, the target's metric, step) per evaluation
     tuning: dict[str, Any] | None = None  # kfac: auto's choice and profiling time
     failure: str | None = None  # why the job ended without its target (divergence, ...)
+    data_wait_ms: float | None = None  # per step, waiting for the batch (where recorded)
 
 
 def run_to_target(config: str, spec_data: dict[str, Any], storage: Path) -> Run:
@@ -64,6 +65,12 @@ def run_to_target(config: str, spec_data: dict[str, Any], storage: Path) -> Run:
         / total_steps
         for p in PHASES
     }
+    waits = [s.get("data_wait_ms") for s in steps]
+    data_wait_ms = (
+        sum(w * v for w, v in zip(weights, waits, strict=True)) / total_steps
+        if all(v is not None for v in waits)
+        else None
+    )
     hit = next((e for e in evals if met(e)), None)
     tuner = read_progress(result.run_name, kinds=["tuner"])["records"]
     tuning = None
@@ -80,6 +87,7 @@ def run_to_target(config: str, spec_data: dict[str, Any], storage: Path) -> Run:
         curve=[(e["train_s"], e[metric], e["step"]) for e in evals if e.get(metric) is not None],
         tuning=tuning,
         failure=failure if hit is None else None,
+        data_wait_ms=data_wait_ms,
     )
 
 

@@ -58,9 +58,10 @@ def write_png(out: Path, split: str, images: np.ndarray, labels: np.ndarray, cop
         return
     for name in CLASSES:
         (root / name).mkdir(parents=True)
-    for copy in range(copies):
-        for i, (pixels, label) in enumerate(zip(images, labels, strict=True)):
-            (root / CLASSES[label] / f"{copy:02d}-{i:05d}.png").write_bytes(_png(pixels))
+    for i, (pixels, label) in enumerate(zip(images, labels, strict=True)):
+        encoded = _png(pixels)
+        for copy in range(copies):
+            (root / CLASSES[label] / f"{copy:02d}-{i:05d}.png").write_bytes(encoded)
     print(f"{root}: {copies * len(labels)} images")
 
 
@@ -72,11 +73,11 @@ def write_parquet(
         print(f"{root}: there already, kept")
         return
     root.mkdir(parents=True)
-    part = 0
-    for _ in range(copies):
-        for start in range(0, len(labels), ROWS_PER_FILE):
-            chunk = slice(start, start + ROWS_PER_FILE)
-            table = pa.table(
+    tables = []
+    for start in range(0, len(labels), ROWS_PER_FILE):
+        chunk = slice(start, start + ROWS_PER_FILE)
+        tables.append(
+            pa.table(
                 {
                     "image": pa.array([_png(p) for p in images[chunk]], type=pa.binary()),
                     "pixels": pa.array(
@@ -85,6 +86,10 @@ def write_parquet(
                     "label": pa.array(labels[chunk], type=pa.int64()),
                 }
             )
+        )
+    part = 0
+    for _ in range(copies):
+        for table in tables:
             pq.write_table(table, root / f"part-{part:04d}.parquet")
             part += 1
     print(f"{root}: {copies * len(labels)} rows in {part} files")

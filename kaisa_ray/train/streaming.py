@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.stream_sources import ImageMode, StreamSource, is_uri
+from kaisa_ray.train.stream_sources import StreamSource, is_uri
 
 if TYPE_CHECKING:
     from ray.data import DataIterator, Dataset

@@ -33,7 +33,15 @@ from service.model.job_data import Job, Metric, Progress
 from service.model.lifecycle import IllegalTransitionError, JobEvent, JobState, transition
 from service.runner import RayJobInfo, RayJobStatus
 
-STEP_FIELDS = ("loss", "accuracy", "lr", "samples_per_s", "ms_per_step", "kfac_ms_per_step")
+STEP_FIELDS = (
+    "loss",
+    "accuracy",
+    "lr",
+    "samples_per_s",
+    "ms_per_step",
+    "kfac_ms_per_step",
+    "data_wait_ms",
+)
 EVAL_FIELDS = (EvalMetric.TEST_LOSS.value, EvalMetric.TEST_ACCURACY.value)
 EVENT_OF = {
     RecordKind.STEP: "progress",

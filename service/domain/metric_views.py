@@ -97,6 +97,13 @@ METRICS = [
         kind=_STEP, field="kfac_ms_per_step", label="K-FAC ms / step", unit=Unit.MS, fact=True
     ),
     MetricView(
+        kind=_STEP,
+        field="data_wait_ms",
+        label="waiting for data, ms / step",
+        unit=Unit.MS,
+        fact=True,
+    ),
+    MetricView(
         kind=_TRIAL, field=EvalMetric.TEST_ACCURACY.value, label="test accuracy", unit=Unit.FRACTION
     ),
     MetricView(kind=_TRIAL, field=EvalMetric.TEST_LOSS.value, label="test loss", unit=Unit.VALUE),

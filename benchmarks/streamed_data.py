@@ -1,0 +1,229 @@
+"""Streamed data against data in memory: the example job from Fashion-MNIST's IDX files (in
+each worker's memory) and from the same images as Parquet files and as a PNG folder (streamed
+by Ray Data), to 88%; then a training worker's peak memory as the Parquet dataset grows.
+
+    .venv/bin/python benchmarks/streamed_data.py --write
+
+Part one runs ``examples/fashion_mnist.yaml`` (2 Ray Train workers, global batch 128) with its
+dataset swapped, the three sources interleaved seed by seed: steps to 88% test accuracy (on the
+whole test split), the mean step (``ms_per_step``, the batch's wait included) and the wait for
+the batch (``data_wait_ms``). Part two runs the same job on the Parquet files written 1, 4 and
+16 times over (``scripts/fashion_mnist_files.py --copies``) for ``--memory-steps`` steps,
+without a target. Every run samples its training workers' peak resident memory (``VmHWM`` of
+each ``RayTrainWorker`` process, read from /proc twice a second) and reports the larger.
+
+Every job here gives each worker 0.5 CPU (as the streamed examples do), so that Ray Data has
+CPUs to read with; the in-memory job gets the same, so the two differ only in their data. The
+files are written under ``--root`` (default /tmp/kaisa-streamed) when missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import ray
+import yaml
+from report import git_commit, machine, table, write_block
+from targets import run_to_target
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+EXAMPLE = ROOT / "examples" / "fashion_mnist.yaml"
+# Part two's runs go on for their steps: a target no run meets within them.
+UNREACHED = {"metric": "test_accuracy", "value": 0.999}
+STATS = {"mean": [0.2860], "std": [0.3530]}  # Fashion-MNIST's training pixels (the IDX loader's)
+
+
+def write_files(root: Path, copies: int, formats: list[str]) -> Path:
+    out = root / f"x{copies}"
+    missing = [f for f in formats if not (out / ("png" if f == "png" else "parquet")).exists()]
+    if missing:
+        script = ROOT / "scripts" / "fashion_mnist_files.py"
+        command = [sys.executable, str(script), "--out", str(out), "--copies", str(copies)]
+        subprocess.run([*command, "--format", *missing], check=True)
+    return out
+
+
+def job(source: str, files: Path | None, seed: int) -> dict[str, Any]:
+    spec = yaml.safe_load(EXAMPLE.read_text())
+    spec["seed"] = seed
+    spec["scaling"]["cpus_per_worker"] = 0.5
+    spec["checkpoint"] = {"every_steps": 100_000, "keep": 1}
+    batch = spec["dataset"]["batch_size"]
+    if source == "parquet":
+        assert files is not None
+        spec["dataset"] = {
+            "name": "parquet",
+            "train": str(files / "parquet" / "train"),
+            "validation": str(files / "parquet" / "test"),
+            "columns": {"input": "image", "label": "label"},
+            "image": STATS,
+            "batch_size": batch,
+        }
+    elif source == "image folder":
+        assert files is not None
+        spec["dataset"] = {
+            "name": "image-folder",
+            "train": str(files / "png" / "train"),
+            "validation": str(files / "png" / "test"),
+            "image": STATS,
+            "batch_size": batch,
+        }
+    return spec
+
+
+class PeakMemory:
+    """The largest ``VmHWM`` of any ``RayTrainWorker`` process while it runs (bytes)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            for pid in os.listdir("/proc"):
+                if not pid.isdigit():
+                    continue
+                try:
+                    if b"RayTrainWorker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        continue
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                        if line.startswith("VmHWM:"):
+                            self.peak = max(self.peak, int(line.split()[1]) * 1024)
+                except OSError:
+                    continue  # gone meanwhile
+            self._stop.wait(0.5)
+
+
+def measure(name: str, spec: dict[str, Any], storage: Path) -> dict[str, Any]:
+    with PeakMemory() as memory:
+        run = run_to_target(name, spec, storage)
+    result = {
+        "source": name,
+        "seed": spec["seed"],
+        "steps": run.steps,
+        "ms_per_step": run.ms_per_step,
+        "data_wait_ms": run.data_wait_ms,
+        "peak_rss_mib": memory.peak / 2**20,
+        "failure": run.failure,
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=Path("/tmp/kaisa-streamed"))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--copies", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--memory-steps", type=int, default=150)
+    parser.add_argument("--skip-target", action="store_true", help="part two only")
+    parser.add_argument("--write", action="store_true", help="store the tables")
+    parser.add_argument("--out", type=Path, default=RESULTS / "streamed_data.json")
+    args = parser.parse_args()
+    started = datetime.datetime.now(datetime.UTC)
+    files = {c: write_files(args.root, c, ["png", "parquet"] if c == 1 else ["parquet"])
+             for c in args.copies}  # fmt: skip
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kaisa-streamed-") as storage:
+        if not args.skip_target:
+            for seed in args.seeds:
+                for source in ("in memory (IDX)", "parquet", "image folder"):
+                    spec = job(source.split(" (")[0], files.get(1), seed)
+                    results.append({"part": "target", **measure(source, spec, Path(storage))})
+        for copies in args.copies:
+            spec = job("parquet", files[copies], 0)
+            spec["stop"] = {"max_steps": args.memory_steps, "target": UNREACHED}
+            spec["eval_every"] = args.memory_steps
+            entry = measure(f"parquet x{copies}", spec, Path(storage))
+            results.append({"part": "memory", "copies": copies, **entry})
+        spec = job("in memory", None, 0)
+        spec["stop"] = {"max_steps": args.memory_steps, "target": UNREACHED}
+        spec["eval_every"] = args.memory_steps
+        results.append(
+            {"part": "memory", "copies": 1, **measure("in memory x1", spec, Path(storage))}
+        )
+    ray.shutdown()
+    meta = {"commit": git_commit(), "machine": machine(), "started": started.isoformat()}
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    text = report(results, meta)
+    print(text)
+    if args.write:
+        write_block("streamed-data", text)
+
+
+def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    header = (
+        f"Measured {meta['started'][:10]} at commit {meta['commit']} on {meta['machine']}; "
+        "2 Ray Train workers x 0.5 CPU, global batch 128, the example job's K-FAC."
+    )
+    rows = []
+    target = [r for r in results if r["part"] == "target"]
+    base = [r["ms_per_step"] for r in target if r["source"].startswith("in memory")]
+    for source in dict.fromkeys(r["source"] for r in target):
+        runs = [r for r in target if r["source"] == source]
+        steps = [r["steps"] for r in runs]
+        reached = [s for s in steps if s is not None]
+        ms = statistics.mean(r["ms_per_step"] for r in runs)
+        waits = [r["data_wait_ms"] for r in runs if r["data_wait_ms"] is not None]
+        rows.append(
+            [
+                source,
+                " / ".join("-" if s is None else str(s) for s in steps),
+                f"{statistics.median(reached):.0f}" if reached else "-",
+                f"{ms:.1f}",
+                f"{statistics.mean(base) / ms:.2f}x" if base else "-",
+                f"{statistics.mean(waits):.2f}" if waits else "-",
+                f"{max(r['peak_rss_mib'] for r in runs):.0f}",
+            ]
+        )
+    first = table(
+        header,
+        [
+            "source",
+            "steps to 88% per seed",
+            "median",
+            "ms/step (mean)",
+            "steps/s ÷ in memory's",
+            "data wait ms/step",
+            "worker peak RSS (MiB)",
+        ],
+        rows,
+    )
+    memory = [r for r in results if r["part"] == "memory"]
+    rows = [
+        [r["source"], str(r["copies"]), f"{r['peak_rss_mib']:.0f}", f"{r['ms_per_step']:.1f}"]
+        for r in memory
+    ]
+    second = table(
+        "A training worker's peak resident memory against the dataset's size (the same job, "
+        "a fixed number of steps).",
+        ["source", "copies of the training split", "worker peak RSS (MiB)", "ms/step (mean)"],
+        rows,
+    )
+    return first + "\n\n" + second
+
+
+if __name__ == "__main__":
+    main()
