@@ -34,6 +34,10 @@ class Run:
     tuning: dict[str, Any] | None = None  # kfac: auto's choice and profiling time
     failure: str | None = None  # why the job ended without its target (divergence, ...)
     data_wait_ms: float | None = None  # per step, waiting for the batch (where recorded)
+    # ms per step and the data wait after the first step record's window (its steps carry the
+    # start of a streamed dataset's pipeline): the steady state
+    steady_ms_per_step: float | None = None
+    steady_data_wait_ms: float | None = None
 
 
 def run_to_target(config: str, spec_data: dict[str, Any], storage: Path) -> Run:
@@ -71,6 +75,14 @@ def run_to_target(config: str, spec_data: dict[str, Any], storage: Path) -> Run:
         if all(v is not None for v in waits)
         else None
     )
+    steady_ms = steady_wait = None
+    if len(steps) > 1:
+        later = sum(weights[1:])
+        steady_ms = sum(w * s["ms_per_step"] for w, s in zip(weights[1:], steps[1:], strict=True))
+        steady_ms /= later
+        if data_wait_ms is not None:
+            pairs = zip(weights[1:], waits[1:], strict=True)
+            steady_wait = sum(w * v for w, v in pairs if v is not None) / later
     hit = next((e for e in evals if met(e)), None)
     tuner = read_progress(result.run_name, kinds=["tuner"])["records"]
     tuning = None
@@ -88,6 +100,8 @@ def run_to_target(config: str, spec_data: dict[str, Any], storage: Path) -> Run:
         tuning=tuning,
         failure=failure if hit is None else None,
         data_wait_ms=data_wait_ms,
+        steady_ms_per_step=steady_ms,
+        steady_data_wait_ms=steady_wait,
     )
 
 
