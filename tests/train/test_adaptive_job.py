@@ -73,6 +73,9 @@ class CapturingSession:
         self.saved: dict[int, dict[str, Any]] = {}
         self.state = state
 
+    def stream(self) -> None:
+        return None  # the data is in memory
+
     def push(self, *records: Record, wait: bool = False) -> None:
         self.records += records
 
