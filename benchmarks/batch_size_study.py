@@ -102,6 +102,10 @@ ADAM_EIGENBASIS = "K-FAC (Adam eigenbasis)"
 # Its bases refreshed twice as often at the large batches (SOAP refreshes every 2 steps): one
 # process at 2048, seed 0, lr 0.02, reached 88% in 40 steps at 1/5 and 1/2 against 50 at 1/10.
 ADAM_INTERVALS = {**INTERVALS, 2048: (1, 5), 8192: (1, 5)}
+# The same with the bases refreshed every 2 steps (added 2026-11-28): SOAP's own default cadence
+# (heavyball's precondition_frequency 2), at 8192 where the row above is level with SOAP.
+ADAM_EIGENBASIS_2 = "K-FAC (Adam eigenbasis, 1/2)"
+ADAM_INTERVALS_2 = {batch: (1, 2) for batch in INTERVALS}
 # kfac.scaling: ekfac (EKFAC, George et al. 2018): the "K-FAC" form (the KL clip κ its step
 # size, on SGD lr 1 with Nesterov momentum, the eigen method) with the per-example second
 # moments in the eigenbasis in place of the eigenvalue products (no π-damping: the damping is
@@ -119,6 +123,7 @@ OPTIMIZERS = (
     QM,
     QM_FLOOR,
     ADAM_EIGENBASIS,
+    ADAM_EIGENBASIS_2,
     EKFAC,
     ADAMW_EKFAC,
     *PEERS,
@@ -136,6 +141,7 @@ GRIDS: dict[str, list[float]] = {
     QM: [0.1],
     QM_FLOOR: [0.1],
     ADAM_EIGENBASIS: [2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2],
+    ADAM_EIGENBASIS_2: [2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2],
     EKFAC: [3e-4, 1e-3, 3e-3, 1e-2, 3e-2],  # the KL clip, on SGD lr 1, as "K-FAC"
     ADAMW_EKFAC: [5e-4, 1e-3, 2e-3, 4e-3, 8e-3],  # AdamW's lr, as "AdamW + K-FAC"
     "SOAP": [7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2],  # heavyball's default 3e-3 in the middle
@@ -193,7 +199,7 @@ def spec(
         opt = {"name": "sgd"}  # unused: K-FAC takes the step
     elif optimizer in ("AdamW", "AdamW + K-FAC", DAMPED, ADAMW_EKFAC):
         opt = {"name": "adamw", "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
-    elif optimizer == ADAM_EIGENBASIS:
+    elif optimizer in (ADAM_EIGENBASIS, ADAM_EIGENBASIS_2):
         opt = {"name": "sgd", "lr": step_size, "momentum": 0.0, "schedule": schedule}
     elif optimizer in PEERS:
         opt = {"name": PEERS[optimizer], "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
@@ -204,7 +210,9 @@ def spec(
         # "AdamW + K-FAC", the transformer benchmark's form: AdamW normalises the
         # preconditioned gradients' scale itself, so no KL clip.
         clip = {"K-FAC": step_size, EKFAC: step_size, "K-FAC (lr)": KL_CLIP}.get(optimizer)
-        fus, ius = (ADAM_INTERVALS if optimizer == ADAM_EIGENBASIS else INTERVALS)[batch]
+        fus, ius = {ADAM_EIGENBASIS: ADAM_INTERVALS, ADAM_EIGENBASIS_2: ADAM_INTERVALS_2}.get(
+            optimizer, INTERVALS
+        )[batch]
         kfac = {
             **KFAC,
             "damping": damping,
@@ -215,7 +223,7 @@ def spec(
         # The κ form ran the eigen method (the JobSpec's default), the others the inverse
         # method.
         kfac["compute_method"] = "eigen" if optimizer == "K-FAC" else "inverse"
-        if optimizer == ADAM_EIGENBASIS:
+        if optimizer in (ADAM_EIGENBASIS, ADAM_EIGENBASIS_2):
             kfac["compute_method"] = "eigen"
             kfac["scaling"] = "adam-eigenbasis"
         if optimizer in (EKFAC, ADAMW_EKFAC):
@@ -338,6 +346,7 @@ def plot(entries: list[Entry], steps_path: Path, curve_path: Path) -> None:
         "Muon": "tab:cyan",
         "PSGD Kron": "black",
         ADAM_EIGENBASIS: "gold",
+        ADAM_EIGENBASIS_2: "goldenrod",
         EKFAC: "darkblue",
         ADAMW_EKFAC: "magenta",
     }
