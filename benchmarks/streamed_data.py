@@ -61,25 +61,18 @@ def job(source: str, files: Path | None, seed: int) -> dict[str, Any]:
     spec["scaling"]["cpus_per_worker"] = 0.5
     spec["checkpoint"] = {"every_steps": 100_000, "keep": 1}
     batch = spec["dataset"]["batch_size"]
-    if source == "parquet":
+    if source in ("parquet", "image folder"):
         assert files is not None
+        folder = files / ("parquet" if source == "parquet" else "png")
         spec["dataset"] = {
-            "name": "parquet",
-            "train": str(files / "parquet" / "train"),
-            "validation": str(files / "parquet" / "test"),
-            "columns": {"input": "image", "label": "label"},
+            "name": "parquet" if source == "parquet" else "image-folder",
+            "train": str(folder / "train"),
+            "validation": str(folder / "test"),
             "image": STATS,
             "batch_size": batch,
         }
-    elif source == "image folder":
-        assert files is not None
-        spec["dataset"] = {
-            "name": "image-folder",
-            "train": str(files / "png" / "train"),
-            "validation": str(files / "png" / "test"),
-            "image": STATS,
-            "batch_size": batch,
-        }
+        if source == "parquet":
+            spec["dataset"]["columns"] = {"input": "image", "label": "label"}
     return spec
 
 

@@ -246,18 +246,23 @@ class FakeSplit:
             yield {"x": torch.full((batch_size,), started * 1000 + b), "y": torch.zeros(1)}
 
 
-def test_a_worker_reads_its_epochs_in_order_and_a_jump_starts_a_fresh_iteration() -> None:
-    train = FakeSplit(rows=20)
-    shard = StreamShard.open(
+def shard_of(train: FakeSplit, counted: int) -> StreamShard:
+    """Worker 0 of 2's shard of ``train``, whose rows the driver counted as ``counted``."""
+    return StreamShard.open(
         train,  # type: ignore[arg-type]
         FakeSplit(rows=4),  # type: ignore[arg-type]
-        StreamCounts(train_rows=41, validation_rows=8),
+        StreamCounts(train_rows=counted, validation_rows=8),
         batch_size=4,
         seed=0,
         rank=0,
         world=2,
         shuffle_buffer=0,
     )
+
+
+def test_a_worker_reads_its_epochs_in_order_and_a_jump_starts_a_fresh_iteration() -> None:
+    train = FakeSplit(rows=20)
+    shard = shard_of(train, counted=41)
     assert shard.steps_per_epoch == 5  # 41 rows over 2 workers: 20 each, 5 batches of 4
     assert [int(shard.batch(s)[0][0]) for s in range(1, 8)] == [
         1000, 1001, 1002, 1003, 1004,  # epoch 0: one iteration
@@ -270,16 +275,7 @@ def test_a_worker_reads_its_epochs_in_order_and_a_jump_starts_a_fresh_iteration(
     assert int(shard.batch(6)[0][0]) == 4000  # the next epoch begins on time
     assert train.iterations == 4
     assert shard.waited_s > 0
-    short = StreamShard.open(
-        FakeSplit(rows=8),  # type: ignore[arg-type]
-        FakeSplit(rows=4),  # type: ignore[arg-type]
-        StreamCounts(train_rows=40, validation_rows=8),
-        batch_size=4,
-        seed=0,
-        rank=0,
-        world=2,
-        shuffle_buffer=0,
-    )
+    short = shard_of(FakeSplit(rows=8), counted=40)
     short.batch(1)
     short.batch(2)
     with pytest.raises(ConfigurationError, match="ran out at batch 2 of epoch 0"):
