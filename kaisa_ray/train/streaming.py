@@ -368,7 +368,11 @@ def open_stream(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]
     # The validation split is read every evaluation: read and decoded once, into Ray's object
     # store (which spills to disk), not again each time (a new execution of the pipeline
     # costs seconds before its first batch).
-    pipelines[VALIDATION] = pipelines[VALIDATION].materialize()
+    # In file order: Ray Data otherwise hands on whichever read task finishes first, so the
+    # rows a limit keeps (and the order of the evaluation's batches) would change run to run.
+    ordered = pipelines[VALIDATION]
+    ordered.context.execution_options.preserve_order = True
+    pipelines[VALIDATION] = ordered.materialize()
     return pipelines, counts
 
 
