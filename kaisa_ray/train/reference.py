@@ -206,7 +206,82 @@ def render() -> str:
     ]
     for row in _rows(schema, defs, "", example):
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+    lines += _stream_examples()
     return "\n".join(lines) + "\n"
+
+
+STREAM_EXAMPLES: dict[str, tuple[str, dict[str, Any]]] = {
+    "image-folder": (
+        "An image folder (one subfolder per class), its own validation folder:",
+        {
+            "name": "image-folder",
+            "train": "s3://bucket/imagenet/train",
+            "validation": "s3://bucket/imagenet/val",
+            "image": {
+                "mode": "RGB",
+                "size": [224, 224],
+                "mean": [0.485, 0.456, 0.406],
+                "std": [0.229, 0.224, 0.225],
+            },
+            "batch_size": 64,
+        },
+    ),
+    "parquet": (
+        "Parquet files of encoded images and labels, every 10th file held out for validation:",
+        {
+            "name": "parquet",
+            "train": "s3://bucket/fashion-mnist/parquet",
+            "validation_every": 10,
+            "columns": {"input": "image", "label": "label"},
+            "image": {"mode": "L", "mean": [0.286], "std": [0.353]},
+            "classes": 10,
+        },
+    ),
+    "parquet (tokens)": (
+        "Parquet files of a tokenised corpus (every row as many token ids), cut into windows "
+        "of 257 tokens (256 inputs, each one's next token its target):",
+        {
+            "name": "parquet",
+            "train": "s3://bucket/corpus/train",
+            "validation": "s3://bucket/corpus/validation",
+            "columns": {"tokens": "input_ids"},
+            "context": 256,
+            "classes": 50257,
+            "batch_size": 16,
+        },
+    ),
+    "text": (
+        "Text files (`*.txt`) cut into windows of 65 bytes (a byte-level model's 64 inputs "
+        "and their next bytes), every 20th run of windows held out for validation:",
+        {
+            "name": "text",
+            "train": "s3://bucket/books",
+            "validation_every": 20,
+            "context": 64,
+            "batch_size": 32,
+        },
+    ),
+}
+"""One ``dataset`` section per streamed source (URIs: nothing here looks at them), each
+checked by the JobSpec when the reference is rendered."""
+
+
+def _stream_examples() -> list[str]:
+    import yaml
+
+    from kaisa_ray.train.spec import DatasetSpec
+
+    lines = [
+        "",
+        "## Streamed datasets: an example per source",
+        "",
+        "Your own files, read by Ray Data ([data.md](data.md)):",
+    ]
+    for title, (text, dataset) in STREAM_EXAMPLES.items():
+        DatasetSpec.model_validate(dataset)  # a stale example fails the reference's test
+        body = yaml.safe_dump({"dataset": dataset}, sort_keys=False, default_flow_style=False)
+        lines += ["", f"**{title}.** {text}", "", "```yaml", body.rstrip(), "```"]
+    return lines
 
 
 def main() -> None:

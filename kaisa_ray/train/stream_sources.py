@@ -19,7 +19,8 @@ class StreamSource(StrEnum):
     """The datasets a job streams from a user's own files (``dataset.name``)."""
 
     IMAGE_FOLDER = "image-folder"  # one subfolder per class, images in it (torchvision's layout)
-    PARQUET = "parquet"  # an input column (image bytes or numbers) and an integer label column
+    PARQUET = "parquet"  # an input and a label column, or a token column (a language model's)
+    TEXT = "text"  # text files (*.txt) cut into byte windows (a byte-level language model's)
 
 
 def is_uri(path: str) -> bool:

@@ -1,12 +1,13 @@
-"""Datasets streamed to the workers by Ray Data: a user's own image folder or Parquet files,
-read and preprocessed on the cluster's CPUs, each worker holding a bounded window.
+"""Datasets streamed to the workers by Ray Data: a user's own image folder, Parquet files or
+text files, read and preprocessed on the cluster's CPUs, each worker holding a bounded window.
 
 The driver opens the sources (``open_stream``): it lists the files, checks what it can before
 anything starts (an empty folder, a missing column, validation classes training lacks), counts
 the rows, and builds one Ray Data pipeline per split, read with the files in a new random
 order each epoch and preprocessed by ``map_batches`` tasks into ``{"x": float32, "y": int64}``
-batches. Ray Train splits both pipelines over the workers (``streaming_split``, every worker as
-many rows); a worker reads its share through ``StreamShard``, which keeps the in-memory
+batches (a language model's: ``{"window": (n, context + 1)}``, input and target in one).
+Ray Train splits both pipelines over the workers (``streaming_split``, every worker as many
+rows); a worker reads its share through ``StreamShard``, which keeps the in-memory
 ``Shard``'s contract: step ``s`` is batch ``(s-1) % steps_per_epoch`` of epoch
 ``(s-1) // steps_per_epoch``, and within an epoch the rows come through a shuffle window of
 ``dataset.shuffle_buffer`` rows.
@@ -92,12 +93,12 @@ def _listing(path: str, split: str) -> tuple[list[str], list[str]]:
     return folders, files
 
 
-def _image_classes(path: str, split: str) -> dict[str, int]:
-    """An image folder's classes (its subfolders, sorted) and its images' count per class."""
+def _image_classes(path: str, split: str) -> dict[str, list[str]]:
+    """An image folder's classes (its subfolders, sorted) and each one's images, sorted."""
     _, root = _filesystem(path)
     folders, files = _listing(path, split)
-    counts = {
-        os.path.relpath(f, root): 0 for f in folders if os.path.dirname(f) == root.rstrip("/")
+    classes: dict[str, list[str]] = {
+        os.path.relpath(f, root): [] for f in folders if os.path.dirname(f) == root.rstrip("/")
     }
     stray = []
     for name in files:
@@ -107,15 +108,15 @@ def _image_classes(path: str, split: str) -> dict[str, int]:
         if len(parts) < 2:
             stray.append(name)
             continue
-        counts[parts[0]] = counts.get(parts[0], 0) + 1
+        classes.setdefault(parts[0], []).append(name)
     if stray:
         raise ConfigurationError(
             f"dataset.{split}: {stray[0]} (and {len(stray) - 1} more) is not in a class "
             f"subfolder of {path}. An image folder holds one subfolder per class "
             "(train/cat/1.png, train/dog/2.png); move the images into their class's folder"
         )
-    empty = [name for name, n in counts.items() if n == 0]
-    if not counts or sum(counts.values()) == 0:
+    empty = [name for name, images in classes.items() if not images]
+    if not classes or len(empty) == len(classes):
         raise ConfigurationError(
             f"dataset.{split}: {path} holds no images ({', '.join(IMAGE_EXTENSIONS)}) in "
             "class subfolders. Point it at a folder with one subfolder per class"
@@ -125,24 +126,43 @@ def _image_classes(path: str, split: str) -> dict[str, int]:
             f"dataset.{split}: the class folder {os.path.join(path, empty[0])} holds no images "
             f"({len(empty)} empty in all). Remove the empty class folders or add their images"
         )
-    return dict(sorted(counts.items()))
+    return dict(sorted(classes.items()))
+
+
+def _held_out(files: list[str], every: int, path: str) -> tuple[list[str], list[str]]:
+    """(training, validation) files of ``path``: every ``every``-th file, in path order, held
+    out for validation. Refused where that leaves either split without a file."""
+    ordered = sorted(files)
+    validation = ordered[every - 1 :: every]
+    if not validation or len(validation) == len(ordered):
+        raise ConfigurationError(
+            f"dataset.validation_every={every}: {path} has {len(ordered)} file(s), so every "
+            f"{every}th leaves {'no validation' if not validation else 'no training'} file. "
+            "Write the data into more files, lower validation_every, or name a validation "
+            "split in dataset.validation"
+        )
+    held = set(validation)
+    return [f for f in ordered if f not in held], validation
 
 
 def _image_pipeline(
-    dataset: DatasetSpec, path: str, classes: tuple[str, ...], shuffle: bool
+    dataset: DatasetSpec,
+    paths: str | list[str],
+    root: str,
+    classes: tuple[str, ...],
+    shuffle: bool,
 ) -> Dataset:
     import ray.data
 
     image = dataset.image
     ds = ray.data.read_images(
-        path,
+        paths,
         mode=image.mode.value,
         size=None if image.size is None else (image.size[0], image.size[1]),
         include_paths=True,
         shuffle="files" if shuffle else None,
         file_extensions=list(IMAGE_EXTENSIONS),
     )
-    _, root = _filesystem(path)
     prepare = _ImageBatches(
         root=root.rstrip("/"),
         classes=classes,
@@ -150,6 +170,41 @@ def _image_pipeline(
         std=tuple(image.std),
     )
     return ds.map_batches(prepare, batch_format="numpy")
+
+
+def _image_source(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]:
+    assert dataset.train is not None  # the spec's check
+    train = _image_classes(dataset.train, TRAIN)
+    classes = tuple(train)
+    _, root = _filesystem(dataset.train)
+    if dataset.validation_every is not None:
+        every = [f for images in train.values() for f in images]
+        kept, held = _held_out(every, dataset.validation_every, dataset.train)
+        pipelines = {
+            TRAIN: _image_pipeline(dataset, kept, root, classes, shuffle=True),
+            VALIDATION: _image_pipeline(dataset, held, root, classes, shuffle=False),
+        }
+        return pipelines, StreamCounts(len(kept), len(held), classes)
+    assert dataset.validation is not None
+    validation = _image_classes(dataset.validation, VALIDATION)
+    unknown = sorted(set(validation) - set(train))
+    if unknown:
+        raise ConfigurationError(
+            f"dataset.validation: class folders {', '.join(unknown)} of "
+            f"{dataset.validation} are not in the training split {dataset.train}. Give "
+            "both splits the same class folders"
+        )
+    _, validation_root = _filesystem(dataset.validation)
+    pipelines = {
+        TRAIN: _image_pipeline(dataset, dataset.train, root, classes, shuffle=True),
+        VALIDATION: _image_pipeline(
+            dataset, dataset.validation, validation_root, classes, shuffle=False
+        ),
+    }
+    counts = StreamCounts(
+        sum(map(len, train.values())), sum(map(len, validation.values())), classes
+    )
+    return pipelines, counts
 
 
 @dataclass(frozen=True)
@@ -272,43 +327,111 @@ class _TableBatches:
         return _stack_images(images, paths)
 
 
-def _parquet_pipeline(dataset: DatasetSpec, path: str, shuffle: bool) -> tuple[Dataset, int]:
+def _windows(values: np.ndarray, context: int) -> np.ndarray:
+    """``values`` (one sequence) cut into windows of ``context + 1``, each starting where the
+    last one's inputs end (so every value but the first is a target once): (n, context + 1)."""
+    count = (len(values) - 1) // context
+    if count < 1:
+        return np.empty((0, context + 1), values.dtype)
+    view = np.lib.stride_tricks.sliding_window_view(values[: count * context + 1], context + 1)
+    return view[::context]
+
+
+@dataclass(frozen=True)
+class _TokenWindows:
+    """A Parquet batch of token rows (every row ``length`` tokens, ids below ``vocabulary``
+    when it is set) as windows of ``context + 1`` tokens (``{"window": (n, context + 1)}``)."""
+
+    column: str
+    context: int
+    length: int
+    vocabulary: int | None
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        paths = batch["path"]
+        rows = []
+        for i, value in enumerate(batch[self.column]):
+            tokens = np.asarray(value)
+            if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or len(tokens) != self.length:
+                raise ConfigurationError(
+                    f"{paths[i]}: a row of column {self.column!r} holds {tokens.dtype} "
+                    f"{tuple(tokens.shape)}; every row must be a list of {self.length} integer "
+                    "token ids (the first row's length; write the tokens packed into rows of "
+                    "one length)"
+                )
+            rows.append(tokens)
+        tokens = np.stack(rows) if rows else np.empty((0, self.length), np.int64)
+        bad = (tokens < 0) | (tokens >= (self.vocabulary or np.iinfo(np.int64).max))
+        if bad.any():
+            i = int(np.argmax(bad.any(axis=1)))
+            limit = f"0 to {self.vocabulary - 1}" if self.vocabulary else "0 or more"
+            raise ConfigurationError(
+                f"{paths[i]}: token {int(tokens[i][bad[i]][0])} in column {self.column!r} is "
+                f"outside the vocabulary ({limit}). Fix the file, or set dataset.classes to the "
+                "model's vocabulary"
+            )
+        windows = [_windows(row, self.context) for row in tokens]
+        if not windows:
+            return {"window": np.empty((0, self.context + 1), np.int64)}
+        return {"window": np.concatenate(windows)}
+
+
+def _parquet_pipeline(
+    dataset: DatasetSpec, paths: str | list[str], first: str, shuffle: bool
+) -> tuple[Dataset, int]:
+    """A Parquet split's pipeline and its rows (windows, for a token column); ``first``: its
+    first file, whose schema (and first row's tokens) are checked here."""
+    import pyarrow.parquet as pq
     import ray.data
 
     split = TRAIN if shuffle else VALIDATION
-    _, files = _listing(path, split)
-    parquet = [f for f in files if f.endswith(".parquet")]
-    if not parquet:
-        raise ConfigurationError(
-            f"dataset.{split}: {path} holds no .parquet files. Point it at a Parquet file or "
-            "a folder of them"
-        )
     columns = dataset.columns
-    import pyarrow.parquet as pq
-
-    fs, _ = _filesystem(path)
+    wanted = [columns.tokens] if columns.tokens is not None else [columns.input, columns.label]
+    fs, _ = _filesystem(first)
     try:
-        with fs.open_input_file(parquet[0]) as opened:
-            names = set(pq.read_schema(opened).names)
+        with fs.open_input_file(_filesystem(first)[1]) as opened:
+            table = pq.ParquetFile(opened)
+            names = set(table.schema_arrow.names)
+            missing = [c for c in wanted if c not in names]
+            first_row = (
+                next(table.iter_batches(batch_size=1, columns=wanted), None)
+                if not missing and columns.tokens is not None
+                else None
+            )
     except (OSError, ValueError) as err:
         raise ConfigurationError(
-            f"dataset.{split}: {parquet[0]} is not a readable Parquet file ({err}). Fix or "
-            "remove it"
+            f"dataset.{split}: {first} is not a readable Parquet file ({err}). Fix or remove it"
         ) from None
-    missing = [c for c in (columns.input, columns.label) if c not in names]
     if missing:
+        hint = (
+            "Set dataset.columns.tokens to its name"
+            if columns.tokens is not None
+            else "Set dataset.columns.input and dataset.columns.label to its names"
+        )
         raise ConfigurationError(
-            f"dataset.{split}: {parquet[0]} has no column {missing[0]!r} (it has "
-            f"{', '.join(sorted(names))}). Set dataset.columns.input and dataset.columns.label "
-            "to its names"
+            f"dataset.{split}: {first} has no column {missing[0]!r} (it has "
+            f"{', '.join(sorted(names))}). {hint}"
         )
     ds = ray.data.read_parquet(
-        path,
-        columns=[columns.input, columns.label],
-        include_paths=True,
-        shuffle="files" if shuffle else None,
+        paths, columns=wanted, include_paths=True, shuffle="files" if shuffle else None
     )
     rows = ds.count()
+    if columns.tokens is not None:
+        length = 0 if first_row is None else len(first_row.column(0)[0])
+        per_row = (length - 1) // dataset.window
+        if per_row < 1:
+            raise ConfigurationError(
+                f"dataset.{split}: {first}'s rows hold {length} tokens, fewer than one window of "
+                f"dataset.context + 1 = {dataset.window + 1}. Lower dataset.context, or write "
+                "longer rows"
+            )
+        windows = _TokenWindows(
+            column=columns.tokens,
+            context=dataset.window,
+            length=length,
+            vocabulary=dataset.classes,
+        )
+        return ds.map_batches(windows, batch_format="numpy"), rows * per_row
     image = dataset.image
     prepare = _TableBatches(
         input=columns.input,
@@ -322,42 +445,187 @@ def _parquet_pipeline(dataset: DatasetSpec, path: str, shuffle: bool) -> tuple[D
     return ds.map_batches(prepare, batch_format="numpy"), rows
 
 
+def _parquet_files(path: str, split: str) -> list[str]:
+    _, files = _listing(path, split)
+    parquet = [f for f in files if f.endswith(".parquet")]
+    if not parquet:
+        raise ConfigurationError(
+            f"dataset.{split}: {path} holds no .parquet files. Point it at a Parquet file or "
+            "a folder of them"
+        )
+    return parquet
+
+
+def _parquet_source(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]:
+    assert dataset.train is not None  # the spec's check
+    train = _parquet_files(dataset.train, TRAIN)
+    if dataset.validation_every is not None:
+        kept, held = _held_out(train, dataset.validation_every, dataset.train)
+        train_ds, train_rows = _parquet_pipeline(dataset, kept, kept[0], shuffle=True)
+        val_ds, val_rows = _parquet_pipeline(dataset, held, held[0], shuffle=False)
+    else:
+        assert dataset.validation is not None
+        validation = _parquet_files(dataset.validation, VALIDATION)
+        train_ds, train_rows = _parquet_pipeline(dataset, dataset.train, train[0], shuffle=True)
+        val_ds, val_rows = _parquet_pipeline(
+            dataset, dataset.validation, validation[0], shuffle=False
+        )
+    return {TRAIN: train_ds, VALIDATION: val_ds}, StreamCounts(train_rows, val_rows)
+
+
+TEXT_EXTENSION = ".txt"
+TEXT_RUN = 64  # windows held out together by validation_every (a run of text, not scattered)
+
+
+def _held_windows(windows: int, every: int) -> int:
+    """How many of windows ``0 .. windows - 1`` fall in every ``every``-th run of ``TEXT_RUN``
+    (the runs ``every - 1``, ``2 every - 1``, ...)."""
+    cycle = TEXT_RUN * every
+    return (windows // cycle) * TEXT_RUN + max(0, windows % cycle - TEXT_RUN * (every - 1))
+
+
+@dataclass(frozen=True)
+class _TextWindows:
+    """Whole text files (Ray Data's ``bytes`` rows) cut into byte windows of ``context + 1``
+    (``{"window": uint8 (n, context + 1)}``), each file's windows numbered from ``first``
+    (its first window's place among all of them, in path order); with ``every``, only the
+    windows of this split's runs (``keep``: the held-out ones, or the rest). ``shuffle``: in a
+    new random order (a training split's; files hold their text in order)."""
+
+    context: int
+    root: str
+    first: dict[str, int]
+    every: int | None
+    keep: bool
+    shuffle: bool
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        parts = []
+        for raw, path in zip(batch["bytes"], batch["path"], strict=True):
+            windows = _windows(np.frombuffer(raw, np.uint8), self.context)
+            if self.every is not None:
+                start = self.first[_relative(str(path), self.root)]
+                run = (start + np.arange(len(windows))) // TEXT_RUN
+                windows = windows[(run % self.every == self.every - 1) == self.keep]
+            parts.append(windows)
+        out = np.concatenate(parts) if parts else np.empty((0, self.context + 1), np.uint8)
+        if self.shuffle:
+            out = out[np.random.default_rng().permutation(len(out))]
+        return {"window": np.ascontiguousarray(out)}
+
+
+def _relative(path: str, root: str) -> str:
+    """``path`` below ``root`` (Ray Data's path column and a listing's agree below it)."""
+    position = path.find(root)
+    return path[position + len(root) :].lstrip("/") if position >= 0 else path
+
+
+def _text_files(path: str, split: str) -> list[tuple[str, int]]:
+    """(file, size in bytes) of a text split: the file named, or a folder's ``*.txt`` files."""
+    import pyarrow.fs
+
+    fs, root = _filesystem(path)
+    info = fs.get_file_info(root)
+    if info.type == pyarrow.fs.FileType.File:
+        return [(root, info.size)]
+    _, files = _listing(path, split)
+    text = [f for f in files if f.lower().endswith(TEXT_EXTENSION)]
+    if not text:
+        raise ConfigurationError(
+            f"dataset.{split}: {path} holds no {TEXT_EXTENSION} files. Point it at a text "
+            f"file, or a folder of {TEXT_EXTENSION} files"
+        )
+    return [(f, e.size) for f, e in zip(text, fs.get_file_info(text), strict=True)]
+
+
+@dataclass(frozen=True)
+class _TextSplit:
+    """A text split, listed and counted: its files in path order, their common folder, each
+    file's first window's number, and the split's windows."""
+
+    files: list[str]
+    root: str
+    first: dict[str, int]
+    rows: int
+
+
+def _text_split(dataset: DatasetSpec, path: str, split: str, held: bool) -> _TextSplit:
+    """``path``'s windows (with ``validation_every``: its held-out runs, or the rest)."""
+    context, every = dataset.window, dataset.validation_every
+    files = _text_files(path, split)
+    _, root = _filesystem(path)
+    if len(files) == 1 and files[0][0] == root:  # a file named, not a folder
+        root = os.path.dirname(root)
+    first, total = {}, 0
+    for name, size in files:
+        first[_relative(name, root)] = total
+        total += max(0, (size - 1) // context)
+    rows = total
+    if every is not None:
+        rows = _held_windows(total, every) if held else total - _held_windows(total, every)
+    if rows < 1:
+        raise ConfigurationError(
+            f"dataset.{split}: {path} holds {total} window(s) of dataset.context + 1 = "
+            f"{context + 1} bytes"
+            + (f", none of them in every {every}th run of {TEXT_RUN}" if every else "")
+            + ". Add text, lower dataset.context"
+            + (", or lower validation_every" if every else "")
+        )
+    return _TextSplit([name for name, _ in files], root, first, rows)
+
+
+def _text_pipeline(dataset: DatasetSpec, text: _TextSplit, held: bool, shuffle: bool) -> Dataset:
+    import ray.data
+
+    ds = ray.data.read_binary_files(
+        text.files, include_paths=True, shuffle="files" if shuffle else None
+    )
+    windows = _TextWindows(
+        context=dataset.window,
+        root=text.root,
+        first=text.first,
+        every=dataset.validation_every,
+        keep=held,
+        shuffle=shuffle,
+    )
+    return ds.map_batches(windows, batch_format="numpy")
+
+
+def _text_source(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]:
+    assert dataset.train is not None  # the spec's check
+    train = _text_split(dataset, dataset.train, TRAIN, held=False)
+    if dataset.validation_every is not None:
+        validation = _text_split(dataset, dataset.train, VALIDATION, held=True)
+    else:
+        assert dataset.validation is not None
+        validation = _text_split(dataset, dataset.validation, VALIDATION, held=False)
+    pipelines = {
+        TRAIN: _text_pipeline(dataset, train, held=False, shuffle=True),
+        VALIDATION: _text_pipeline(dataset, validation, held=True, shuffle=False),
+    }
+    return pipelines, StreamCounts(train.rows, validation.rows)
+
+
 def open_stream(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]:
     """The job's two pipelines (``train``, ``validation``) and their counts, checked; the
     validation split read once into Ray's object store (bad data in it fails here).
 
     Raises:
         ConfigurationError: a folder that is missing or empty, a class folder without images,
-            validation classes training lacks, a missing Parquet column (each names the path
-            and the fix).
+            validation classes training lacks, a missing Parquet column, a ``validation_every``
+            that leaves a split empty, text too short for one window (each names the path and
+            the fix).
     """
     from ray.data import DataContext
 
     DataContext.get_current().enable_progress_bars = False
-    assert dataset.train is not None  # the spec's check
-    assert dataset.validation is not None
     source = StreamSource(dataset.name)
     if source is StreamSource.IMAGE_FOLDER:
-        train = _image_classes(dataset.train, TRAIN)
-        validation = _image_classes(dataset.validation, VALIDATION)
-        unknown = sorted(set(validation) - set(train))
-        if unknown:
-            raise ConfigurationError(
-                f"dataset.validation: class folders {', '.join(unknown)} of "
-                f"{dataset.validation} are not in the training split {dataset.train}. Give "
-                "both splits the same class folders"
-            )
-        classes = tuple(train)
-        pipelines = {
-            TRAIN: _image_pipeline(dataset, dataset.train, classes, shuffle=True),
-            VALIDATION: _image_pipeline(dataset, dataset.validation, classes, shuffle=False),
-        }
-        counts = StreamCounts(sum(train.values()), sum(validation.values()), classes)
+        pipelines, counts = _image_source(dataset)
+    elif source is StreamSource.PARQUET:
+        pipelines, counts = _parquet_source(dataset)
     else:
-        train_ds, train_rows = _parquet_pipeline(dataset, dataset.train, shuffle=True)
-        val_ds, val_rows = _parquet_pipeline(dataset, dataset.validation, shuffle=False)
-        pipelines = {TRAIN: train_ds, VALIDATION: val_ds}
-        counts = StreamCounts(train_rows, val_rows)
+        pipelines, counts = _text_source(dataset)
     if dataset.limit is not None:
         pipelines = {name: ds.limit(dataset.limit) for name, ds in pipelines.items()}
         counts = StreamCounts(
@@ -367,9 +635,9 @@ def open_stream(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]
         )
     # The validation split is read every evaluation: read and decoded once, into Ray's object
     # store (which spills to disk), not again each time (a new execution of the pipeline
-    # costs seconds before its first batch).
-    # In file order: Ray Data otherwise hands on whichever read task finishes first, so the
-    # rows a limit keeps (and the order of the evaluation's batches) would change run to run.
+    # costs seconds before its first batch). In file order: Ray Data otherwise hands on
+    # whichever read task finishes first, so the rows a limit keeps (and the order of the
+    # evaluation's batches) would change run to run.
     ordered = pipelines[VALIDATION]
     ordered.context.execution_options.preserve_order = True
     pipelines[VALIDATION] = ordered.materialize()
@@ -475,9 +743,18 @@ class StreamShard:
             self._batches, self._next = None, None
         else:
             self._next = (epoch, following)
-        return batch["x"], batch["y"]
+        return _pair(batch)
 
     def validation_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This worker's share of the validation split, in batches (every worker as many)."""
         for batch in self.validation.iter_torch_batches(batch_size=batch_size, device="cpu"):
-            yield batch["x"], batch["y"]
+            yield _pair(batch)
+
+
+def _pair(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, target) of a pipeline's batch: a classifier's ``x`` and ``y``, or a language
+    model's windows as (their first ``context`` tokens, the same shifted by one), int64."""
+    if "window" in batch:
+        window = batch["window"].long()
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+    return batch["x"], batch["y"]

@@ -1,6 +1,7 @@
-"""Users' own files streamed by Ray Data (``dataset.name: image-folder | parquet``): the spec's
-checks, each source's reader on small generated data, a worker's position in the stream, the
-bad-data errors naming the file, and a 2-worker job that checkpoints and resumes in place."""
+"""Users' own files streamed by Ray Data (``dataset.name: image-folder | parquet | text``): the
+spec's checks, each source's reader on small generated data, the held-out validation rule, a
+worker's position in the stream, the bad-data errors naming the file, a 2-worker job that
+checkpoints and resumes in place, and a language model's job and a sweep on streamed data."""
 
 from __future__ import annotations
 
@@ -14,19 +15,25 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 from PIL import Image
 from pydantic import ValidationError
+from support.cli_process import KAISA_RAY, run, user_env
 from support.ray_head import RayHead
 from support.ray_jobs import records
 
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset
 from kaisa_ray.train.job import run_job
+from kaisa_ray.train.records import TrialState
 from kaisa_ray.train.spec import DatasetSpec, parse_job_spec
 from kaisa_ray.train.state import load_checkpoint_file
 from kaisa_ray.train.streaming import (
+    TEXT_RUN,
     StreamCounts,
     StreamShard,
+    _held_windows,
+    _windows,
     open_stream,
     spare_cpus_message,
 )
@@ -71,9 +78,37 @@ def parquet_files(root: Path, rows: int = 12, files: int = 2) -> Path:
     return root
 
 
-def stream_spec(name: str, train: Path, validation: Path, **fields: Any) -> DatasetSpec:
-    return DatasetSpec(
-        name=name, train=str(train), validation=str(validation), batch_size=4, **fields
+def stream_spec(name: str, train: Path, validation: Path | None, **fields: Any) -> DatasetSpec:
+    held = {} if validation is None else {"validation": str(validation)}
+    return DatasetSpec(name=name, train=str(train), batch_size=4, **held, **fields)
+
+
+def token_files(root: Path, rows: int = 6, length: int = 17, files: int = 3) -> Path:
+    """Rows of ``length`` token ids: row ``r`` holds ``100 * r + i`` (i: the token's place)."""
+    root.mkdir(parents=True)
+    per = rows // files
+    for f in range(files):
+        tokens = [[100 * r + i for i in range(length)] for r in range(f * per, (f + 1) * per)]
+        pq.write_table(
+            pa.table({"ids": pa.array(tokens, type=pa.list_(pa.int32()))}),
+            root / f"part-{f}.parquet",
+        )
+    return root
+
+
+def text_folder(root: Path, sizes: tuple[int, ...] = (1000, 333, 2600)) -> Path:
+    """``.txt`` files of ``sizes`` bytes, byte ``j`` of a file being ``j % 251`` (and one file
+    that is not text, which is not read)."""
+    root.mkdir(parents=True)
+    for k, size in enumerate(sizes):
+        (root / f"{k}.txt").write_bytes(bytes(j % 251 for j in range(size)))
+    (root / "notes.md").write_text("not read")
+    return root
+
+
+def windows_of(pipeline: Any) -> np.ndarray:
+    return np.concatenate(
+        [b["window"] for b in pipeline.iter_batches(batch_size=None, batch_format="numpy")]
     )
 
 
@@ -104,6 +139,50 @@ def test_a_streamed_dataset_names_both_splits_and_nothing_else_takes_their_field
     spec = DatasetSpec(name="parquet", train="s3://bucket/train", validation="gs://b/v")
     assert spec.streamed
     assert not DatasetSpec(name="synthetic").streamed
+
+
+def test_each_source_takes_its_own_fields_and_one_validation_split(tmp_path: Path) -> None:
+    uris = {"train": "s3://b/t", "validation": "s3://b/v"}
+    with pytest.raises(ValidationError, match=r"dataset\.context does not apply to 'parquet'"):
+        DatasetSpec(name="parquet", context=32, **uris)
+    with pytest.raises(ValidationError, match=r"dataset\.image does not apply to 'text'"):
+        DatasetSpec(name="text", image={"mode": "RGB"}, **uris)
+    with pytest.raises(ValidationError, match=r"dataset\.columns does not apply to 'text'"):
+        DatasetSpec(name="text", columns={"tokens": "ids"}, **uris)
+    with pytest.raises(ValidationError, match=r"columns\.tokens .* without columns\.input"):
+        DatasetSpec(name="parquet", columns={"tokens": "ids", "input": "x"}, **uris)
+    with pytest.raises(ValidationError, match=r"both name a validation split: keep one"):
+        DatasetSpec(name="text", validation_every=10, **uris)
+    with pytest.raises(ValidationError, match=r"or dataset\.validation_every: k"):
+        DatasetSpec(name="text", train="s3://b/t")
+    tokens = DatasetSpec(
+        name="parquet", train="s3://b/t", validation_every=5, columns={"tokens": "ids"}
+    )
+    assert tokens.sequences
+    assert tokens.window == 64
+    assert DatasetSpec(name="text", context=128, **uris).window == 128
+    assert not DatasetSpec(name="parquet", **uris).sequences
+
+
+def test_windows_overlap_by_one_and_held_out_runs_are_counted_exactly() -> None:
+    cut = _windows(np.arange(10), 3)
+    assert cut.tolist() == [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9]]
+    assert _windows(np.arange(3), 3).shape == (0, 4)
+    for every in (2, 3, 10):
+        for windows in (0, 1, TEXT_RUN - 1, TEXT_RUN * every, 5 * TEXT_RUN * every + 77, 9999):
+            runs = np.arange(windows) // TEXT_RUN
+            assert _held_windows(windows, every) == int((runs % every == every - 1).sum())
+
+
+def test_a_held_out_split_that_would_be_empty_is_refused(tmp_path: Path) -> None:
+    files = parquet_files(tmp_path / "train", files=2)
+    with pytest.raises(ConfigurationError, match=r"has 2 file\(s\), so every 3th leaves no"):
+        open_stream(stream_spec("parquet", files, None, validation_every=3))
+    text = text_folder(tmp_path / "text", sizes=(200,))  # 49 windows: one run
+    with pytest.raises(ConfigurationError, match=r"none of them in every 2th run"):
+        open_stream(stream_spec("text", text, None, validation_every=2, context=4))
+    with pytest.raises(ConfigurationError, match=r"holds no \.txt files"):
+        open_stream(stream_spec("text", tmp_path / "train", tmp_path / "train"))
 
 
 def test_a_streamed_job_leaves_ray_data_a_cpu() -> None:
@@ -189,6 +268,82 @@ def test_parquet_rows_become_images_from_bytes_or_numbers(
     assert x.shape == (10, 1, 8, 6)
     np.testing.assert_allclose(x[:, 0, 3, 2] * 255, np.arange(10), atol=1e-4)
     assert y.tolist() == [v % 3 for v in range(10)]
+
+
+@pytest.mark.ray
+def test_an_image_folder_holds_out_every_kth_image_for_validation(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    train = image_folder(tmp_path / "train")  # 12 images, ant/0..3, bee/0..3, cat/0..3
+    spec = stream_spec(
+        "image-folder", train, None, validation_every=4, image={"mean": [0.0], "std": [1.0]}
+    )
+    pipelines, counts = open_stream(spec)
+    assert counts == StreamCounts(9, 3, CLASSES)
+    x_val, y_val = every_row(pipelines["validation"])
+    x, _ = every_row(pipelines["train"])
+    held = np.round(x_val[:, 0, 0, 0] * 255).astype(int).tolist()
+    assert held == [3, 13, 23]  # the 4th, 8th and 12th in path order: one per class here
+    assert y_val.tolist() == [0, 1, 2]
+    kept = sorted(np.round(x[:, 0, 0, 0] * 255).astype(int).tolist())
+    assert kept == sorted({10 * k + i for k in range(3) for i in range(4)} - set(held))
+
+
+@pytest.mark.ray
+def test_text_files_become_byte_windows_and_every_kth_run_is_held_out(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    """Three files of 1000, 333 and 2600 bytes at context 4: 249 + 83 + 649 windows of 5 bytes,
+    numbered in path order; with validation_every=2 every second run of TEXT_RUN windows is
+    validation, the rest training, and nothing is in both."""
+    text = text_folder(tmp_path / "text")
+    whole, counts = open_stream(stream_spec("text", text, text, context=4))
+    assert counts == StreamCounts(981, 981)
+    every = windows_of(whole["validation"])  # in path order
+    assert every.dtype == np.uint8
+    assert every.shape == (981, 5)
+    assert every[:2].tolist() == [[0, 1, 2, 3, 4], [4, 5, 6, 7, 8]]
+    assert every[249].tolist() == [0, 1, 2, 3, 4]  # the second file's first window
+    split, counts = open_stream(stream_spec("text", text, None, context=4, validation_every=2))
+    odd = (np.arange(981) // TEXT_RUN) % 2 == 1
+    assert counts == StreamCounts(int((~odd).sum()), int(odd.sum()))
+    np.testing.assert_array_equal(windows_of(split["validation"]), every[odd])
+    train = windows_of(split["train"])  # shuffled
+    assert sorted(w.tobytes() for w in train) == sorted(w.tobytes() for w in every[~odd])
+
+
+@pytest.mark.ray
+def test_a_token_column_becomes_windows_of_its_rows_and_bad_rows_name_their_file(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    files = token_files(tmp_path / "tokens")  # 6 rows of 17 tokens in 3 files
+    spec = stream_spec(
+        "parquet", files, None, columns={"tokens": "ids"}, context=8, validation_every=3
+    )
+    pipelines, counts = open_stream(spec)
+    assert counts == StreamCounts(8, 4)  # 2 windows a row; part-2 (rows 4 and 5) held out
+    held = windows_of(pipelines["validation"])
+    assert held.tolist() == [
+        [400 + i for i in range(9)], [408 + i for i in range(9)],
+        [500 + i for i in range(9)], [508 + i for i in range(9)],
+    ]  # fmt: skip
+    vocabulary = stream_spec(
+        "parquet", files, files, columns={"tokens": "ids"}, context=8, classes=210
+    )
+    with pytest.raises(
+        Exception,
+        match=r"part-1\.parquet: token 210 in column 'ids' is outside the vocabulary \(0 to 209\)",
+    ):
+        open_stream(vocabulary)  # row 2 (200 to 216) is the first with a token past 209
+    table = pq.read_table(files / "part-2.parquet").to_pydict()
+    table["ids"][1] = table["ids"][1][:5]
+    short = pa.array(table["ids"], type=pa.list_(pa.int32()))
+    pq.write_table(pa.table({"ids": short}), files / "part-2.parquet")
+    with pytest.raises(
+        Exception,
+        match=r"part-2\.parquet: a row of column 'ids' .*\(5,\); every row must be a list of 17",
+    ):
+        open_stream(spec)
 
 
 @pytest.mark.ray
@@ -347,3 +502,54 @@ def test_a_two_worker_job_streams_an_image_folder_and_resumes_at_its_step(
     assert start["from_step"] == 20
     assert [r["step"] for r in records("streamed-again", "step")] == [30, 40]
     assert again.metrics["test_accuracy"] > 0.5
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_sweep_with_kfac_auto_trains_a_language_model_on_streamed_text(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    """``kaisa-ray sweep`` (as a user runs it) of 2 trials over a folder of text files, a tenth
+    held out by ``validation_every``: every trial profiles its stream (kfac: auto), trains a
+    byte-level transformer on it, and its validation loss ends below uniform over bytes."""
+    folder = tmp_path / "text"
+    folder.mkdir()
+    lines = [
+        f"the {w} fox jumps over the lazy dog number {i}.\n"
+        for i in range(400)
+        for w in ("quick", "slow")
+    ]
+    for k in range(4):
+        (folder / f"{k}.txt").write_text("".join(lines[k * 200 : (k + 1) * 200]))
+    config = {
+        "name": "streamed-sweep",
+        "model": {"name": "char-transformer", "params": {"width": 32, "depth": 1}},
+        "dataset": {"name": "text", "train": str(folder), "validation_every": 5, "batch_size": 16},
+        "optimizer": {"name": "adamw", "lr": 0.004},
+        "kfac": {"strategy": "auto"},
+        "scaling": {"workers": 1, "cpus_per_worker": 1},
+        "stop": {"max_steps": 20},
+        "eval_every": 20,
+        "sweep": {
+            "space": {"optimizer.lr": {"choice": [0.003, 0.01]}},
+            "trials": 2,
+            "concurrent": 2,
+            "metric": "test_loss",
+            "scheduler": "none",
+        },
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**user_env(tmp_path / "home"), "RAY_ADDRESS": ray_head.gcs_address}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=ray_head.token)
+    args = [KAISA_RAY, "sweep", "--config", str(path), "--run-name", "streamed-sweep"]
+    done = run([*args, "--output", "best.yaml"], env, tmp_path, 600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert yaml.safe_load((tmp_path / "best.yaml").read_text())["dataset"]["name"] == "text"
+    trials = records("streamed-sweep", "trial")
+    ended = {r["trial"] for r in trials if r["state"] == TrialState.SUCCEEDED}
+    assert len(ended) == 2, output[-3000:]
+    losses = {r["trial"]: r["test_loss"] for r in trials if r.get("test_loss") is not None}
+    assert set(losses) == ended
+    assert all(loss < 5.55 for loss in losses.values()), losses  # uniform over 256 bytes

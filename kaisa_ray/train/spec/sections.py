@@ -62,23 +62,49 @@ class ImageSpec(StrictModel):
         return self
 
 
+ColumnName = Annotated[str, Field(min_length=1, max_length=256)]
+
+
 class ColumnsSpec(StrictModel):
     """A Parquet dataset's columns: ``input`` (encoded images, or numbers) and ``label``
-    (integer class indices from 0)."""
+    (integer class indices from 0); or ``tokens`` alone, a language model's rows of token ids
+    (every row as long), cut into windows of ``dataset.context + 1`` tokens."""
 
-    input: Annotated[str, Field(min_length=1, max_length=256)] = "image"
-    label: Annotated[str, Field(min_length=1, max_length=256)] = "label"
+    input: ColumnName = "image"
+    label: ColumnName = "label"
+    tokens: ColumnName | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ColumnsSpec:
+        if self.tokens is not None and (self.input != "image" or self.label != "label"):
+            raise ValueError(
+                "columns.tokens is a language model's input and target at once: give it alone, "
+                "without columns.input and columns.label"
+            )
+        return self
 
 
-STREAM_ONLY = ("train", "validation", "image", "columns", "shuffle_buffer", "classes")
+STREAM_ONLY = (
+    "train",
+    "validation",
+    "validation_every",
+    "image",
+    "columns",
+    "shuffle_buffer",
+    "classes",
+    "context",
+)
+SEQUENCE_CONTEXT = 64  # a text window's default length, as the built-in corpus cuts it
 
 
 class DatasetSpec(StrictModel):
     """The data. A built-in or plugin dataset (``fashion-mnist``, ``fortunes``, ...) is read
-    whole into each worker from ``data_dir``. ``image-folder`` and ``parquet`` stream a user's
-    own files through Ray Data (docs/data.md): ``train`` and ``validation`` name the two
-    splits (a folder, a file, or a URI such as ``s3://bucket/train`` that the cluster
-    reads), ``image`` and ``columns`` say how rows become the model's input, ``shuffle_buffer``
+    whole into each worker from ``data_dir``. ``image-folder``, ``parquet`` and ``text``
+    stream a user's own files through Ray Data (docs/data.md): ``train`` and ``validation``
+    name the two splits (a folder, a file, or a URI such as ``s3://bucket/train`` that the
+    cluster reads), or ``validation_every: k`` holds out every k-th file (text: every k-th run
+    of windows) of ``train`` instead; ``image`` and ``columns`` say how rows become the
+    model's input, ``context`` how long a language model's windows are, ``shuffle_buffer``
     how many rows each worker shuffles within."""
 
     name: Annotated[str, Field(max_length=64)]
@@ -91,6 +117,8 @@ class DatasetSpec(StrictModel):
     columns: ColumnsSpec = ColumnsSpec()
     shuffle_buffer: Annotated[int, Field(ge=0, le=10**7)] = 4096
     classes: Annotated[int, Field(gt=0, le=10**7)] | None = None
+    validation_every: Annotated[int, Field(ge=2, le=10**6)] | None = None
+    context: Annotated[int, Field(gt=0, le=10**6)] | None = None
 
     @field_validator("data_dir")
     @classmethod
@@ -101,8 +129,20 @@ class DatasetSpec(StrictModel):
 
     @property
     def streamed(self) -> bool:
-        """Read by Ray Data from the user's files (``image-folder``, ``parquet``)."""
+        """Read by Ray Data from the user's files (``image-folder``, ``parquet``, ``text``)."""
         return self.name in {source.value for source in StreamSource}
+
+    @property
+    def sequences(self) -> bool:
+        """A language model's windows (``text``, or Parquet's ``columns.tokens``)."""
+        return self.name == StreamSource.TEXT or (
+            self.name == StreamSource.PARQUET and self.columns.tokens is not None
+        )
+
+    @property
+    def window(self) -> int:
+        """A sequence's length in tokens (bytes for text): ``context``, or its default."""
+        return self.context or SEQUENCE_CONTEXT
 
     @model_validator(mode="after")
     def _available(self) -> DatasetSpec:
@@ -139,18 +179,53 @@ class DatasetSpec(StrictModel):
                 )
         return self
 
+    def _stream_fields(self) -> None:
+        """Each source's own fields: an image's for images, a window's for sequences."""
+        defaults = DatasetSpec.model_fields
+        wrong = []
+        if self.sequences:
+            wrong = [f for f in ("image",) if getattr(self, f) != defaults[f].get_default()]
+        elif self.context is not None:
+            wrong = ["context"]
+        if self.name == StreamSource.TEXT and self.columns != ColumnsSpec():
+            wrong.append("columns")
+        if wrong:
+            kind = "a language model's windows" if self.sequences else "images"
+            raise ValueError(
+                f"dataset.{wrong[0]} does not apply to {self.name!r} read as {kind}: remove it"
+                + (
+                    " (dataset.context is the length of a text or token window)"
+                    if wrong[0] == "context"
+                    else ""
+                )
+            )
+
     def _stream_paths(self) -> DatasetSpec:
         if self.data_dir is not None:
             raise ValueError(
                 f"dataset {self.name!r} streams from dataset.train and dataset.validation, "
                 "not data_dir: name the two splits' folders (or files, or URIs) there"
             )
-        for split in ("train", "validation"):
+        self._stream_fields()
+        splits = ["train"]
+        if self.validation_every is None:
+            splits.append("validation")
+        elif self.validation is not None:
+            raise ValueError(
+                f"dataset.validation ({self.validation}) and dataset.validation_every "
+                f"({self.validation_every}) both name a validation split: keep one"
+            )
+        for split in splits:
             path = getattr(self, split)
             if path is None:
                 raise ValueError(
                     f"dataset {self.name!r} needs dataset.{split}: the {split} split's folder, "
                     f"file or URI (e.g. s3://bucket/fashion-mnist/{split})"
+                    + (
+                        ", or dataset.validation_every: k to hold out a k-th of train for it"
+                        if split == "validation"
+                        else ""
+                    )
                 )
             if is_uri(path):
                 continue  # read by the cluster; nothing here can check it
