@@ -301,6 +301,9 @@ class StepRecord(_Record):
     data_wait_ms: float | None = Field(
         default=None, description="per step, waiting for the batch (within ms_per_step)"
     )
+    skipped_rows: int | None = Field(
+        default=None, description="records skipped as unreadable so far (bad_records: skip)"
+    )
     kfac_ms_per_step: float | None = None
     kfac_factors_ms: float | None = None
     kfac_decompositions_ms: float | None = None

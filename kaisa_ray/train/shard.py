@@ -63,6 +63,10 @@ class Shard:
         """(epoch, batch within the epoch) that step ``step`` (1-based) reads."""
         return divmod(step - 1, self.steps_per_epoch)
 
+    def skipped(self) -> int | None:
+        """Records skipped as unreadable: none here (a streamed dataset's may be)."""
+        return None
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         started = time.perf_counter()
         epoch, index = self.position(step)

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["ImageMode", "StreamSource", "is_uri"]
+__all__ = ["BadRecords", "ImageMode", "StreamSource", "is_uri"]
+
+
+class BadRecords(StrEnum):
+    """What a streamed job does with a record it cannot read (``dataset.bad_records``)."""
+
+    FAIL = "fail"  # the job fails, the error naming the file and the fix
+    SKIP = "skip"  # the record is left out and counted (``skipped_rows`` in the step records)
 
 
 class ImageMode(StrEnum):

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.stream_sources import StreamSource, is_uri
+from kaisa_ray.train.stream_sources import BadRecords, StreamSource, is_uri
 
 if TYPE_CHECKING:
     from ray.data import DataIterator, Dataset
@@ -44,6 +44,7 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "TRAIN",
     "VALIDATION",
+    "SkipLedger",
     "StreamCounts",
     "StreamShard",
     "open_stream",
@@ -61,6 +62,34 @@ class StreamCounts:
     train_rows: int
     validation_rows: int
     classes: tuple[str, ...] = ()  # an image folder's class names, in label order
+    ledger: Any = field(default=None, compare=False)  # bad_records: skip's count (an actor)
+
+
+class SkipLedger:
+    """The records a job's pipelines skipped (``dataset.bad_records: skip``): how many, and the
+    first few reasons (each naming its file). One Ray actor per job, told by the map tasks."""
+
+    KEPT = 5
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.reasons: list[str] = []
+
+    def add(self, count: int, reasons: list[str]) -> None:
+        self.count += count
+        self.reasons.extend(reasons[: self.KEPT - len(self.reasons)])
+
+    def total(self) -> tuple[int, list[str]]:
+        return self.count, list(self.reasons)
+
+
+def _refuse(ledger: Any, reasons: list[str]) -> None:
+    """Bad records: the first one's error (``bad_records: fail``, no ledger), or counted."""
+    if not reasons:
+        return
+    if ledger is None:
+        raise ConfigurationError(reasons[0])
+    ledger.add.remote(len(reasons), reasons[: SkipLedger.KEPT])
 
 
 # -- the driver: listing, checking, and the pipelines ------------------------------------------
@@ -151,14 +180,13 @@ def _image_pipeline(
     root: str,
     classes: tuple[str, ...],
     shuffle: bool,
+    ledger: Any,
 ) -> Dataset:
     import ray.data
 
     image = dataset.image
-    ds = ray.data.read_images(
+    ds = ray.data.read_binary_files(
         paths,
-        mode=image.mode.value,
-        size=None if image.size is None else (image.size[0], image.size[1]),
         include_paths=True,
         shuffle="files" if shuffle else None,
         file_extensions=list(IMAGE_EXTENSIONS),
@@ -166,13 +194,16 @@ def _image_pipeline(
     prepare = _ImageBatches(
         root=root.rstrip("/"),
         classes=classes,
+        mode=image.mode.value,
+        size=None if image.size is None else (image.size[0], image.size[1]),
         mean=tuple(image.mean),
         std=tuple(image.std),
+        ledger=ledger,
     )
     return ds.map_batches(prepare, batch_format="numpy")
 
 
-def _image_source(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]:
+def _image_source(dataset: DatasetSpec, ledger: Any) -> tuple[dict[str, Dataset], StreamCounts]:
     assert dataset.train is not None  # the spec's check
     train = _image_classes(dataset.train, TRAIN)
     classes = tuple(train)
@@ -181,8 +212,8 @@ def _image_source(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCount
         every = [f for images in train.values() for f in images]
         kept, held = _held_out(every, dataset.validation_every, dataset.train)
         pipelines = {
-            TRAIN: _image_pipeline(dataset, kept, root, classes, shuffle=True),
-            VALIDATION: _image_pipeline(dataset, held, root, classes, shuffle=False),
+            TRAIN: _image_pipeline(dataset, kept, root, classes, True, ledger),
+            VALIDATION: _image_pipeline(dataset, held, root, classes, False, ledger),
         }
         return pipelines, StreamCounts(len(kept), len(held), classes)
     assert dataset.validation is not None
@@ -196,9 +227,9 @@ def _image_source(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCount
         )
     _, validation_root = _filesystem(dataset.validation)
     pipelines = {
-        TRAIN: _image_pipeline(dataset, dataset.train, root, classes, shuffle=True),
+        TRAIN: _image_pipeline(dataset, dataset.train, root, classes, True, ledger),
         VALIDATION: _image_pipeline(
-            dataset, dataset.validation, validation_root, classes, shuffle=False
+            dataset, dataset.validation, validation_root, classes, False, ledger
         ),
     }
     counts = StreamCounts(
@@ -209,13 +240,17 @@ def _image_source(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCount
 
 @dataclass(frozen=True)
 class _ImageBatches:
-    """An image folder's batch as the model's input: ``x`` (n, C, H, W) scaled to [0, 1] and
-    normalised by the spec's mean and std, ``y`` the class folder's index."""
+    """An image folder's batch (Ray Data's ``bytes`` and ``path`` rows) as the model's input:
+    ``x`` (n, C, H, W) decoded, converted to ``mode``, resized to ``size``, scaled to [0, 1]
+    and normalised by the spec's mean and std, ``y`` the class folder's index."""
 
     root: str
     classes: tuple[str, ...]
+    mode: str
+    size: tuple[int, int] | None
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    ledger: Any = None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         index = {name: i for i, name in enumerate(self.classes)}
@@ -231,8 +266,38 @@ class _ImageBatches:
                     "folders"
                 )
             labels.append(index[folder])
-        images = _stack_images(batch["image"], batch["path"])
-        return {"x": _normalise(images, self.mean, self.std), "y": np.asarray(labels, np.int64)}
+        images, keep, reasons = _decode(batch["bytes"], batch["path"], self.mode, self.size)
+        _refuse(self.ledger, [f"{r}. Fix or remove the file" for r in reasons])
+        y = np.asarray(labels, np.int64)[keep]
+        return {"x": _normalise(images, self.mean, self.std), "y": y}
+
+
+def _decode(
+    values: Any, paths: Any, mode: str, size: tuple[int, int] | None, what: str = "file"
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Encoded images (PNG, JPEG, ...) as (n, C, H, W) uint8, converted to ``mode`` and
+    resized to ``size`` ([height, width]); with the rows kept (a mask) and why the others were
+    not (each naming its ``paths`` entry)."""
+    from PIL import Image
+
+    images, keep, reasons = [], [], []
+    for i, raw in enumerate(values):
+        try:
+            with Image.open(io.BytesIO(raw)) as opened:
+                picture = opened.convert(mode)
+                if size is not None:
+                    picture = picture.resize((size[1], size[0]))
+                images.append(np.asarray(picture))
+                keep.append(True)
+        except (OSError, ValueError) as err:
+            keep.append(False)
+            where = f"row {i} of a batch of {what}" if what != "file" else "the file"
+            reasons.append(f"{paths[i]}: {where} is not a readable image ({err})")
+    if not images:
+        channels = () if mode == "L" else (3,)
+        empty = np.empty((0, *(size or (1, 1)), *channels), np.uint8)
+        return _stack_images(empty, paths), np.asarray(keep, bool), reasons
+    return _stack_images(images, paths), np.asarray(keep, bool), reasons
 
 
 def _stack_images(images: Any, paths: Any) -> np.ndarray:
@@ -276,6 +341,7 @@ class _TableBatches:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     classes: int | None
+    ledger: Any = None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         paths = batch["path"]
@@ -286,19 +352,25 @@ class _TableBatches:
                 "must be integers (class indices from 0)"
             )
         bad = (labels < 0) | (labels >= (self.classes or np.iinfo(np.int64).max))
-        if bad.any():
-            i = int(np.argmax(bad))
-            limit = f"0 to {self.classes - 1}" if self.classes else "0 or more"
-            raise ConfigurationError(
-                f"{paths[i]}: label {int(labels[i])} in column {self.label!r} is outside the "
-                f"classes ({limit}). Fix the file, or set dataset.classes to the model's classes"
-            )
+        limit = f"0 to {self.classes - 1}" if self.classes else "0 or more"
+        reasons = [
+            f"{paths[i]}: label {int(labels[i])} in column {self.label!r} is outside the "
+            f"classes ({limit}). Fix the file, or set dataset.classes to the model's classes"
+            for i in np.flatnonzero(bad)
+        ]
+        keep = ~bad
         values = batch[self.input]
-        first = values[0]
-        if isinstance(first, bytes | bytearray):
-            x = _normalise(self._decode(values, paths), self.mean, self.std)
+        if len(values) and isinstance(values[0], bytes | bytearray):
+            images, readable, unreadable = _decode(
+                values, paths, self.mode, self.size, f"column {self.input!r}"
+            )
+            reasons += [f"{r}. Fix or remove the row" for r in unreadable]
+            _refuse(self.ledger, reasons)
+            x = _normalise(images[keep[readable]], self.mean, self.std)
+            keep &= readable
         else:
-            array = np.stack([np.asarray(v) for v in values])
+            _refuse(self.ledger, reasons)
+            array = np.stack([np.asarray(v) for v in values[keep]])
             if self.size is not None:
                 array = array.reshape(array.shape[0], -1, *self.size)
             x = (
@@ -306,25 +378,7 @@ class _TableBatches:
                 if array.dtype == np.uint8 and array.ndim == 4
                 else array.astype(np.float32)
             )
-        return {"x": x, "y": labels.astype(np.int64)}
-
-    def _decode(self, values: Any, paths: Any) -> np.ndarray:
-        from PIL import Image
-
-        images = []
-        for i, raw in enumerate(values):
-            try:
-                with Image.open(io.BytesIO(raw)) as opened:
-                    picture = opened.convert(self.mode)
-                    if self.size is not None:
-                        picture = picture.resize((self.size[1], self.size[0]))
-                    images.append(np.asarray(picture))
-            except (OSError, ValueError) as err:
-                raise ConfigurationError(
-                    f"{paths[i]}: row {i} of a batch of column {self.input!r} is not a readable "
-                    f"image ({err}). Fix or remove the row"
-                ) from None
-        return _stack_images(images, paths)
+        return {"x": x, "y": labels[keep].astype(np.int64)}
 
 
 def _windows(values: np.ndarray, context: int) -> np.ndarray:
@@ -346,38 +400,41 @@ class _TokenWindows:
     context: int
     length: int
     vocabulary: int | None
+    ledger: Any = None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         paths = batch["path"]
-        rows = []
+        rows, reasons = [], []
+        top = self.vocabulary or np.iinfo(np.int64).max
         for i, value in enumerate(batch[self.column]):
             tokens = np.asarray(value)
             if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or len(tokens) != self.length:
-                raise ConfigurationError(
+                reasons.append(
                     f"{paths[i]}: a row of column {self.column!r} holds {tokens.dtype} "
                     f"{tuple(tokens.shape)}; every row must be a list of {self.length} integer "
                     "token ids (the first row's length; write the tokens packed into rows of "
                     "one length)"
                 )
+                continue
+            bad = (tokens < 0) | (tokens >= top)
+            if bad.any():
+                limit = f"0 to {self.vocabulary - 1}" if self.vocabulary else "0 or more"
+                reasons.append(
+                    f"{paths[i]}: token {int(tokens[bad][0])} in column {self.column!r} is "
+                    f"outside the vocabulary ({limit}). Fix the file, or set dataset.classes to "
+                    "the model's vocabulary"
+                )
+                continue
             rows.append(tokens)
-        tokens = np.stack(rows) if rows else np.empty((0, self.length), np.int64)
-        bad = (tokens < 0) | (tokens >= (self.vocabulary or np.iinfo(np.int64).max))
-        if bad.any():
-            i = int(np.argmax(bad.any(axis=1)))
-            limit = f"0 to {self.vocabulary - 1}" if self.vocabulary else "0 or more"
-            raise ConfigurationError(
-                f"{paths[i]}: token {int(tokens[i][bad[i]][0])} in column {self.column!r} is "
-                f"outside the vocabulary ({limit}). Fix the file, or set dataset.classes to the "
-                "model's vocabulary"
-            )
-        windows = [_windows(row, self.context) for row in tokens]
+        _refuse(self.ledger, reasons)
+        windows = [_windows(row, self.context) for row in rows]
         if not windows:
             return {"window": np.empty((0, self.context + 1), np.int64)}
         return {"window": np.concatenate(windows)}
 
 
 def _parquet_pipeline(
-    dataset: DatasetSpec, paths: str | list[str], first: str, shuffle: bool
+    dataset: DatasetSpec, paths: str | list[str], first: str, shuffle: bool, ledger: Any
 ) -> tuple[Dataset, int]:
     """A Parquet split's pipeline and its rows (windows, for a token column); ``first``: its
     first file, whose schema (and first row's tokens) are checked here."""
@@ -430,6 +487,7 @@ def _parquet_pipeline(
             context=dataset.window,
             length=length,
             vocabulary=dataset.classes,
+            ledger=ledger,
         )
         return ds.map_batches(windows, batch_format="numpy"), rows * per_row
     image = dataset.image
@@ -441,6 +499,7 @@ def _parquet_pipeline(
         mean=tuple(image.mean),
         std=tuple(image.std),
         classes=dataset.classes,
+        ledger=ledger,
     )
     return ds.map_batches(prepare, batch_format="numpy"), rows
 
@@ -456,19 +515,19 @@ def _parquet_files(path: str, split: str) -> list[str]:
     return parquet
 
 
-def _parquet_source(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]:
+def _parquet_source(dataset: DatasetSpec, ledger: Any) -> tuple[dict[str, Dataset], StreamCounts]:
     assert dataset.train is not None  # the spec's check
     train = _parquet_files(dataset.train, TRAIN)
     if dataset.validation_every is not None:
         kept, held = _held_out(train, dataset.validation_every, dataset.train)
-        train_ds, train_rows = _parquet_pipeline(dataset, kept, kept[0], shuffle=True)
-        val_ds, val_rows = _parquet_pipeline(dataset, held, held[0], shuffle=False)
+        train_ds, train_rows = _parquet_pipeline(dataset, kept, kept[0], True, ledger)
+        val_ds, val_rows = _parquet_pipeline(dataset, held, held[0], False, ledger)
     else:
         assert dataset.validation is not None
         validation = _parquet_files(dataset.validation, VALIDATION)
-        train_ds, train_rows = _parquet_pipeline(dataset, dataset.train, train[0], shuffle=True)
+        train_ds, train_rows = _parquet_pipeline(dataset, dataset.train, train[0], True, ledger)
         val_ds, val_rows = _parquet_pipeline(
-            dataset, dataset.validation, validation[0], shuffle=False
+            dataset, dataset.validation, validation[0], False, ledger
         )
     return {TRAIN: train_ds, VALIDATION: val_ds}, StreamCounts(train_rows, val_rows)
 
@@ -620,12 +679,17 @@ def open_stream(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]
 
     DataContext.get_current().enable_progress_bars = False
     source = StreamSource(dataset.name)
+    ledger = None
+    if dataset.bad_records is BadRecords.SKIP and source is not StreamSource.TEXT:
+        import ray
+
+        ledger = ray.remote(num_cpus=0)(SkipLedger).remote()  # the driver's, as long as it runs
     if source is StreamSource.IMAGE_FOLDER:
-        pipelines, counts = _image_source(dataset)
+        pipelines, counts = _image_source(dataset, ledger)
     elif source is StreamSource.PARQUET:
-        pipelines, counts = _parquet_source(dataset)
+        pipelines, counts = _parquet_source(dataset, ledger)
     else:
-        pipelines, counts = _text_source(dataset)
+        pipelines, counts = _text_source(dataset)  # every byte is a text's: nothing to skip
     if dataset.limit is not None:
         pipelines = {name: ds.limit(dataset.limit) for name, ds in pipelines.items()}
         counts = StreamCounts(
@@ -633,6 +697,7 @@ def open_stream(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]
             min(counts.validation_rows, dataset.limit),
             counts.classes,
         )
+    counts = StreamCounts(counts.train_rows, counts.validation_rows, counts.classes, ledger)
     # The validation split is read every evaluation: read and decoded once, into Ray's object
     # store (which spills to disk), not again each time (a new execution of the pipeline
     # costs seconds before its first batch). In file order: Ray Data otherwise hands on
@@ -673,6 +738,7 @@ class StreamShard:
     rank: int
     world: int
     shuffle_buffer: int
+    ledger: Any = None  # bad_records: skip's count; an epoch that comes up short is refilled
     waited_s: float = 0.0  # in ``batch``: seconds this worker waited for its data
     _next: tuple[int, int] | None = None  # (epoch, batch) the open iteration reads next
     _batches: Iterator[dict[str, torch.Tensor]] | None = field(default=None, repr=False)
@@ -706,7 +772,17 @@ class StreamShard:
             rank=rank,
             world=world,
             shuffle_buffer=shuffle_buffer,
+            ledger=counts.ledger,
         )
+
+    def skipped(self) -> int | None:
+        """Records the job's pipelines skipped so far (``bad_records: skip``), or None."""
+        if self.ledger is None:
+            return None
+        import ray
+
+        count, _ = ray.get(self.ledger.total.remote())
+        return int(count)
 
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, batch within the epoch) that step ``step`` (1-based) reads."""
@@ -718,25 +794,21 @@ class StreamShard:
         if self._batches is None or self._next != (epoch, index):
             # A new epoch, or a jump (a resume, the tuner's profile before training): a new
             # iteration of the split (every worker starts one at the same step).
-            self._batches = iter(
-                self.train.iter_torch_batches(
-                    batch_size=self.batch_size,
-                    drop_last=True,
-                    device="cpu",
-                    local_shuffle_buffer_size=self.shuffle_buffer or None,
-                    local_shuffle_seed=(self.seed * 1_000_003 + epoch) * self.world + self.rank
-                    if self.shuffle_buffer
-                    else None,
-                )
-            )
+            self._batches = self._iteration(epoch)
         try:
             batch = next(self._batches)
         except StopIteration:
-            raise ConfigurationError(
-                f"the training split ran out at batch {index} of epoch {epoch} on worker "
-                f"{self.rank}, before the {self.steps_per_epoch} batches its rows counted for: "
-                "the files changed while the job ran, or rows were unreadable"
-            ) from None
+            if self.ledger is None or index == 0:
+                raise ConfigurationError(
+                    f"the training split ran out at batch {index} of epoch {epoch} on worker "
+                    f"{self.rank}, before the {self.steps_per_epoch} batches its rows counted "
+                    "for: the files changed while the job ran, or rows were unreadable "
+                    "(dataset.bad_records: skip leaves those out)"
+                ) from None
+            # Rows skipped as unreadable left the epoch short (every worker as short: the
+            # split is equal): its last batches come from its start, read again.
+            self._batches = self._iteration(epoch)
+            batch = next(self._batches)
         self.waited_s += time.perf_counter() - started
         following = index + 1
         if following == self.steps_per_epoch:  # the epoch's rest (under a batch) is left
@@ -744,6 +816,19 @@ class StreamShard:
         else:
             self._next = (epoch, following)
         return _pair(batch)
+
+    def _iteration(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+        return iter(
+            self.train.iter_torch_batches(
+                batch_size=self.batch_size,
+                drop_last=True,
+                device="cpu",
+                local_shuffle_buffer_size=self.shuffle_buffer or None,
+                local_shuffle_seed=(self.seed * 1_000_003 + epoch) * self.world + self.rank
+                if self.shuffle_buffer
+                else None,
+            )
+        )
 
     def validation_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This worker's share of the validation split, in batches (every worker as many)."""

@@ -366,11 +366,10 @@ def _send_progress(training: Training, session: Session, step: int, window: Wind
     if session.rank == 0:
         epoch, _ = training.shard.position(step)
         quadratic = None if training.quadratic is None else training.quadratic.last
-        session.push(
-            window.record(
-                step=step, epoch=epoch, lr=training.lr, world=training.world, quadratic=quadratic
-            )
+        record = window.record(
+            step=step, epoch=epoch, lr=training.lr, world=training.world, quadratic=quadratic
         )
+        session.push(record.model_copy(update={"skipped_rows": training.shard.skipped()}))
     intervals = intervals_record(training.preconditioner, step)  # every rank drains its own
     if session.rank == 0 and intervals is not None:
         session.push(intervals)

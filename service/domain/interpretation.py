@@ -41,6 +41,7 @@ STEP_FIELDS = (
     "ms_per_step",
     "kfac_ms_per_step",
     "data_wait_ms",
+    "skipped_rows",
 )
 EVAL_FIELDS = (EvalMetric.TEST_LOSS.value, EvalMetric.TEST_ACCURACY.value)
 EVENT_OF = {

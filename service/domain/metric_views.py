@@ -104,6 +104,9 @@ METRICS = [
         fact=True,
     ),
     MetricView(
+        kind=_STEP, field="skipped_rows", label="records skipped", unit=Unit.VALUE, fact=True
+    ),
+    MetricView(
         kind=_TRIAL, field=EvalMetric.TEST_ACCURACY.value, label="test accuracy", unit=Unit.FRACTION
     ),
     MetricView(kind=_TRIAL, field=EvalMetric.TEST_LOSS.value, label="test loss", unit=Unit.VALUE),

@@ -6,6 +6,7 @@ checkpoints and resumes in place, and a language model's job and a sweep on stre
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -383,6 +384,46 @@ def test_bad_parquet_data_is_an_error_naming_the_file_and_the_fix(
         read()
 
 
+@pytest.mark.ray
+def test_skipped_records_are_left_out_and_counted_with_their_files(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    """bad_records: skip. A Parquet split with an unreadable image and a label outside the
+    classes reads its 10 good rows and counts the 2 others, naming part-1.parquet; an image
+    folder's unreadable file fails the job naming the file, or is skipped."""
+    import ray
+
+    files = parquet_files(tmp_path / "train")
+    table = pq.read_table(files / "part-1.parquet").to_pydict()
+    table["png"][2] = b"\x89PNG not really"
+    table["target"][4] = 7
+    pq.write_table(pa.table(table), files / "part-1.parquet")
+    columns = {"input": "png", "label": "target"}
+    plain = {"mean": [0.0], "std": [1.0]}
+    spec = stream_spec(
+        "parquet", files, files, columns=columns, classes=3, bad_records="skip", image=plain
+    )
+    pipelines, counts = open_stream(spec)
+    x, _y = every_row(pipelines["validation"])
+    assert x.shape == (10, 1, 8, 6)
+    assert sorted(np.round(x[:, 0, 0, 0] * 255).astype(int).tolist()) == [
+        v for v in range(12) if v not in (8, 10)
+    ]
+    count, reasons = ray.get(counts.ledger.total.remote())
+    assert count == 2
+    assert any("part-1.parquet: label 7 in column 'target'" in r for r in reasons)
+    unreadable = r"part-1\.parquet: row \d+ of a batch of column 'png' is not a readable image"
+    assert any(re.search(unreadable, r) for r in reasons), reasons
+
+    images = image_folder(tmp_path / "images")
+    (images / "bee" / "9.png").write_bytes(b"\x89PNG not really")
+    with pytest.raises(Exception, match=r"bee/9\.png: the file is not a readable image"):
+        open_stream(stream_spec("image-folder", images, images))
+    skipping, counts = open_stream(stream_spec("image-folder", images, images, bad_records="skip"))
+    assert len(every_row(skipping["validation"])[1]) == 12
+    assert ray.get(counts.ledger.total.remote())[0] == 1
+
+
 # -- a worker's place in the stream (a fake split at the seam) ----------------------------------
 
 
@@ -435,6 +476,13 @@ def test_a_worker_reads_its_epochs_in_order_and_a_jump_starts_a_fresh_iteration(
     short.batch(2)
     with pytest.raises(ConfigurationError, match="ran out at batch 2 of epoch 0"):
         short.batch(3)
+    # bad_records: skip: rows skipped leave the epoch short; it is refilled from its start.
+    skipping = shard_of(FakeSplit(rows=8), counted=40)
+    skipping.ledger = object()
+    assert [int(skipping.batch(s)[0][0]) for s in range(1, 7)] == [
+        1000, 1001, 2000, 2001, 2002,  # epoch 0: 2 batches, then 3 of a new iteration of it
+        3000,  # epoch 1
+    ]  # fmt: skip
 
 
 # -- a job on Ray Train --------------------------------------------------------------------------
@@ -448,10 +496,10 @@ def test_a_worker_reads_its_epochs_in_order_and_a_jump_starts_a_fresh_iteration(
 def test_a_two_worker_job_streams_an_image_folder_and_resumes_at_its_step(
     ray_head: RayHead, tmp_path: Path
 ) -> None:
-    """Fashion-MNIST's first images as a PNG folder, streamed to 2 workers: the job learns
-    (its accuracy well above chance), the step records say how long the workers waited for
-    data, and a run resumed from the step-20 checkpoint starts at step 21 in the epoch the
-    checkpoint names."""
+    """Fashion-MNIST's first images as a PNG folder (and one broken file, skipped), streamed to
+    2 workers: the job learns (its accuracy well above chance), the step records say how long
+    the workers waited for data and how many records were skipped, and a run resumed from the
+    step-20 checkpoint starts at step 21 in the epoch the checkpoint names."""
     for split, rows in (("train", 1024), ("test", 256)):
         images, labels = load_idx_dataset(None, split, limit=rows, standardize=False)
         pixels = (images.squeeze(1) * 255).round().numpy().astype(np.uint8)
@@ -459,6 +507,7 @@ def test_a_two_worker_job_streams_an_image_folder_and_resumes_at_its_step(
             folder = tmp_path / split / str(label)
             folder.mkdir(parents=True, exist_ok=True)
             Image.fromarray(image, mode="L").save(folder / f"{i}.png")
+    (tmp_path / "train" / "3" / "broken.png").write_bytes(b"\x89PNG cut short")
     spec = parse_job_spec(
         {
             "name": "streamed",
@@ -470,6 +519,7 @@ def test_a_two_worker_job_streams_an_image_folder_and_resumes_at_its_step(
                 "image": {"mean": [0.286], "std": [0.353]},
                 "batch_size": 32,
                 "shuffle_buffer": 256,
+                "bad_records": "skip",
             },
             "optimizer": {"name": "adamw", "lr": 0.008, "weight_decay": 0.0},
             "kfac": {"strategy": "comm-opt", "factor_update_steps": 5, "inv_update_steps": 20},
@@ -487,6 +537,7 @@ def test_a_two_worker_job_streams_an_image_folder_and_resumes_at_its_step(
     steps = records("streamed", "step")
     assert [r["epoch"] for r in steps] == [0, 1, 1, 2]  # 1024 rows / 2 workers / 32: 16 a epoch
     assert all(r["data_wait_ms"] is not None and r["data_wait_ms"] >= 0 for r in steps)
+    assert steps[-1]["skipped_rows"] >= 1  # broken.png, read (and skipped) every epoch
     at_20 = next(r for r in records("streamed", "checkpoint") if r["step"] == 20)
     assert load_checkpoint_file(at_20["path"])["sampler"]["epoch"] == 1  # step 21: epoch 1
 

@@ -29,7 +29,7 @@ from kaisa_ray.train.spec.bounds import (
     Steps,
     StrictModel,
 )
-from kaisa_ray.train.stream_sources import ImageMode, StreamSource, is_uri
+from kaisa_ray.train.stream_sources import BadRecords, ImageMode, StreamSource, is_uri
 
 Side = Annotated[int, Field(gt=0, le=65536)]  # an image's height or width, in pixels
 Spread = Annotated[float, Field(gt=0)]  # a channel's standard deviation
@@ -93,6 +93,7 @@ STREAM_ONLY = (
     "shuffle_buffer",
     "classes",
     "context",
+    "bad_records",
 )
 SEQUENCE_CONTEXT = 64  # a text window's default length, as the built-in corpus cuts it
 
@@ -105,7 +106,8 @@ class DatasetSpec(StrictModel):
     cluster reads), or ``validation_every: k`` holds out every k-th file (text: every k-th run
     of windows) of ``train`` instead; ``image`` and ``columns`` say how rows become the
     model's input, ``context`` how long a language model's windows are, ``shuffle_buffer``
-    how many rows each worker shuffles within."""
+    how many rows each worker shuffles within, ``bad_records`` whether a record that cannot be
+    read fails the job (naming its file) or is skipped and counted."""
 
     name: Annotated[str, Field(max_length=64)]
     data_dir: Path | None = None
@@ -119,6 +121,7 @@ class DatasetSpec(StrictModel):
     classes: Annotated[int, Field(gt=0, le=10**7)] | None = None
     validation_every: Annotated[int, Field(ge=2, le=10**6)] | None = None
     context: Annotated[int, Field(gt=0, le=10**6)] | None = None
+    bad_records: BadRecords = BadRecords.FAIL
 
     @field_validator("data_dir")
     @classmethod
