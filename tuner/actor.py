@@ -18,6 +18,7 @@ import platform
 import socket
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -105,9 +106,13 @@ class TunerState:
         max_overhead: float | None = None,
         intervals: Sequence[tuple[int, int]] = DEFAULT_INTERVALS,
         adaptive: bool = False,
+        extra_bytes: int = 0,
     ) -> Decision:
         """Store ``profile`` under ``key`` (None: use the cached one), then ``choose`` (with
-        ``adaptive``: the fraction and starting rung of intervals adapted online).
+        ``adaptive``: the fraction and starting rung of intervals adapted online), counting
+        ``extra_bytes`` more in every worker's memory than the profile holds (what this job
+        keeps beside the model, such as a streamed dataset's window on a CPU worker; not
+        cached with the profile).
 
         Raises:
             KeyError: ``profile`` is None and nothing is cached under ``key``.
@@ -122,6 +127,8 @@ class TunerState:
             while len(self._profiles) > self._max:
                 self._profiles.popitem(last=False)
         self._profiles.move_to_end(key)
+        if extra_bytes:
+            profile = replace(profile, base_memory_bytes=profile.base_memory_bytes + extra_bytes)
         return choose(
             profile,
             budget_bytes,

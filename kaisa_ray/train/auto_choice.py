@@ -7,6 +7,7 @@ profiles. What the driver does with the tuner (``kaisa-ray tune``, verification)
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import ray
@@ -21,6 +22,7 @@ from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.records import AdaptiveChoice, CandidateRow, KFACChoice, TunerRecord
 from kaisa_ray.train.shard import AnyShard, distributed
 from kaisa_ray.train.spec import JobSpec, KFACSpec
+from kaisa_ray.train.streaming import StreamShard
 from tuner.actor import profile_key, tuner_actor
 from tuner.cost import DEFAULT_INTERVALS, Candidate, Decision, Profile
 from tuner.profile import profile_job
@@ -101,17 +103,33 @@ def choose_in_workers(
     compute_method = curvature.pop("compute_method")
     options = {"compute_method": compute_method, **curvature, "precision": spec.precision}
     model = net.module if isinstance(net, DistributedDataParallel) else net
-    key = profile_key(model, shard.batch(1)[0], device, options)
+    first_x, first_y = shard.batch(1)
+    key = profile_key(model, first_x, device, options)
     rank = dist.get_rank() if distributed() else 0
     tuner = tuner_actor() if rank == 0 else None
     cached: Profile | None = _share(ray.get(tuner.lookup.remote(key)) if tuner else None)
     seconds = 0.0
     profile = cached
+    waits: list[float] = []  # each profiled batch's wait for its data
+
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        before = shard.waited_s
+        pair = shard.batch(i + 1)
+        waits.append(shard.waited_s - before)
+        return pair
+
+    window = None
+    if isinstance(shard, StreamShard):
+        row = (
+            first_x[0].numel() * first_x.element_size()
+            + first_y[0].numel() * first_y.element_size()
+        )
+        window = shard.window_bytes(row)
     if profile is None:
         result = profile_job(
             net,
             optimizer,
-            lambda i: shard.batch(i + 1),
+            batch,
             nn.functional.cross_entropy,
             device,
             compute_method=compute_method,
@@ -129,6 +147,7 @@ def choose_in_workers(
             kfac.max_overhead,
             kfac.ladder() or DEFAULT_INTERVALS,
             kfac.adaptive,
+            window if window is not None and device.type == "cpu" else 0,
         )
         try:
             outcome = ray.get(call)
@@ -142,6 +161,9 @@ def choose_in_workers(
     if not isinstance(outcome, Decision):
         raise TypeError(f"the tuner answered {type(outcome).__name__}, not a Decision")
     chosen = kfac_choice(outcome.chosen, adaptive_choice(outcome, kfac.staleness_target))
+    wait_ms = None
+    if isinstance(shard, StreamShard) and len(waits) > 2:
+        wait_ms = 1000 * statistics.median(waits[2:])  # the first ones start the pipeline
     record = TunerRecord(
         how=outcome.how,
         cache="hit" if cached is not None else "miss",
@@ -152,5 +174,24 @@ def choose_in_workers(
         plain_ms_per_step=1000 * profile.step_s,
         chosen=chosen,
         candidates=candidate_rows(outcome.candidates),
+        data_window_bytes=window,
+        data_ms_per_batch=wait_ms,
+        data_note=None if wait_ms is None else data_note(wait_ms, 1000 * profile.step_s),
     )
     return chosen, record
+
+
+DATA_BOUND_SHARE = 0.1
+"""A step that waits longer than this share of itself for its batch is the data's to speed."""
+
+
+def data_note(wait_ms: float, step_ms: float) -> str | None:
+    """What a streamed job's profile says of its data pipeline, when it did not keep up."""
+    if wait_ms <= DATA_BOUND_SHARE * step_ms:
+        return None
+    return (
+        f"the data pipeline did not keep up: each step waited {wait_ms:.0f} ms of its "
+        f"{step_ms:.0f} ms for its batch while profiling. Give Ray Data more CPUs (a cluster "
+        "with CPUs the workers do not hold, or a lower scaling.cpus_per_worker), store the "
+        "data pre-decoded (Parquet of pixels rather than PNGs), or lower dataset.image.size"
+    )

@@ -362,6 +362,17 @@ class TunerRecord(_Record):
     predicted_choice: KFACChoice | None = Field(
         default=None, description="what the prediction alone chose (when verified)"
     )
+    data_window_bytes: int | None = Field(
+        default=None,
+        description="a streamed dataset's rows a worker holds (estimated; in the memory "
+        "weighed on a CPU worker)",
+    )
+    data_ms_per_batch: float | None = Field(
+        default=None, description="waiting for a batch while profiling (median, after the first)"
+    )
+    data_note: str | None = Field(
+        default=None, description="when the data pipeline did not keep up: what it cost, the fix"
+    )
 
 
 class LayerIntervals(BaseModel):

@@ -775,6 +775,11 @@ class StreamShard:
             ledger=counts.ledger,
         )
 
+    def window_bytes(self, row_bytes: int) -> int:
+        """What this worker's stream holds, estimated: its shuffle window and a batch being
+        read beside the one it hands out (Ray Data's prefetch), at ``row_bytes`` a row."""
+        return (self.shuffle_buffer + 2 * self.batch_size) * row_bytes
+
     def skipped(self) -> int | None:
         """Records the job's pipelines skipped so far (``bad_records: skip``), or None."""
         if self.ledger is None:

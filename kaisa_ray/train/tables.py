@@ -115,6 +115,14 @@ def tuning_table(record: TunerRecord) -> str:
         f"{_mib(record.kfac_transient_bytes)} MiB + K-FAC state; plain step "
         f"{record.plain_ms_per_step:.1f} ms"
     )
+    if record.data_window_bytes is not None:
+        wait = record.data_ms_per_batch
+        text.append(
+            f"streamed data: a worker holds about {_mib(record.data_window_bytes)} MiB of rows"
+            + ("" if wait is None else f"; waited {wait:.1f} ms a batch while profiling")
+        )
+    if record.data_note is not None:
+        text.append(record.data_note)
     if record.chosen.adaptive is not None:
         text.append(adaptive_plan_table(record.chosen.adaptive))
     text.append(decision_line(record))

@@ -604,3 +604,11 @@ def test_a_sweep_with_kfac_auto_trains_a_language_model_on_streamed_text(
     losses = {r["trial"]: r["test_loss"] for r in trials if r.get("test_loss") is not None}
     assert set(losses) == ended
     assert all(loss < 5.55 for loss in losses.values()), losses  # uniform over 256 bytes
+    # kfac: auto profiled on the stream (one trial at least: the other may find its profile
+    # cached) and says what the data holds: 4096 rows (the shuffle window) and 2 batches of
+    # 16, at 64 + 64 int64 tokens a row.
+    tuners = [records(f"streamed-sweep.{trial}", "tuner")[0] for trial in ended]
+    assert all(t["data_window_bytes"] == (4096 + 32) * 128 * 8 for t in tuners)
+    profiled = [t for t in tuners if t["cache"] == "miss"]
+    assert profiled
+    assert all(t["data_ms_per_batch"] >= 0 for t in profiled)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from support.profiles import EVEN, MIB, profile
 
-from kaisa_ray.train.auto_choice import candidate_rows
+from kaisa_ray.train.auto_choice import candidate_rows, data_note
 from kaisa_ray.train.models import MLP, LeNetCNN
 from kaisa_ray.train.records import KFACChoice, TunerRecord
 from kaisa_ray.train.tables import decision_line, tuning_table
@@ -41,6 +41,25 @@ def test_the_actor_passes_budget_cap_and_intervals_to_choose() -> None:
     decision = state.decide("a", None, 2**40, None, [[1, 10]])  # lists, as from JSON
     assert {(c.factor_update_steps, c.inv_update_steps) for c in decision.candidates} == {(1, 10)}
     assert decision == choose(profile(), 2**40, intervals=[(1, 10)])
+
+
+def test_memory_beside_the_profile_counts_against_the_budget_and_is_not_cached() -> None:
+    """A streamed dataset's window on a CPU worker: counted in the memory weighed, for this
+    job only (the cached profile stays the model's)."""
+    state = TunerState()
+    budget = profile().base_memory_bytes + 2**30
+    assert state.decide("a", profile(), budget).chosen is not None
+    with pytest.raises(NoFeasibleCandidateError, match="smaller than the job itself"):
+        state.decide("a", None, budget, extra_bytes=2**30)
+    assert state.lookup("a") == profile()
+
+
+def test_a_profile_whose_steps_waited_for_data_says_so_with_the_fix() -> None:
+    assert data_note(wait_ms=1.0, step_ms=40.0) is None
+    note = data_note(wait_ms=30.0, step_ms=40.0)
+    assert note is not None
+    assert "did not keep up: each step waited 30 ms of its 40 ms" in note
+    assert "scaling.cpus_per_worker" in note
 
 
 def test_the_cache_key_follows_model_batch_options_and_workers() -> None:
