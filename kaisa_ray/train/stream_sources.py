@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["BadRecords", "ImageMode", "StreamSource", "is_uri"]
+__all__ = ["BadRecords", "ImageMode", "StreamSource", "is_uri", "local_path"]
 
 
 class BadRecords(StrEnum):
@@ -30,6 +30,18 @@ class StreamSource(StrEnum):
     TEXT = "text"  # text files (*.txt) cut into byte windows (a byte-level language model's)
 
 
+LOCAL_SCHEMES = ("file://", "local://")  # URIs of a path on the nodes' own disks
+
+
 def is_uri(path: str) -> bool:
-    """``s3://...``, ``gs://...`` and the like: read by Ray Data, not checked here."""
-    return "://" in path
+    """``s3://...``, ``gs://...`` and the like: another system's, read by Ray Data (a
+    ``file://`` or ``local://`` URI names a local path: checked as one)."""
+    return "://" in path and not path.startswith(LOCAL_SCHEMES)
+
+
+def local_path(path: str) -> str:
+    """The local path a plain path or a ``file://`` / ``local://`` URI names."""
+    for scheme in LOCAL_SCHEMES:
+        if path.startswith(scheme):
+            return path[len(scheme) :]
+    return path

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.stream_sources import BadRecords, StreamSource, is_uri
+from kaisa_ray.train.stream_sources import BadRecords, StreamSource, is_uri, local_path
 
 if TYPE_CHECKING:
     from ray.data import DataIterator, Dataset
@@ -105,7 +105,7 @@ def _filesystem(path: str) -> tuple[Any, str]:
 
     if is_uri(path):
         return pyarrow.fs.FileSystem.from_uri(path)  # type: ignore[no-any-return]
-    return pyarrow.fs.LocalFileSystem(), os.path.abspath(path)
+    return pyarrow.fs.LocalFileSystem(), os.path.abspath(local_path(path))
 
 
 def _listing(path: str, split: str) -> tuple[list[str], list[str]]:

@@ -24,6 +24,7 @@ from support.ray_head import RayHead
 from support.ray_jobs import records
 
 from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.train.data_roots import within
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset
 from kaisa_ray.train.job import run_job
 from kaisa_ray.train.records import TrialState
@@ -189,6 +190,21 @@ def test_a_held_out_split_that_would_be_empty_is_refused(tmp_path: Path) -> None
         open_stream(stream_spec("text", tmp_path / "train", tmp_path / "train"))
 
 
+def test_a_service_reads_streamed_data_only_under_its_roots(tmp_path: Path) -> None:
+    """Under a service's data roots: another system's URI is refused (the cluster's
+    credentials are not the client's), a file:// or local:// URI is a local path, checked."""
+    inside = tmp_path / "data"
+    train = image_folder(inside / "train")
+    with within([inside]):
+        with pytest.raises(ValidationError, match=r"s3://b/t is another system's URI"):
+            DatasetSpec(name="parquet", train="s3://b/t", validation=f"file://{train}")
+        with pytest.raises(ValidationError, match=r"/etc is not under this service's data"):
+            DatasetSpec(name="image-folder", train=f"file://{train}", validation="local:///etc")
+        spec = DatasetSpec(name="image-folder", train=f"file://{train}", validation=str(train))
+    assert spec.train == f"file://{train}"
+    assert DatasetSpec(name="parquet", train="s3://b/t", validation="gs://b/v").streamed
+
+
 def test_a_streamed_job_leaves_ray_data_a_cpu() -> None:
     assert spare_cpus_message(4, 2, 1) is None
     refused = spare_cpus_message(2, 2, 1)
@@ -237,7 +253,13 @@ def test_an_image_folder_is_read_with_its_folders_labels_and_the_specs_normalisa
 ) -> None:
     train = image_folder(tmp_path / "train")
     validation = image_folder(tmp_path / "validation", per_class=2, classes=("bee",))
-    spec = stream_spec("image-folder", train, validation, image={"mean": [0.5], "std": [0.25]})
+    spec = DatasetSpec(  # the training split by a file:// URI, read as its folder
+        name="image-folder",
+        train=f"file://{train}",
+        validation=str(validation),
+        batch_size=4,
+        image={"mean": [0.5], "std": [0.25]},
+    )
     pipelines, counts = open_stream(spec)
     assert counts == StreamCounts(12, 2, CLASSES)
     x, y = every_row(pipelines["train"])

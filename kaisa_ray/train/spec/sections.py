@@ -19,7 +19,7 @@ from kaisa_ray.enums import (
     OptimizerName,
     Parallel,
 )
-from kaisa_ray.train.data_roots import check_root
+from kaisa_ray.train.data_roots import check_root, roots_now
 from kaisa_ray.train.registry import dataset_entry, dataset_names
 from kaisa_ray.train.spec.bounds import (
     LIMITS,
@@ -29,7 +29,13 @@ from kaisa_ray.train.spec.bounds import (
     Steps,
     StrictModel,
 )
-from kaisa_ray.train.stream_sources import BadRecords, ImageMode, StreamSource, is_uri
+from kaisa_ray.train.stream_sources import (
+    BadRecords,
+    ImageMode,
+    StreamSource,
+    is_uri,
+    local_path,
+)
 
 Side = Annotated[int, Field(gt=0, le=65536)]  # an image's height or width, in pixels
 Spread = Annotated[float, Field(gt=0)]  # a channel's standard deviation
@@ -231,8 +237,15 @@ class DatasetSpec(StrictModel):
                     )
                 )
             if is_uri(path):
+                if roots_now() is not None:
+                    raise ValueError(
+                        f"dataset.{split}: {path} is another system's URI, and this service "
+                        "reads data only under its data roots (folders on its nodes): copy "
+                        "the data under one, or run the job yourself (kaisa-ray train, ray "
+                        "job submit), with your own credentials"
+                    )
                 continue  # read by the cluster; nothing here can check it
-            local = Path(path)
+            local = Path(local_path(path))
             check_root(local)  # before anything looks at it (kaisa_ray.train.data_roots)
             if not local.exists():
                 raise ValueError(
