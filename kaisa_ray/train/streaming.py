@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import io
 import os
-import random
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -64,7 +63,6 @@ class StreamCounts:
     validation_rows: int
     classes: tuple[str, ...] = ()  # an image folder's class names, in label order
     ledger: Any = field(default=None, compare=False)  # bad_records: skip's count (an actor)
-    passes: int = 1  # epochs one execution of the training pipeline reads (``chain``)
 
 
 class SkipLedger:
@@ -91,10 +89,7 @@ def _refuse(ledger: Any, reasons: list[str]) -> None:
         return
     if ledger is None:
         raise ConfigurationError(reasons[0])
-    import ray
-
-    # Counted before the batch goes on (a batch with bad records is rare: one round trip).
-    ray.get(ledger.add.remote(len(reasons), reasons[: SkipLedger.KEPT]))
+    ledger.add.remote(len(reasons), reasons[: SkipLedger.KEPT])
 
 
 # -- the driver: listing, checking, and the pipelines ------------------------------------------
@@ -208,34 +203,19 @@ def _image_pipeline(
     return ds.map_batches(prepare, batch_format="numpy")
 
 
-@dataclass(frozen=True)
-class _Opened:
-    """A source opened by the driver: its pipelines and counts, and what a chain needs: the
-    training split's files (path order) and its pipeline over files in an order given."""
-
-    pipelines: dict[str, Dataset]
-    counts: StreamCounts
-    train_files: list[str]
-    chained: Callable[[list[str]], Dataset]
-
-
-def _image_source(dataset: DatasetSpec, ledger: Any) -> _Opened:
+def _image_source(dataset: DatasetSpec, ledger: Any) -> tuple[dict[str, Dataset], StreamCounts]:
     assert dataset.train is not None  # the spec's check
     train = _image_classes(dataset.train, TRAIN)
     classes = tuple(train)
     _, root = _filesystem(dataset.train)
-    files = [f for images in train.values() for f in images]
-
-    def chained(order: list[str]) -> Dataset:
-        return _image_pipeline(dataset, order, root, classes, False, ledger)
-
     if dataset.validation_every is not None:
-        kept, held = _held_out(files, dataset.validation_every, dataset.train)
+        every = [f for images in train.values() for f in images]
+        kept, held = _held_out(every, dataset.validation_every, dataset.train)
         pipelines = {
             TRAIN: _image_pipeline(dataset, kept, root, classes, True, ledger),
             VALIDATION: _image_pipeline(dataset, held, root, classes, False, ledger),
         }
-        return _Opened(pipelines, StreamCounts(len(kept), len(held), classes), kept, chained)
+        return pipelines, StreamCounts(len(kept), len(held), classes)
     assert dataset.validation is not None
     validation = _image_classes(dataset.validation, VALIDATION)
     unknown = sorted(set(validation) - set(train))
@@ -252,8 +232,10 @@ def _image_source(dataset: DatasetSpec, ledger: Any) -> _Opened:
             dataset, dataset.validation, validation_root, classes, False, ledger
         ),
     }
-    counts = StreamCounts(len(files), sum(map(len, validation.values())), classes)
-    return _Opened(pipelines, counts, files, chained)
+    counts = StreamCounts(
+        sum(map(len, train.values())), sum(map(len, validation.values())), classes
+    )
+    return pipelines, counts
 
 
 @dataclass(frozen=True)
@@ -452,13 +434,7 @@ class _TokenWindows:
 
 
 def _parquet_pipeline(
-    dataset: DatasetSpec,
-    paths: str | list[str],
-    first: str,
-    shuffle: bool,
-    ledger: Any,
-    *,
-    order_given: bool = False,
+    dataset: DatasetSpec, paths: str | list[str], first: str, shuffle: bool, ledger: Any
 ) -> tuple[Dataset, int]:
     """A Parquet split's pipeline and its rows (windows, for a token column); ``first``: its
     first file, whose schema (and first row's tokens) are checked here."""
@@ -494,12 +470,9 @@ def _parquet_pipeline(
             f"{', '.join(sorted(names))}). {hint}"
         )
     ds = ray.data.read_parquet(
-        paths,
-        columns=wanted,
-        include_paths=True,
-        shuffle="files" if shuffle and not order_given else None,
+        paths, columns=wanted, include_paths=True, shuffle="files" if shuffle else None
     )
-    rows = 0 if order_given else ds.count()  # a chain's rows: its files', counted already
+    rows = ds.count()
     if columns.tokens is not None:
         length = 0 if first_row is None else len(first_row.column(0)[0])
         per_row = (length - 1) // dataset.window
@@ -542,18 +515,13 @@ def _parquet_files(path: str, split: str) -> list[str]:
     return parquet
 
 
-def _parquet_source(dataset: DatasetSpec, ledger: Any) -> _Opened:
+def _parquet_source(dataset: DatasetSpec, ledger: Any) -> tuple[dict[str, Dataset], StreamCounts]:
     assert dataset.train is not None  # the spec's check
     train = _parquet_files(dataset.train, TRAIN)
-
-    def chained(order: list[str]) -> Dataset:
-        return _parquet_pipeline(dataset, order, order[0], True, ledger, order_given=True)[0]
-
     if dataset.validation_every is not None:
         kept, held = _held_out(train, dataset.validation_every, dataset.train)
         train_ds, train_rows = _parquet_pipeline(dataset, kept, kept[0], True, ledger)
         val_ds, val_rows = _parquet_pipeline(dataset, held, held[0], False, ledger)
-        train = kept
     else:
         assert dataset.validation is not None
         validation = _parquet_files(dataset.validation, VALIDATION)
@@ -561,8 +529,7 @@ def _parquet_source(dataset: DatasetSpec, ledger: Any) -> _Opened:
         val_ds, val_rows = _parquet_pipeline(
             dataset, dataset.validation, validation[0], False, ledger
         )
-    pipelines = {TRAIN: train_ds, VALIDATION: val_ds}
-    return _Opened(pipelines, StreamCounts(train_rows, val_rows), train, chained)
+    return {TRAIN: train_ds, VALIDATION: val_ds}, StreamCounts(train_rows, val_rows)
 
 
 TEXT_EXTENSION = ".txt"
@@ -666,13 +633,11 @@ def _text_split(dataset: DatasetSpec, path: str, split: str, held: bool) -> _Tex
     return _TextSplit([name for name, _ in files], root, first, rows)
 
 
-def _text_pipeline(
-    dataset: DatasetSpec, text: _TextSplit, held: bool, shuffle: bool, order_given: bool = False
-) -> Dataset:
+def _text_pipeline(dataset: DatasetSpec, text: _TextSplit, held: bool, shuffle: bool) -> Dataset:
     import ray.data
 
     ds = ray.data.read_binary_files(
-        text.files, include_paths=True, shuffle="files" if shuffle and not order_given else None
+        text.files, include_paths=True, shuffle="files" if shuffle else None
     )
     windows = _TextWindows(
         context=dataset.window,
@@ -685,7 +650,7 @@ def _text_pipeline(
     return ds.map_batches(windows, batch_format="numpy")
 
 
-def _text_source(dataset: DatasetSpec) -> _Opened:
+def _text_source(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]:
     assert dataset.train is not None  # the spec's check
     train = _text_split(dataset, dataset.train, TRAIN, held=False)
     if dataset.validation_every is not None:
@@ -697,38 +662,12 @@ def _text_source(dataset: DatasetSpec) -> _Opened:
         TRAIN: _text_pipeline(dataset, train, held=False, shuffle=True),
         VALIDATION: _text_pipeline(dataset, validation, held=True, shuffle=False),
     }
-
-    def chained(order: list[str]) -> Dataset:
-        in_order = replace(train, files=order)
-        return _text_pipeline(dataset, in_order, held=False, shuffle=True, order_given=True)
-
-    counts = StreamCounts(train.rows, validation.rows)
-    return _Opened(pipelines, counts, train.files, chained)
+    return pipelines, StreamCounts(train.rows, validation.rows)
 
 
-MAX_PASSES = 16  # epochs in one execution of a training pipeline, at most
-MAX_CHAIN_FILES = 200_000  # and files (each a path Ray Data plans a read of)
-
-
-def passes_for(dataset: DatasetSpec, files: int, epochs: int | None) -> int:
-    """How many epochs one execution of the training pipeline reads: the job's ``epochs``
-    (all of them, when known), within ``MAX_PASSES`` and ``MAX_CHAIN_FILES``; one with a
-    ``limit`` (it would cut the chain, not each epoch)."""
-    if epochs is None or dataset.limit is not None:
-        return 1
-    return max(1, min(epochs, MAX_PASSES, MAX_CHAIN_FILES // max(files, 1)))
-
-
-def open_stream(
-    dataset: DatasetSpec, epochs: Callable[[int], int | None] | None = None, seed: int = 0
-) -> tuple[dict[str, Dataset], StreamCounts]:
+def open_stream(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]:
     """The job's two pipelines (``train``, ``validation``) and their counts, checked; the
     validation split read once into Ray's object store (bad data in it fails here).
-
-    ``epochs``: how many epochs the job reads, given the training split's rows. With it, one
-    execution of the training pipeline reads several (``passes_for``: a union of one read an
-    epoch, each of the files in a new order drawn from ``seed``), so that a new epoch does not
-    wait for a new execution to start.
 
     Raises:
         ConfigurationError: a folder that is missing or empty, a class folder without images,
@@ -746,12 +685,11 @@ def open_stream(
 
         ledger = ray.remote(num_cpus=0)(SkipLedger).remote()  # the driver's, as long as it runs
     if source is StreamSource.IMAGE_FOLDER:
-        opened = _image_source(dataset, ledger)
+        pipelines, counts = _image_source(dataset, ledger)
     elif source is StreamSource.PARQUET:
-        opened = _parquet_source(dataset, ledger)
+        pipelines, counts = _parquet_source(dataset, ledger)
     else:
-        opened = _text_source(dataset)  # every byte is a text's: nothing to skip
-    pipelines, counts = opened.pipelines, opened.counts
+        pipelines, counts = _text_source(dataset)  # every byte is a text's: nothing to skip
     if dataset.limit is not None:
         pipelines = {name: ds.limit(dataset.limit) for name, ds in pipelines.items()}
         counts = StreamCounts(
@@ -759,19 +697,7 @@ def open_stream(
             min(counts.validation_rows, dataset.limit),
             counts.classes,
         )
-    wanted = None if epochs is None else epochs(counts.train_rows)
-    passes = passes_for(dataset, len(opened.train_files), wanted)
-    if passes > 1:
-        draw, epochs_read = random.Random(seed), []
-        for _ in range(passes):  # one pipeline an epoch (Ray Data reads a path once a read)
-            files = list(opened.train_files)
-            draw.shuffle(files)
-            epochs_read.append(opened.chained(files))
-        chain = epochs_read[0].union(*epochs_read[1:])
-        # In the order drawn: each epoch's files before the next epoch's.
-        chain.context.execution_options.preserve_order = True
-        pipelines[TRAIN] = chain
-    counts = StreamCounts(counts.train_rows, counts.validation_rows, counts.classes, ledger, passes)
+    counts = StreamCounts(counts.train_rows, counts.validation_rows, counts.classes, ledger)
     # The validation split is read every evaluation: read and decoded once, into Ray's object
     # store (which spills to disk), not again each time (a new execution of the pipeline
     # costs seconds before its first batch). In file order: Ray Data otherwise hands on
@@ -813,10 +739,8 @@ class StreamShard:
     world: int
     shuffle_buffer: int
     ledger: Any = None  # bad_records: skip's count; an epoch that comes up short is refilled
-    passes: int = 1  # epochs one iteration of ``train`` reads (StreamCounts.passes)
     waited_s: float = 0.0  # in ``batch``: seconds this worker waited for its data
     _next: tuple[int, int] | None = None  # (epoch, batch) the open iteration reads next
-    _until: int = 0  # the epoch the open iteration ends before
     _batches: Iterator[dict[str, torch.Tensor]] | None = field(default=None, repr=False)
 
     @classmethod
@@ -849,7 +773,6 @@ class StreamShard:
             world=world,
             shuffle_buffer=shuffle_buffer,
             ledger=counts.ledger,
-            passes=counts.passes,
         )
 
     def window_bytes(self, row_bytes: int) -> int:
@@ -874,15 +797,13 @@ class StreamShard:
         epoch, index = self.position(step)
         started = time.perf_counter()
         if self._batches is None or self._next != (epoch, index):
-            # A new epoch past the iteration's, or a jump (a resume, the tuner's profile
-            # before training): a new iteration of the split (every worker starts one at the
-            # same step), reading ``passes`` epochs from its start.
+            # A new epoch, or a jump (a resume, the tuner's profile before training): a new
+            # iteration of the split (every worker starts one at the same step).
             self._batches = self._iteration(epoch)
-            self._until = epoch + self.passes
         try:
             batch = next(self._batches)
         except StopIteration:
-            if self.ledger is None:
+            if self.ledger is None or index == 0:
                 raise ConfigurationError(
                     f"the training split ran out at batch {index} of epoch {epoch} on worker "
                     f"{self.rank}, before the {self.steps_per_epoch} batches its rows counted "
@@ -890,24 +811,15 @@ class StreamShard:
                     "(dataset.bad_records: skip leaves those out)"
                 ) from None
             # Rows skipped as unreadable left the epoch short (every worker as short: the
-            # split is equal): its last batches come from a new iteration, read again.
+            # split is equal): its last batches come from its start, read again.
             self._batches = self._iteration(epoch)
-            self._until = epoch + self.passes
-            refill = next(self._batches, None)
-            if refill is None:
-                raise ConfigurationError(
-                    f"every record of the training split was skipped as unreadable (worker "
-                    f"{self.rank}, epoch {epoch}): see the job's skipped records' reasons"
-                ) from None
-            batch = refill
+            batch = next(self._batches)
         self.waited_s += time.perf_counter() - started
         following = index + 1
-        if following < self.steps_per_epoch:
-            self._next = (epoch, following)
-        elif epoch + 1 < self._until:  # the next epoch, from the same iteration
-            self._next = (epoch + 1, 0)
-        else:  # the iteration's rest (under a batch an epoch) is left
+        if following == self.steps_per_epoch:  # the epoch's rest (under a batch) is left
             self._batches, self._next = None, None
+        else:
+            self._next = (epoch, following)
         return _pair(batch)
 
     def _iteration(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:

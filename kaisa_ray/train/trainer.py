@@ -118,18 +118,7 @@ def stream_for(spec: JobSpec) -> tuple[dict[str, Any], StreamCounts]:
     refused = spare_cpus_message(cpus, scaling.workers, scaling.cpus_per_worker)
     if refused is not None:
         raise ConfigurationError(refused)
-    stop = spec.stop
-
-    def epochs(train_rows: int) -> int | None:
-        """The epochs the job reads (its steps over each worker's batches an epoch)."""
-        if stop.max_epochs is not None:
-            return stop.max_epochs
-        per_epoch = (train_rows // scaling.workers) // spec.dataset.batch_size
-        if stop.max_steps is None or per_epoch == 0:
-            return None
-        return -(-stop.max_steps // per_epoch)
-
-    return open_stream(spec.dataset, epochs, seed=spec.seed)
+    return open_stream(spec.dataset)
 
 
 @contextmanager

@@ -31,15 +31,12 @@ from kaisa_ray.train.records import TrialState
 from kaisa_ray.train.spec import DatasetSpec, parse_job_spec
 from kaisa_ray.train.state import load_checkpoint_file
 from kaisa_ray.train.streaming import (
-    MAX_CHAIN_FILES,
-    MAX_PASSES,
     TEXT_RUN,
     StreamCounts,
     StreamShard,
     _held_windows,
     _windows,
     open_stream,
-    passes_for,
     spare_cpus_message,
 )
 
@@ -296,35 +293,6 @@ def test_parquet_rows_become_images_from_bytes_or_numbers(
     assert y.tolist() == [v % 3 for v in range(10)]
 
 
-def test_one_execution_reads_the_jobs_epochs_within_its_bounds() -> None:
-    spec = DatasetSpec(name="parquet", train="s3://b/t", validation="s3://b/v")
-    assert passes_for(spec, files=10, epochs=None) == 1
-    assert passes_for(spec, files=10, epochs=3) == 3
-    assert passes_for(spec, files=10, epochs=1000) == MAX_PASSES
-    assert passes_for(spec, files=MAX_CHAIN_FILES // 2, epochs=5) == 2
-    assert passes_for(spec, files=MAX_CHAIN_FILES * 2, epochs=5) == 1
-    limited = DatasetSpec(name="parquet", train="s3://b/t", validation="s3://b/v", limit=100)
-    assert passes_for(limited, files=10, epochs=3) == 1  # a limit would cut the chain
-
-
-@pytest.mark.ray
-def test_a_chain_reads_every_row_once_an_epoch_epoch_after_epoch(
-    ray_head: RayHead, tmp_path: Path
-) -> None:
-    files = parquet_files(tmp_path / "train", files=3)  # 12 rows, 4 a file
-    plain = {"mean": [0.0], "std": [1.0]}
-    spec = stream_spec(
-        "parquet", files, files, columns={"input": "pixels", "label": "target"}, image=plain
-    )
-    pipelines, counts = open_stream(spec, lambda rows: 3, seed=5)
-    assert counts == StreamCounts(12, 12, passes=3)
-    x, _ = every_row(pipelines["train"])
-    values = x.reshape(len(x), -1)[:, 0].astype(int).tolist()  # uint8 numbers, unscaled
-    assert len(values) == 36
-    for epoch in range(3):
-        assert sorted(values[12 * epoch : 12 * (epoch + 1)]) == list(range(12))
-
-
 @pytest.mark.ray
 def test_an_image_folder_holds_out_every_kth_image_for_validation(
     ray_head: RayHead, tmp_path: Path
@@ -530,18 +498,12 @@ def test_a_worker_reads_its_epochs_in_order_and_a_jump_starts_a_fresh_iteration(
     short.batch(2)
     with pytest.raises(ConfigurationError, match="ran out at batch 2 of epoch 0"):
         short.batch(3)
-    # A chain of 2 epochs an iteration (StreamCounts.passes): steps 1-10 from one iteration,
-    # step 11 (epoch 2) from the next.
-    chained = shard_of(FakeSplit(rows=40), counted=41)
-    chained.passes = 2
-    assert [int(chained.batch(s)[0][0]) for s in range(1, 12)] == [*range(1000, 1010), 2000]
-    assert chained.position(11) == (2, 0)
     # bad_records: skip: rows skipped leave the epoch short; it is refilled from its start.
     skipping = shard_of(FakeSplit(rows=8), counted=40)
     skipping.ledger = object()
     assert [int(skipping.batch(s)[0][0]) for s in range(1, 7)] == [
-        1000, 1001, 2000, 2001, 3000,  # epoch 0: 2 batches an iteration (8 rows), 3 of them
-        4000,  # epoch 1
+        1000, 1001, 2000, 2001, 2002,  # epoch 0: 2 batches, then 3 of a new iteration of it
+        3000,  # epoch 1
     ]  # fmt: skip
 
 
