@@ -89,7 +89,10 @@ def _refuse(ledger: Any, reasons: list[str]) -> None:
         return
     if ledger is None:
         raise ConfigurationError(reasons[0])
-    ledger.add.remote(len(reasons), reasons[: SkipLedger.KEPT])
+    import ray
+
+    # Counted before the batch goes on (a batch with bad records is rare: one round trip).
+    ray.get(ledger.add.remote(len(reasons), reasons[: SkipLedger.KEPT]))
 
 
 # -- the driver: listing, checking, and the pipelines ------------------------------------------
@@ -803,7 +806,7 @@ class StreamShard:
         try:
             batch = next(self._batches)
         except StopIteration:
-            if self.ledger is None or index == 0:
+            if self.ledger is None:
                 raise ConfigurationError(
                     f"the training split ran out at batch {index} of epoch {epoch} on worker "
                     f"{self.rank}, before the {self.steps_per_epoch} batches its rows counted "
@@ -813,7 +816,13 @@ class StreamShard:
             # Rows skipped as unreadable left the epoch short (every worker as short: the
             # split is equal): its last batches come from its start, read again.
             self._batches = self._iteration(epoch)
-            batch = next(self._batches)
+            refill = next(self._batches, None)
+            if refill is None:
+                raise ConfigurationError(
+                    f"every record of the training split was skipped as unreadable (worker "
+                    f"{self.rank}, epoch {epoch}): see the job's skipped records' reasons"
+                ) from None
+            batch = refill
         self.waited_s += time.perf_counter() - started
         following = index + 1
         if following == self.steps_per_epoch:  # the epoch's rest (under a batch) is left

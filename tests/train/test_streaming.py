@@ -502,8 +502,8 @@ def test_a_worker_reads_its_epochs_in_order_and_a_jump_starts_a_fresh_iteration(
     skipping = shard_of(FakeSplit(rows=8), counted=40)
     skipping.ledger = object()
     assert [int(skipping.batch(s)[0][0]) for s in range(1, 7)] == [
-        1000, 1001, 2000, 2001, 2002,  # epoch 0: 2 batches, then 3 of a new iteration of it
-        3000,  # epoch 1
+        1000, 1001, 2000, 2001, 3000,  # epoch 0: 2 batches an iteration (8 rows), 3 of them
+        4000,  # epoch 1
     ]  # fmt: skip
 
 
