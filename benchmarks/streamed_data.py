@@ -7,10 +7,11 @@ by Ray Data), to 88%; then a training worker's peak memory as the Parquet datase
 Part one runs ``examples/fashion_mnist.yaml`` (2 Ray Train workers, global batch 128) with its
 dataset swapped, the three sources interleaved seed by seed: steps to 88% test accuracy (on the
 whole test split), the mean step (``ms_per_step``, the batch's wait included) and the wait for
-the batch (``data_wait_ms``). Part two runs the same job on the Parquet files written 1, 4 and
-16 times over (``scripts/fashion_mnist_files.py --copies``) for ``--memory-steps`` steps,
-without a target. Every run samples its training workers' peak resident memory (``VmHWM`` of
-each ``RayTrainWorker`` process, read from /proc twice a second) and reports the larger.
+the batch (``data_wait_ms``). Part two runs the same job on the Parquet files and on the PNG
+folder, each written 1, 4 and 16 times over (``scripts/fashion_mnist_files.py --copies``), for
+``--memory-steps`` steps, without a target. Every run samples its training workers' peak
+resident memory (``VmHWM`` of each ``RayTrainWorker`` process, read from /proc twice a second)
+and reports the larger.
 
 Every job here gives each worker 0.5 CPU (as the streamed examples do), so that Ray Data has
 CPUs to read with; the in-memory job gets the same, so the two differ only in their data. The
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -146,8 +148,7 @@ def main() -> None:
             write_block("streamed-data", text)
         return
     started = datetime.datetime.now(datetime.UTC)
-    files = {c: write_files(args.root, c, ["png", "parquet"] if c == 1 else ["parquet"])
-             for c in args.copies}  # fmt: skip
+    files = {c: write_files(args.root, c, ["png", "parquet"]) for c in args.copies}
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kaisa-streamed-") as storage:
@@ -156,11 +157,11 @@ def main() -> None:
                 for source in ("in memory (IDX)", "parquet", "image folder"):
                     spec = job(source.split(" (")[0], files.get(1), seed)
                     results.append({"part": "target", **measure(source, spec, Path(storage))})
-        for copies in args.copies:
-            spec = job("parquet", files[copies], 0)
+        for source, copies in itertools.product(("parquet", "image folder"), args.copies):
+            spec = job(source, files[copies], 0)
             spec["stop"] = {"max_steps": args.memory_steps, "target": UNREACHED}
             spec["eval_every"] = args.memory_steps
-            entry = measure(f"parquet x{copies}", spec, Path(storage))
+            entry = measure(f"{source} x{copies}", spec, Path(storage))
             results.append({"part": "memory", "copies": copies, **entry})
         spec = job("in memory", None, 0)
         spec["stop"] = {"max_steps": args.memory_steps, "target": UNREACHED}

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kaisa_ray.train.spec import LIMITS, REFERENCE, JobSpec
+from kaisa_ray.train.stream_sources import ImageMode, StreamSource
 
 DOC = Path(__file__).resolve().parents[2] / REFERENCE
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fashion_mnist.yaml"
@@ -211,14 +212,14 @@ def render() -> str:
 
 
 STREAM_EXAMPLES: dict[str, tuple[str, dict[str, Any]]] = {
-    "image-folder": (
+    StreamSource.IMAGE_FOLDER.value: (
         "An image folder (one subfolder per class), its own validation folder:",
         {
-            "name": "image-folder",
+            "name": StreamSource.IMAGE_FOLDER.value,
             "train": "s3://bucket/imagenet/train",
             "validation": "s3://bucket/imagenet/val",
             "image": {
-                "mode": "RGB",
+                "mode": ImageMode.RGB.value,
                 "size": [224, 224],
                 "mean": [0.485, 0.456, 0.406],
                 "std": [0.229, 0.224, 0.225],
@@ -226,14 +227,14 @@ STREAM_EXAMPLES: dict[str, tuple[str, dict[str, Any]]] = {
             "batch_size": 64,
         },
     ),
-    "parquet": (
+    StreamSource.PARQUET.value: (
         "Parquet files of encoded images and labels, every 10th file held out for validation:",
         {
-            "name": "parquet",
+            "name": StreamSource.PARQUET.value,
             "train": "s3://bucket/fashion-mnist/parquet",
             "validation_every": 10,
             "columns": {"input": "image", "label": "label"},
-            "image": {"mode": "L", "mean": [0.286], "std": [0.353]},
+            "image": {"mode": ImageMode.GRAY.value, "mean": [0.286], "std": [0.353]},
             "classes": 10,
         },
     ),
@@ -241,7 +242,7 @@ STREAM_EXAMPLES: dict[str, tuple[str, dict[str, Any]]] = {
         "Parquet files of a tokenised corpus (every row as many token ids), cut into windows "
         "of 257 tokens (256 inputs, each one's next token its target):",
         {
-            "name": "parquet",
+            "name": StreamSource.PARQUET.value,
             "train": "s3://bucket/corpus/train",
             "validation": "s3://bucket/corpus/validation",
             "columns": {"tokens": "input_ids"},
@@ -250,11 +251,11 @@ STREAM_EXAMPLES: dict[str, tuple[str, dict[str, Any]]] = {
             "batch_size": 16,
         },
     ),
-    "text": (
+    StreamSource.TEXT.value: (
         "Text files (`*.txt`) cut into windows of 65 bytes (a byte-level model's 64 inputs "
         "and their next bytes), every 20th run of windows held out for validation:",
         {
-            "name": "text",
+            "name": StreamSource.TEXT.value,
             "train": "s3://bucket/books",
             "validation_every": 20,
             "context": 64,

@@ -33,7 +33,13 @@ import numpy as np
 import torch
 
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.stream_sources import BadRecords, StreamSource, is_uri, local_path
+from kaisa_ray.train.stream_sources import (
+    BadRecords,
+    ImageMode,
+    StreamSource,
+    is_uri,
+    local_path,
+)
 
 if TYPE_CHECKING:
     from ray.data import DataIterator, Dataset
@@ -297,7 +303,7 @@ def _decode(
             where = f"row {i} of a batch of {what}" if what != "file" else "the file"
             reasons.append(f"{paths[i]}: {where} is not a readable image ({err})")
     if not images:
-        channels = () if mode == "L" else (3,)
+        channels = () if mode == ImageMode.GRAY.value else (3,)
         empty = np.empty((0, *(size or (1, 1)), *channels), np.uint8)
         return _stack_images(empty, paths), np.asarray(keep, bool), reasons
     return _stack_images(images, paths), np.asarray(keep, bool), reasons
