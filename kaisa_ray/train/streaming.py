@@ -26,7 +26,7 @@ import io
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -302,11 +302,11 @@ def _decode(
             keep.append(False)
             where = f"row {i} of a batch of {what}" if what != "file" else "the file"
             reasons.append(f"{paths[i]}: {where} is not a readable image ({err})")
-    if not images:
+    decoded: Any = images
+    if not images:  # every one unreadable: an empty batch of the size asked for
         channels = () if mode == ImageMode.GRAY.value else (3,)
-        empty = np.empty((0, *(size or (1, 1)), *channels), np.uint8)
-        return _stack_images(empty, paths), np.asarray(keep, bool), reasons
-    return _stack_images(images, paths), np.asarray(keep, bool), reasons
+        decoded = np.empty((0, *(size or (1, 1)), *channels), np.uint8)
+    return _stack_images(decoded, paths), np.asarray(keep, bool), reasons
 
 
 def _stack_images(images: Any, paths: Any) -> np.ndarray:
@@ -453,9 +453,9 @@ def _parquet_pipeline(
     split = TRAIN if shuffle else VALIDATION
     columns = dataset.columns
     wanted = [columns.tokens] if columns.tokens is not None else [columns.input, columns.label]
-    fs, _ = _filesystem(first)
+    fs, local = _filesystem(first)
     try:
-        with fs.open_input_file(_filesystem(first)[1]) as opened:
+        with fs.open_input_file(local) as opened:
             table = pq.ParquetFile(opened)
             names = set(table.schema_arrow.names)
             missing = [c for c in wanted if c not in names]
@@ -701,12 +701,12 @@ def open_stream(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]
         pipelines, counts = _text_source(dataset)  # every byte is a text's: nothing to skip
     if dataset.limit is not None:
         pipelines = {name: ds.limit(dataset.limit) for name, ds in pipelines.items()}
-        counts = StreamCounts(
-            min(counts.train_rows, dataset.limit),
-            min(counts.validation_rows, dataset.limit),
-            counts.classes,
+        counts = replace(
+            counts,
+            train_rows=min(counts.train_rows, dataset.limit),
+            validation_rows=min(counts.validation_rows, dataset.limit),
         )
-    counts = StreamCounts(counts.train_rows, counts.validation_rows, counts.classes, ledger)
+    counts = replace(counts, ledger=ledger)
     # The validation split is read every evaluation: read and decoded once, into Ray's object
     # store (which spills to disk), not again each time (a new execution of the pipeline
     # costs seconds before its first batch). In file order: Ray Data otherwise hands on

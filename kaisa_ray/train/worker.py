@@ -186,7 +186,14 @@ class Window:
             self.kfac_s[phase] += value
 
     def record(
-        self, *, step: int, epoch: int, lr: float, world: int, quadratic: StepInfo | None = None
+        self,
+        *,
+        step: int,
+        epoch: int,
+        lr: float,
+        world: int,
+        quadratic: StepInfo | None = None,
+        skipped_rows: int | None = None,
     ) -> StepRecord:
         """The window as a step record; ``quadratic``: the quadratic model's last step, whose
         λ and μ go along (its α is ``lr``)."""
@@ -209,6 +216,7 @@ class Window:
             kfac_staleness_ms=ms["staleness"],
             damping=None if quadratic is None else quadratic.damping,
             momentum=None if quadratic is None else quadratic.mu,
+            skipped_rows=skipped_rows,
         )
 
 
@@ -366,10 +374,16 @@ def _send_progress(training: Training, session: Session, step: int, window: Wind
     if session.rank == 0:
         epoch, _ = training.shard.position(step)
         quadratic = None if training.quadratic is None else training.quadratic.last
-        record = window.record(
-            step=step, epoch=epoch, lr=training.lr, world=training.world, quadratic=quadratic
+        session.push(
+            window.record(
+                step=step,
+                epoch=epoch,
+                lr=training.lr,
+                world=training.world,
+                quadratic=quadratic,
+                skipped_rows=training.shard.skipped(),
+            )
         )
-        session.push(record.model_copy(update={"skipped_rows": training.shard.skipped()}))
     intervals = intervals_record(training.preconditioner, step)  # every rank drains its own
     if session.rank == 0 and intervals is not None:
         session.push(intervals)

@@ -190,10 +190,9 @@ class DatasetSpec(StrictModel):
 
     def _stream_fields(self) -> None:
         """Each source's own fields: an image's for images, a window's for sequences."""
-        defaults = DatasetSpec.model_fields
         wrong = []
         if self.sequences:
-            wrong = [f for f in ("image",) if getattr(self, f) != defaults[f].get_default()]
+            wrong = ["image"] if self.image != ImageSpec() else []
         elif self.context is not None:
             wrong = ["context"]
         if self.name == StreamSource.TEXT and self.columns != ColumnsSpec():
