@@ -7,7 +7,6 @@ directory holding the four IDX files (gzipped or not) can be passed as ``data_di
 
 from __future__ import annotations
 
-import functools
 import gzip
 import logging
 import math
@@ -164,17 +163,19 @@ def _read_pair(data_dir: Path, split: Split) -> tuple[torch.Tensor, torch.Tensor
     return images, labels.to(torch.int64)
 
 
-@functools.lru_cache(maxsize=8)
-def _pixel_stats(image_path: Path, mtime_ns: int, size: int) -> tuple[float, float]:
-    """Mean and standard deviation of the pixels (scaled to [0, 1]) of an image file.
+# The training split's pixel statistics by (path, modification time, size): loading the test
+# split after the training split (or again) does not read the training images again.
+_PIXEL_STATS: dict[tuple[Path, int, int], tuple[float, float]] = {}
 
-    Cached on the file's path, modification time and size so that loading the test split
-    repeatedly does not re-read the training images.
-    """
-    del mtime_ns, size  # only part of the cache key
-    images = read_idx(image_path)
-    _check_images(image_path, images)
-    # Exact in float64 from a 256-bin histogram, without a float copy of every pixel.
+
+def _stats_key(image_path: Path) -> tuple[Path, int, int]:
+    stat = image_path.stat()
+    return image_path.resolve(), stat.st_mtime_ns, stat.st_size
+
+
+def _pixel_stats(images: torch.Tensor) -> tuple[float, float]:
+    """Mean and standard deviation of uint8 pixels scaled to [0, 1]: exact in float64 from a
+    256-bin histogram, without a float copy of every pixel."""
     counts = torch.bincount(images.reshape(-1), minlength=256).to(torch.float64)
     values = torch.arange(256, dtype=torch.float64) / 255.0
     total = counts.sum()
@@ -193,10 +194,13 @@ def train_pixel_stats(data_dir: str | Path | None = None) -> tuple[float, float]
     Returns:
         ``(mean, std)``; about ``(0.2860, 0.3530)`` for Fashion-MNIST.
     """
-    directory = _resolve_dir(data_dir)
-    path = _find_file(directory, "train", "images")
-    stat = path.stat()
-    return _pixel_stats(path.resolve(), stat.st_mtime_ns, stat.st_size)
+    path = _find_file(_resolve_dir(data_dir), "train", "images")
+    key = _stats_key(path)
+    if key not in _PIXEL_STATS:
+        images = read_idx(path)
+        _check_images(path, images)
+        _PIXEL_STATS[key] = _pixel_stats(images)
+    return _PIXEL_STATS[key]
 
 
 def _resolve_dir(data_dir: str | Path | None) -> Path:
@@ -243,6 +247,10 @@ def load_idx_dataset(
         raise ValueError(f"limit must be non-negative, got {limit}")
     directory = _resolve_dir(data_dir)
     images, labels = _read_pair(directory, split)
+    if standardize and split == "train":  # the statistics of what was just read, not read again
+        _PIXEL_STATS.setdefault(
+            _stats_key(_find_file(directory, "train", "images")), _pixel_stats(images)
+        )
     if limit is not None:
         images, labels = images[:limit], labels[:limit]
     out = images.unsqueeze(1).to(torch.float32).div_(255.0)

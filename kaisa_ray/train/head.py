@@ -7,8 +7,9 @@ avoids each:
 - **Ports.** ``ray start`` has fixed defaults (GCS 6379, dashboard 8265, the dashboard agent
   52365, the Ray client server 10001): a second head on the defaults fails to bind some of
   them (a dashboard agent on a taken port leaves the job server answering "No available
-  agent to submit job"). Every one of them is chosen free here; the others are Ray's random
-  choices already.
+  agent to submit job"). The GCS's, the dashboard's and the client server's are chosen free
+  here, outside the kernel's ephemeral range (``free_port``); the agent binds one of its own
+  choosing and registers it; the others are Ray's own choices already.
 - **The address.** A Ray process that is not told its cluster looks for one: ``RAY_ADDRESS``,
   else the ``ray_current_cluster`` file in ``/tmp/ray`` (left by the last ``ray start``, even
   a dead one), else every GCS it sees in the process table ("Found multiple active Ray
@@ -31,6 +32,7 @@ import functools
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -59,12 +61,38 @@ class HeadStartError(ConfigurationError):
     """``ray start`` failed or the head did not come up; the message has its log's tail."""
 
 
+# Ports handed to servers that another process binds later: below the kernel's ephemeral range
+# (which every outgoing connection draws from, so a port the kernel chose for us and we
+# released can be taken by a client socket before the server binds it: a dashboard agent that
+# lost its port leaves the job server answering "No available agent") and above Ray's worker
+# ports (10002-19999 by default).
+SERVER_PORTS = (20000, 32768)
+
+
 def free_port() -> int:
-    """A TCP port nothing listens on now (the kernel's choice)."""
+    """A TCP port nothing is bound to now, outside the ports the kernel hands to outgoing
+    connections (``SERVER_PORTS``; the kernel's choice where none of those is free)."""
+    low, high = SERVER_PORTS[0], min(SERVER_PORTS[1], _ephemeral_low())
+    for _ in range(64) if high - low > 100 else ():
+        port = secrets.randbelow(high - low) + low
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("", 0))
-        port: int = s.getsockname()[1]
-        return port
+        chosen: int = s.getsockname()[1]
+        return chosen
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def reachable(address: str, timeout_s: float = 3.0) -> bool:
@@ -212,7 +240,7 @@ def ray_start_command(
         "--include-dashboard=true",
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dashboard}",
-        f"--dashboard-agent-listen-port={free_port()}",
+        "--dashboard-agent-listen-port=0",  # the agent binds a port of its own and registers it
         f"--ray-client-server-port={free_port()}",
         "--disable-usage-stats",
     ]

@@ -28,9 +28,10 @@ from typing import Any
 
 import pytest
 from support.browser import CHROMEDRIVER, CHROMIUM, text_of, wait
-from support.service_process import ServiceProcess, reusable_port, start_service
+from support.service_process import ServiceProcess, start_service
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_ray.train.head import free_port
 from service.head import RayHead
 
 TOKEN = "dashboard-e2e-token"
@@ -76,7 +77,7 @@ def test_a_job_from_the_form_survives_a_service_crash_and_is_watched_to_the_end(
     browser: Any, tmp_path: Path
 ) -> None:
     data = tmp_path / "service"
-    port = reusable_port()  # the restarted service takes the same one: the open page reconnects
+    port = free_port()  # the restarted service takes the same one: the open page reconnects
     first = start_service(data, token=TOKEN, port=port)  # no --ray-address: the embedded head
     head = RayHead.load(data / "ray" / "head.json")
     assert head is not None

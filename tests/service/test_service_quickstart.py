@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 from support.ray_head import TEST_ENV
-from support.service_process import reusable_port
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_ray.train.head import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ def test_the_readme_service_quickstart_runs_verbatim(tmp_path: Path) -> None:
         if not k.startswith(("KAISA_RAY_", "RAY_", "VIRTUAL_ENV"))
     }
     env.update(TEST_ENV)
-    env.update(HOME=str(home), KAISA_RAY_PORT=str(reusable_port()), PATH="/usr/bin:/bin")
+    env.update(HOME=str(home), KAISA_RAY_PORT=str(free_port()), PATH="/usr/bin:/bin")
     done = subprocess.run(
         ["bash", "-c", "set -euo pipefail\n" + script],
         cwd=clone,

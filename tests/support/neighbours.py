@@ -21,9 +21,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kaisa_ray.train.head import free_port
 from service.head import venv_path
 from support.ray_head import RAY, TEST_ENV
-from support.service_process import KAISA_RAY, reusable_port
+from support.service_process import KAISA_RAY
 
 ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")
 DEFAULT_PORTS = {"gcs": 6379, "dashboard": 8265, "dashboard agent": 52365, "client server": 10001}
@@ -157,7 +158,7 @@ class MakeRun:
 def make_run(data_dir: Path, job: Path, *, timeout_s: float = 120) -> Iterator[MakeRun]:
     """``kaisa-ray serve --submit JOB`` (no token, on loopback: as ``make run``) on a data
     directory and a port of its own, up once ``/readyz`` answers."""
-    port = reusable_port()
+    port = free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir / "make-run.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KAISA_RAY_", "RAY_"))}

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,30 +14,10 @@ from pathlib import Path
 
 import httpx
 
-from kaisa_ray.train.head import free_port
 from service.client import ServiceClient
 from service.head import venv_path
 
 KAISA_RAY = str(Path(sys.executable).with_name("kaisa-ray"))
-
-
-def reusable_port() -> int:
-    """A free loopback port that stays free while a service restarts on it: below the kernel's
-    ephemeral range (which every outgoing connection on the machine draws its local port from:
-    one took a restarted service's port while its Ray head started) and above Ray's worker
-    ports (10002-19999 by default)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    below = range(20000, low)
-    # The system's randomness: the module ``random`` may be seeded alike in both xdist workers
-    # (hypothesis seeds it), and two services then drew the same port.
-    for port in random.SystemRandom().sample(below, k=min(200, len(below))):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    return free_port()
 
 
 @dataclass
