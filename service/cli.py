@@ -185,9 +185,9 @@ def program() -> str:
     "--data-root",
     "data_roots",
     multiple=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="A folder under which jobs may read dataset.data_dir (repeatable) [default: the "
-    "built-in datasets' folders].",
+    help="A folder under which jobs may read their data, or a URI prefix (s3://bucket/prefix) "
+    "under which they may stream it from another system with the cluster's credentials "
+    "(repeatable) [default: the built-in datasets' folders].",
 )
 @click.option(
     "--min-free-bytes",

@@ -60,11 +60,13 @@ class Settings(BaseSettings):
         description="allow a non-loopback host without a token (anyone who reaches the port "
         "can run jobs)",
     )
-    data_roots: list[Path] = Field(
+    data_roots: list[Path | str] = Field(
         default_factory=list,
         max_length=64,
-        description="the folders under which a job may name dataset.data_dir (symlinks and "
-        ".. resolved) [default: the built-in datasets' own folders]",
+        description="the folders under which a job may read its data (dataset.data_dir, a "
+        "streamed dataset's paths; symlinks and .. resolved), and URI prefixes (s3://bucket/"
+        "prefix) under which it may stream data from another system with the cluster's "
+        "credentials [default: the built-in datasets' own folders]",
     )
     allowed_hosts: list[str] = Field(
         default_factory=list,
@@ -173,6 +175,16 @@ class Settings(BaseSettings):
 
         return None if not storage else resolve_storage(storage, create=False)
 
+    @field_validator("data_roots", mode="before")
+    @classmethod
+    def _roots(cls, roots: object) -> object:
+        """A folder as a ``Path``; a URI (``s3://bucket/prefix``) as its checked string."""
+        from kaisa_ray.train.data_roots import root_of
+
+        if not isinstance(roots, (list, tuple)):
+            return roots
+        return [root_of(r) if isinstance(r, (str, Path)) else r for r in roots]
+
     @field_validator("token")
     @classmethod
     def _not_empty(cls, token: SecretStr | None) -> SecretStr | None:
@@ -208,11 +220,11 @@ class Settings(BaseSettings):
         return self
 
     @property
-    def roots(self) -> list[Path]:
+    def roots(self) -> list[Path | str]:
         """The data roots in force: the configured ones, or the datasets' own folders."""
         from service.domain.sandbox import default_data_roots
 
-        return list(self.data_roots) or default_data_roots()
+        return list(self.data_roots) or list[Path | str](default_data_roots())
 
     @property
     def secret(self) -> str | None:

@@ -24,7 +24,7 @@ def default_data_roots() -> list[Path]:
 class DataRoots:
     """Every request is validated with ``roots`` as the data roots."""
 
-    def __init__(self, app: ASGIApp, *, roots: Sequence[Path]) -> None:
+    def __init__(self, app: ASGIApp, *, roots: Sequence[Path | str]) -> None:
         self.app, self.roots = app, list(roots)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

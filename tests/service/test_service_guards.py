@@ -255,3 +255,50 @@ def test_the_default_roots_are_the_datasets_own_folders(tmp_path: Path) -> None:
         refused = client.post("/v1/jobs", json=elsewhere)
         assert refused.status_code == 422
         assert str(DEFAULT_FASHION_MNIST_DIR) in refused.json()["detail"]
+
+
+def test_a_uri_root_admits_streamed_data_under_its_prefix_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """``--data-root s3://bucket/prefix``: a streamed dataset on another system is accepted
+    under that prefix (the cluster reads it with the service's credentials), refused beside
+    it, in another bucket or scheme, with a query (another endpoint), a '..' or a '//'; the
+    folder roots still apply to local paths; a bad URI root fails the settings."""
+    folder = tmp_path / "roots"
+    folder.mkdir()
+    settings = Settings(
+        data_dir=tmp_path / "service", token=TOKEN, data_roots=["s3://lab/datasets/", folder]
+    )
+    assert settings.roots == ["s3://lab/datasets", folder]
+
+    def answer(train: str, validation: str = "s3://lab/datasets/fmnist/validation") -> str:
+        dataset = {
+            "name": "parquet",
+            "train": train,
+            "validation": validation,
+            "columns": {"input": "pixels", "label": "label"},
+        }
+        response = client.post("/v1/jobs", json=spec(dataset=dataset))
+        return "accepted" if response.status_code == 201 else response.json()["detail"]
+
+    with make_client(create_app(settings, runner=FakeRunner())) as client:
+        assert answer("s3://lab/datasets/fmnist/train") == "accepted"
+        refused = {
+            "beside": "s3://lab/datasets-private/train",
+            "bucket": "s3://other/datasets/train",
+            "scheme": "gs://lab/datasets/train",
+            "endpoint": "s3://lab/datasets/train?endpoint_override=attacker.example",
+            "dotdot": "s3://lab/datasets/../secrets/train",
+            "slashes": "s3://lab/datasets//train",
+            "local": "/etc",
+        }
+        answers = {kind: answer(uri) for kind, uri in refused.items()}
+        assert all(a != "accepted" for a in answers.values()), answers
+        assert "not under this service's data roots" in answers["beside"]
+        assert "s3://lab/datasets" in answers["bucket"]
+        assert "query" in answers["endpoint"]
+        assert "'..'" in answers["dotdot"]
+        assert "'//'" in answers["slashes"]
+        assert "/etc is not under this service's data roots" in answers["local"]
+    with pytest.raises(ValidationError, match="query"):
+        Settings(data_dir=tmp_path, token=TOKEN, data_roots=["s3://lab/x?region=eu"])

@@ -193,7 +193,7 @@ def test_a_service_reads_streamed_data_only_under_its_roots(tmp_path: Path) -> N
     inside = tmp_path / "data"
     train = image_folder(inside / "train")
     with within([inside]):
-        with pytest.raises(ValidationError, match=r"s3://b/t is another system's URI"):
+        with pytest.raises(ValidationError, match=r"s3://b/t is another system's URI, not under"):
             DatasetSpec(name="parquet", train="s3://b/t", validation=f"file://{train}")
         with pytest.raises(ValidationError, match=r"/etc is not under this service's data"):
             DatasetSpec(name="image-folder", train=f"file://{train}", validation="local:///etc")

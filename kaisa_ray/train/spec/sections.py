@@ -19,7 +19,7 @@ from kaisa_ray.enums import (
     OptimizerName,
     Parallel,
 )
-from kaisa_ray.train.data_roots import check_root, roots_now
+from kaisa_ray.train.data_roots import check_root, check_uri
 from kaisa_ray.train.registry import dataset_entry, dataset_names
 from kaisa_ray.train.spec.bounds import (
     LIMITS,
@@ -236,13 +236,10 @@ class DatasetSpec(StrictModel):
                     )
                 )
             if is_uri(path):
-                if roots_now() is not None:
-                    raise ValueError(
-                        f"dataset.{split}: {path} is another system's URI, and this service "
-                        "reads data only under its data roots (folders on its nodes): copy "
-                        "the data under one, or run the job yourself (kaisa-ray train, ray "
-                        "job submit), with your own credentials"
-                    )
+                try:
+                    check_uri(path)  # under a service: only under its URI roots
+                except ValueError as error:
+                    raise ValueError(f"dataset.{split}: {error}") from None
                 continue  # read by the cluster; nothing here can check it
             local = Path(local_path(path))
             check_root(local)  # before anything looks at it (kaisa_ray.train.data_roots)
