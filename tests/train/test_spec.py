@@ -261,3 +261,19 @@ def test_a_reversed_sweep_range_is_refused_with_the_order_to_write() -> None:
     assert "[0.001, 1]" in problem
     sweep["space"]["optimizer.lr"] = {"loguniform": [0.001, 1]}
     assert parse_job_spec(with_(kfac="auto", sweep=sweep)).sweep is not None
+
+
+def test_kfac_off_as_typed_in_yaml_is_off(tmp_path: Path) -> None:
+    """YAML 1.1 (PyYAML) reads ``kfac: off`` and ``kfac: no`` as false: that is K-FAC off, as
+    the user wrote; ``kfac: on`` (true) is no setting and says what to write."""
+    for word in ("off", "no", "false", '"off"'):
+        path = tmp_path / f"{word.strip(chr(34))}.yaml"
+        path.write_text(json.dumps(with_(kfac=None)).replace("null", word))
+        assert load_job_spec(path).kfac == "off"
+    path = tmp_path / "on.yaml"
+    path.write_text(json.dumps(with_(kfac=None)).replace("null", "on"))
+    with pytest.raises(JobSpecError) as caught:
+        load_job_spec(path)
+    [problem] = caught.value.problems
+    assert "kfac: true (YAML reads on and yes as true) is not a setting" in problem
+    assert "kfac: off" in problem

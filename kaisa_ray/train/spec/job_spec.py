@@ -64,6 +64,21 @@ class JobSpec(StrictModel):
     seed: Seed = 0
     sweep: SweepSpec | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _kfac_off_in_yaml(cls, data: Any) -> Any:
+        """``kfac: off`` as typed in YAML: PyYAML (YAML 1.1) reads ``off`` and ``no`` as false,
+        which here means what the user wrote."""
+        if isinstance(data, dict) and data.get("kfac") is False:
+            return {**data, "kfac": "off"}
+        if isinstance(data, dict) and data.get("kfac") is True:
+            raise ValueError(
+                "kfac: true (YAML reads on and yes as true) is not a setting: leave kfac out for "
+                "K-FAC with its defaults, or "
+                "write kfac: auto, a kfac section, or kfac: off"
+            )
+        return data
+
     @field_validator("kfac", mode="before")
     @classmethod
     def _auto_shorthand(cls, value: Any) -> Any:
