@@ -34,6 +34,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kaisa_ray.train.data_logs import quiet_environment
 from kaisa_ray.train.head import RAY as RAY  # re-exported: the tests start heads with it
 from kaisa_ray.train.head import descendants, free_port, ray_start_command, running
 
@@ -151,6 +152,7 @@ def start_head(
     head_env = ray_environment(env)
     head_env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PATH=venv_path())
     head_env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"  # every Ray process of this head: this head
+    quiet_environment(head_env)  # Ray Data's INFO lines stay in its log, out of the job's
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / "ray-head.log"
     # Short (Ray's socket paths), and private: every Ray process that starts or connects

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.train.data_logs import quiet_environment
 
 __all__ = ["Head", "HeadStartError", "free_port", "head_environment", "reachable", "start_head"]
 
@@ -305,6 +306,7 @@ def _start_once(
 ) -> Head:
     """One try of ``start_head``."""
     head_env = dict(head_environment() if env is None else env)
+    quiet_environment(head_env)  # Ray Data's INFO lines stay in its log, out of the job's
     gcs, dashboard = free_port(), free_port()
     head_env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"  # every process of this head: this head
     temp_dir = tempfile.mkdtemp(prefix=HEAD_PREFIX, dir=temp_root)

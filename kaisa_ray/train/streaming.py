@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.train.data_logs import quiet_here
 from kaisa_ray.train.stream_sources import (
     BadRecords,
     ImageMode,
@@ -686,6 +687,7 @@ def open_stream(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]
     """
     from ray.data import DataContext
 
+    quiet_here()  # Ray Data's INFO lines in ray-data.log, not on the job's terminal
     DataContext.get_current().enable_progress_bars = False
     source = StreamSource(dataset.name)
     ledger = None

@@ -1,0 +1,47 @@
+"""Ray Data's console, quiet: a streamed job's terminal shows Ray Data's warnings and errors,
+not its INFO lines (each pipeline's start, plan and end) or its notice that progress bars are
+off (kaisa-ray turns them off). Everything still goes to ``ray-data.log`` in the Ray session's
+logs folder.
+
+Ray Data reads its logging configuration from ``RAY_DATA_LOGGING_CONFIG`` when ``ray.data`` is
+imported, in every process: ``quiet_environment`` gives a head's processes (the pipelines'
+coordinators run there) this package's configuration, and ``quiet_here`` this process's.
+A variable the user set is left as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import MutableMapping
+from pathlib import Path
+
+__all__ = ["CONFIG", "VARIABLE", "QuietConsole", "quiet_environment", "quiet_here"]
+
+VARIABLE = "RAY_DATA_LOGGING_CONFIG"
+CONFIG = Path(__file__).with_name("ray_data_logging.yaml")
+NOTICES = ("Progress bars disabled", "Progress bars for operators disabled")
+
+
+class QuietConsole(logging.Filter):
+    """Drops Ray Data's notices about its progress bars (warnings about a setting we chose)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(NOTICES)
+
+
+def quiet_environment(env: MutableMapping[str, str]) -> None:
+    """Point ``env`` (a head's or a job's environment) at the quiet configuration, unless it
+    names one of its own."""
+    env.setdefault(VARIABLE, str(CONFIG))
+
+
+def quiet_here() -> None:
+    """This process's Ray Data console, quiet (configured again where ``ray.data`` was
+    imported before the variable was set)."""
+    if os.environ.get(VARIABLE, str(CONFIG)) != str(CONFIG):
+        return  # the user's own configuration
+    os.environ[VARIABLE] = str(CONFIG)
+    from ray.data._internal.logging import configure_logging
+
+    configure_logging()
