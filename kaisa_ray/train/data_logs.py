@@ -37,10 +37,11 @@ def quiet_environment(env: MutableMapping[str, str]) -> None:
 
 
 def quiet_here() -> None:
-    """This process's Ray Data console, quiet (configured again where ``ray.data`` was
-    imported before the variable was set)."""
-    if os.environ.get(VARIABLE, str(CONFIG)) != str(CONFIG):
-        return  # the user's own configuration
+    """This process's Ray Data console, quiet: where the variable is unset, set and applied
+    (``ray.data`` may have been imported before); where it is set, Ray Data read it at import
+    (the user's own, or a head's)."""
+    if VARIABLE in os.environ:
+        return
     os.environ[VARIABLE] = str(CONFIG)
     from ray.data._internal.logging import configure_logging
 

@@ -71,7 +71,7 @@ def _uri_parts(uri: str) -> tuple[str, str, tuple[str, ...]]:
     parts = urlsplit(uri)
     if not parts.scheme or not parts.netloc:
         raise ValueError(f"{uri} is not a URI with a scheme and a bucket or host (s3://bucket/key)")
-    if parts.query or parts.fragment or "?" in uri or "#" in uri:
+    if "?" in uri or "#" in uri:  # a query or fragment, even an empty one
         raise ValueError(
             f"{uri} has a query or a fragment: under this service's data roots a URI names its "
             "data by scheme, bucket and path only (the filesystem's options are the service's)"

@@ -194,12 +194,19 @@ def train_pixel_stats(data_dir: str | Path | None = None) -> tuple[float, float]
     Returns:
         ``(mean, std)``; about ``(0.2860, 0.3530)`` for Fashion-MNIST.
     """
-    path = _find_file(_resolve_dir(data_dir), "train", "images")
+    return _train_stats(_resolve_dir(data_dir))
+
+
+def _train_stats(directory: Path, train_images: torch.Tensor | None = None) -> tuple[float, float]:
+    """``train_pixel_stats`` of ``directory``, from ``train_images`` (the training split just
+    read) where they are given and nothing is cached yet, else read from the file once."""
+    path = _find_file(directory, "train", "images")
     key = _stats_key(path)
     if key not in _PIXEL_STATS:
-        images = read_idx(path)
-        _check_images(path, images)
-        _PIXEL_STATS[key] = _pixel_stats(images)
+        if train_images is None:
+            train_images = read_idx(path)
+            _check_images(path, train_images)
+        _PIXEL_STATS[key] = _pixel_stats(train_images)
     return _PIXEL_STATS[key]
 
 
@@ -247,15 +254,13 @@ def load_idx_dataset(
         raise ValueError(f"limit must be non-negative, got {limit}")
     directory = _resolve_dir(data_dir)
     images, labels = _read_pair(directory, split)
-    if standardize and split == "train":  # the statistics of what was just read, not read again
-        _PIXEL_STATS.setdefault(
-            _stats_key(_find_file(directory, "train", "images")), _pixel_stats(images)
-        )
+    # the training split's statistics: of the images just read, where they are that split
+    stats = _train_stats(directory, images if split == "train" else None) if standardize else None
     if limit is not None:
         images, labels = images[:limit], labels[:limit]
     out = images.unsqueeze(1).to(torch.float32).div_(255.0)
-    if standardize:
-        mean, std = train_pixel_stats(directory)
+    if stats is not None:
+        mean, std = stats
         out.sub_(mean).div_(std)
     logger.debug("loaded %s split from %s: %d samples", split, directory, out.shape[0])
     return out, labels

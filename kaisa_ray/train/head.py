@@ -74,7 +74,7 @@ def free_port() -> int:
     """A TCP port nothing is bound to now, outside the ports the kernel hands to outgoing
     connections (``SERVER_PORTS``; the kernel's choice where none of those is free)."""
     low, high = SERVER_PORTS[0], min(SERVER_PORTS[1], _ephemeral_low())
-    for _ in range(64) if high - low > 100 else ():
+    for _ in range(64 if high - low > 100 else 0):
         port = secrets.randbelow(high - low) + low
         with socket.socket() as s:
             try:

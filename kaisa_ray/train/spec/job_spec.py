@@ -74,8 +74,7 @@ class JobSpec(StrictModel):
         if isinstance(data, dict) and data.get("kfac") is True:
             raise ValueError(
                 "kfac: true (YAML reads on and yes as true) is not a setting: leave kfac out for "
-                "K-FAC with its defaults, or "
-                "write kfac: auto, a kfac section, or kfac: off"
+                "K-FAC with its defaults, or write kfac: auto, a kfac section, or kfac: off"
             )
         return data
 
