@@ -134,6 +134,7 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
                 values=values,
             )
             progress.metrics.append(metric)
+            data["seq"] = metric.seq  # the page knows by it which streamed points it has read
             names = STEP_FIELDS if isinstance(record, StepRecord) else EVAL_FIELDS
             progress.latest.update({k: values[k] for k in names if k in values})
             progress.step = max(progress.step or 0, record.step)

@@ -129,14 +129,19 @@ def test_events_follow_a_job_until_it_finishes(service: Service) -> None:
         "progress",
         "eval",
     ]
-    # Each record's event carries the record itself: its kind, its fields, the sink's time.
+    # Each record's event carries the record itself: its kind, its fields, the sink's time;
+    # a metric's also its place in the history (the page merges the two by it: a point both
+    # read and streamed is drawn once).
+    history = service.client.get(f"/v1/jobs/{job['id']}/metrics").json()["points"]
+    seqs = {(p["kind"], p["step"]): p["seq"] for p in history}
     assert [data for kind, data in received if kind == "progress"] == [
-        {"kind": "step", "step": 10, "loss": 2.0, "time": 1.8e9},
-        {"kind": "step", "step": 20, "loss": 1.0, "time": 1.8e9},
+        {"kind": "step", "step": 10, "loss": 2.0, "time": 1.8e9, "seq": seqs["step", 10]},
+        {"kind": "step", "step": 20, "loss": 1.0, "time": 1.8e9, "seq": seqs["step", 20]},
     ]
     assert [data for kind, data in received if kind == "eval"] == [
-        {"kind": "eval", "step": 20, "test_accuracy": 0.5, "time": 1.8e9}
+        {"kind": "eval", "step": 20, "test_accuracy": 0.5, "time": 1.8e9, "seq": seqs["eval", 20]}
     ]
+    assert len(set(seqs.values())) == 3
     (tuner,) = [data for kind, data in received if kind == "tuner"]
     assert TunerRecord.model_validate(tuner) == TUNER.model_copy(update={"time": 1.8e9})
     states = [data["state"] for kind, data in received if kind == "state"]
@@ -201,10 +206,11 @@ def test_the_stream_of_every_job_follows_two_jobs_and_a_deletion(service: Servic
     assert received[0] == ("ready", {"subscribed": True})
     ids = {data.get("id") or data.get("job_id") for _, data in received[1:]}
     assert ids == {first["id"], second["id"]}
+    seen = [(k, {f: v for f, v in d.items() if f != "seq"}) for k, d in received]
     step = {"job_id": first["id"], "kind": "step", "step": 10, "loss": 2.0, "time": 1.8e9}
-    assert ("progress", step) in received
+    assert ("progress", step) in seen
     evaluated = {"job_id": first["id"], "kind": "eval", "step": 10, "test_accuracy": 0.4}
-    assert ("eval", {**evaluated, "time": 1.8e9}) in received
+    assert ("eval", {**evaluated, "time": 1.8e9}) in seen
     states = [(d["id"], d["state"]) for k, d in received if k == "state"]
     assert (second["id"], "QUEUED") in states  # a whole JobView, as GET /v1/jobs/{id} has it
     assert states.index((first["id"], "SUCCEEDED")) > 0

@@ -23,7 +23,7 @@ export function curves(box, id, sets, signal) {
   const charts = chartsOf(sets);
   const points = { [kind.step]: [], [kind.eval]: [] };
   let xAxis = "step";
-  let lastTime = 0;
+  let lastSeq = -1; // the history's last record (both kinds share the job's sequence)
   let early = [];
   let loaded = false;
   let pending = null;
@@ -73,14 +73,14 @@ export function curves(box, id, sets, signal) {
   }
 
   function put(recordKind, point) {
-    if (point.time <= lastTime && recordKind === kind.step) return; // already in the history
+    if (point.seq <= lastSeq) return; // already in the history
     points[recordKind].push(point);
   }
 
   /** A streamed step or eval record; true if it was one. */
   function add(record) {
     if (record.kind !== kind.step && record.kind !== kind.eval) return false;
-    const point = { step: record.step, time: record.time, values: record };
+    const point = { seq: record.seq, step: record.step, time: record.time, values: record };
     if (!loaded) { early.push([record.kind, point]); return true; }
     put(record.kind, point);
     draw(false);
@@ -91,29 +91,24 @@ export function curves(box, id, sets, signal) {
     loaded = false;
     early = [];
     const fresh = { [kind.step]: [], [kind.eval]: [] };
-    let last = 0;
+    let last = -1;
     let since = 0;
     for (;;) {
       const page = await api(
         `/v1/jobs/${id}/metrics?kind=${kind.step}&kind=${kind.eval}&since=${since}&limit=10000`,
         { signal });
       for (const p of page.points) {
-        const point = { step: p.step, time: Date.parse(p.at) / 1000, values: p.values };
+        const point = { seq: p.seq, step: p.step, time: Date.parse(p.at) / 1000, values: p.values };
         fresh[p.kind].push(point);
-        if (p.kind === kind.step) last = Math.max(last, point.time);
+        last = Math.max(last, p.seq);
       }
       if (page.points.length < 10000) break;
       since = page.next_since;
     }
     points[kind.step] = fresh[kind.step];
     points[kind.eval] = fresh[kind.eval];
-    lastTime = last;
-    const evals = points[kind.eval];
-    const lastEval = evals.length ? evals[evals.length - 1].time : 0;
-    for (const [recordKind, point] of early) {
-      if (recordKind === kind.eval && point.time <= lastEval) continue;
-      put(recordKind, point);
-    }
+    lastSeq = last;
+    for (const [recordKind, point] of early) put(recordKind, point);
     loaded = true;
     draw(true);
   }
