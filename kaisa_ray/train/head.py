@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.data_logs import quiet_environment
+from kaisa_ray.train.ray_logs import quiet_environment
 
 __all__ = ["Head", "HeadStartError", "free_port", "head_environment", "reachable", "start_head"]
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.data_logs import quiet_here
+from kaisa_ray.train.ray_logs import quiet_here
 from kaisa_ray.train.stream_sources import (
     BadRecords,
     ImageMode,

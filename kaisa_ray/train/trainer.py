@@ -99,6 +99,9 @@ def build_trainer(
             name=config.run,
             storage_path=storage,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.checkpoint.keep),
+            # Ray Train's own INFO lines (resources requested, the worker group started, each
+            # report and checkpoint) stay in its log files, out of the job's output.
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]
             # A v2 UserCallback (mypy reads RunConfig's v1 signature).
             callbacks=[CheckpointRecorder(config.run), *(callbacks or [])],  # type: ignore[list-item]
             failure_config=ray.train.FailureConfig(  # type: ignore[call-arg]  # v2's (mypy: v1's)

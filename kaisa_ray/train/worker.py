@@ -28,6 +28,7 @@ from kaisa_ray.errors import ConfigurationError, KaisaRayError
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.quadratic import StepInfo
 from kaisa_ray.timing import PHASES
+from kaisa_ray.train.ray_logs import quiet_train_reports
 from kaisa_ray.train.records import (
     EndRecord,
     EvalRecord,
@@ -59,6 +60,7 @@ class TrainingDivergedError(KaisaRayError):
 
 def train_worker(config: dict[str, Any]) -> None:
     """``train_loop_per_worker``: what ``config["worker"]`` says."""
+    quiet_train_reports()
     worker = config["worker"]
     counts = config.get("stream")  # a streamed dataset's (StreamCounts), else None
     if isinstance(worker, ProfileConfig):

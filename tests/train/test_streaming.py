@@ -620,7 +620,7 @@ def test_a_sweep_with_kfac_auto_trains_a_language_model_on_streamed_text(
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     assert yaml.safe_load((tmp_path / "best.yaml").read_text())["dataset"]["name"] == "text"
-    # Ray Data's INFO lines and its notice about progress bars stay in its log (data_logs.py)
+    # Ray Data's INFO lines and its notice about progress bars stay in its log (ray_logs.py)
     assert "Starting execution of Dataset" not in output, output[-4000:]
     assert "Progress bars disabled" not in output, output[-4000:]
     trials = records("streamed-sweep", "trial")
@@ -637,41 +637,3 @@ def test_a_sweep_with_kfac_auto_trains_a_language_model_on_streamed_text(
     profiled = [t for t in tuners if t["cache"] == "miss"]
     assert profiled
     assert all(t["data_ms_per_batch"] >= 0 for t in profiled)
-
-
-def test_ray_data_s_console_takes_warnings_only_and_a_user_s_own_configuration_wins(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The quiet configuration loads in Ray Data's own loader: its console handler passes a
-    warning and drops INFO lines and the progress-bar notice; every record still reaches the
-    file handler. A head's environment gets it unless the user named a configuration."""
-    import logging
-
-    from ray.data._internal.logging import configure_logging
-
-    from kaisa_ray.train.data_logs import CONFIG, VARIABLE, quiet_environment, quiet_here
-
-    env = {VARIABLE: "/etc/my-ray-data-logging.yaml"}
-    quiet_environment(env)
-    assert env[VARIABLE] == "/etc/my-ray-data-logging.yaml"
-    fresh: dict[str, str] = {}
-    quiet_environment(fresh)
-    assert fresh[VARIABLE] == str(CONFIG)
-
-    monkeypatch.delenv(VARIABLE, raising=False)
-    try:
-        quiet_here()
-        handlers = {type(h).__name__: h for h in logging.getLogger("ray.data").handlers}
-        console, file = handlers["PlainRayHandler"], handlers["SessionFileHandler"]
-
-        def shown(handler: logging.Handler, level: int, message: str) -> bool:
-            record = logging.LogRecord("ray.data", level, __file__, 1, message, None, None)
-            return record.levelno >= handler.level and bool(handler.filter(record))
-
-        assert not shown(console, logging.INFO, "Starting execution of Dataset train_0")
-        assert not shown(console, logging.WARNING, "Progress bars disabled. To enable, ...")
-        assert shown(console, logging.WARNING, "a read task failed")
-        assert shown(file, logging.INFO, "Starting execution of Dataset train_0")
-    finally:
-        monkeypatch.delenv(VARIABLE, raising=False)
-        configure_logging()  # Ray's defaults again for the tests after this one
