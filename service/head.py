@@ -34,9 +34,9 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kaisa_ray.train.ray_logs import quiet_environment
 from kaisa_ray.train.head import RAY as RAY  # re-exported: the tests start heads with it
 from kaisa_ray.train.head import descendants, free_port, ray_start_command, running
+from kaisa_ray.train.ray_logs import quiet_environment
 
 logger = logging.getLogger(__name__)
 
