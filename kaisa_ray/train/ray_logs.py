@@ -63,6 +63,8 @@ def quiet_here() -> None:
 def quiet_train_reports() -> None:
     """In a Ray Train worker: its line for each ``ray.train.report`` at WARNING and above only
     (a no-op where Ray Train logs it elsewhere)."""
-    from ray.train.v2._internal.execution import context
-
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:  # another Ray Train: its lines show, nothing else changes
+        return
     logging.getLogger(context.__file__).setLevel(logging.WARNING)

@@ -1,5 +1,6 @@
 """The dashboard before its event stream connects, and its numbers: the job list shows the
-jobs while ``/v1/events`` is held back (as a slow proxy would), in a real browser (Debian's
+jobs while ``/v1/events`` is held back (as a slow proxy would); a job's curves draw each point
+once when a record is both streamed and in the history read late; in a real browser (Debian's
 Chromium through Selenium; ``FakeRunner`` for Ray); and ``fmt`` writes numbers for people
 (the page's own module, run by Node)."""
 
@@ -11,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import Request, Response
+from selenium.webdriver.common.by import By
 from support.browser import (
     CHROMEDRIVER,
     CHROMIUM,
@@ -85,6 +88,87 @@ def test_the_job_list_shows_before_the_event_stream_connects(
     release.set()
     wait(lambda: text_of(browser, "#live") == "live", "the stream to connect")
     assert "listed" in text_of(browser, "#jobs")
+
+
+@pytest.fixture
+def held_history(tmp_path: Path) -> Iterator[tuple[str, FakeRunner, threading.Event]]:
+    """The service (no token, loopback) whose metric history answers the browser only once the
+    returned event is set (the test's own requests are answered at once)."""
+    runner = FakeRunner()
+    app = create_app(Settings(data_dir=tmp_path / "service"), runner=runner)
+    release = threading.Event()
+
+    @app.middleware("http")
+    async def hold_history(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        if request.url.path.endswith("/metrics") and "Chrome" in request.headers.get(
+            "user-agent", ""
+        ):
+            while not release.is_set():
+                await asyncio.sleep(0.05)
+        return await call_next(request)
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        server, thread, url = serve(app, sock)
+        try:
+            yield url, runner, release
+        finally:
+            release.set()
+            server.should_exit = True
+            thread.join(timeout=15)
+    assert not thread.is_alive(), "uvicorn did not shut down"
+
+
+@pytest.mark.skipif(
+    not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+    reason="needs Debian's chromium and chromium-driver (make setup installs them)",
+)
+def test_a_point_both_streamed_and_in_the_history_is_drawn_once(
+    browser: Any, held_history: tuple[str, FakeRunner, threading.Event]
+) -> None:
+    """A step recorded while the page reads the history (a restarted service catching up does
+    this) reaches the page twice: in the event stream and in the history. It is drawn once,
+    with times to the microsecond as the workers send them (the history's ISO times keep
+    milliseconds in the browser)."""
+    url, runner, release = held_history
+    job = {
+        "name": "curves",
+        "model": {"name": "lenet"},
+        "dataset": {"name": "synthetic"},
+        "stop": {"max_steps": 100},
+    }
+    created = httpx.post(f"{url}/v1/jobs", json=job, timeout=30)
+    assert created.status_code == 201, created.text
+    job_id = created.json()["id"]
+
+    def step(n: int) -> dict[str, Any]:
+        return {"kind": "step", "step": n, "loss": 1.0 / n, "samples_per_s": 100.0 + n,
+                "time": 1.8e9 + n + 0.0004567}  # fmt: skip
+
+    def stored() -> int:
+        page = httpx.get(f"{url}/v1/jobs/{job_id}/metrics?kind=step", timeout=30).json()
+        return len(page["points"])
+
+    runner.push(job_id, {"kind": "worker", "rank": 0}, {"kind": "start", "total_steps": 100})
+    runner.push(job_id, step(10), step(20))
+    wait(lambda: stored() == 2, "two steps stored")
+
+    def drawn() -> int:
+        found = browser.find_elements(By.CSS_SELECTOR, "#chart-throughput")
+        return int(found[0].get_attribute("data-points") or 0) if found else 0
+
+    browser.get(f"{url}/#/jobs/{job_id}")
+    wait(lambda: text_of(browser, "#live") == "live", "the job's stream")  # history held
+    runner.push(job_id, step(30))  # streamed to the page now, and stored before it reads
+    wait(lambda: stored() == 3, "the third step stored")
+    release.set()
+    wait(lambda: drawn() >= 3, "the curves")
+    runner.push(job_id, step(40))  # streamed after the third: a doubled third would show
+    wait(lambda: stored() == 4, "the fourth step stored")
+    wait(lambda: drawn() >= 4, "the fourth point")
+    time.sleep(1)  # the chart redraws at most twice a second
+    assert drawn() == 4
 
 
 @pytest.mark.skipif(NODE is None, reason="needs node (Debian's nodejs)")
