@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.browser import CHROMEDRIVER, CHROMIUM, text_of, wait
+from support.browser import CHROMEDRIVER, CHROMIUM, points, text_of, wait
 from support.service_process import ServiceProcess, start_service
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
@@ -47,14 +47,6 @@ pytestmark = [
         reason="needs Debian's chromium and chromium-driver (make setup installs them)",
     ),
 ]
-
-
-def points(driver: Any, chart: str) -> int:
-    from selenium.webdriver.common.by import By
-
-    found = driver.find_elements(By.CSS_SELECTOR, f"#{chart}")
-    value = found[0].get_attribute("data-points") if found else None
-    return int(value or 0)
 
 
 def console_errors(driver: Any) -> list[str]:

@@ -14,16 +14,17 @@ import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import Request, Response
-from selenium.webdriver.common.by import By
 from support.browser import (
     CHROMEDRIVER,
     CHROMIUM,
+    points,
     text_of,
     wait,
 )
@@ -37,18 +38,20 @@ ROOT = Path(__file__).resolve().parents[2]
 NODE = shutil.which("node")
 
 
-@pytest.fixture
-def held_site(tmp_path: Path) -> Iterator[tuple[str, threading.Event]]:
-    """The service (no token, loopback) whose ``/v1/events`` answers only once the returned
-    event is set."""
-    app = create_app(Settings(data_dir=tmp_path / "service"), runner=FakeRunner())
+@contextmanager
+def holding(
+    runner: FakeRunner, data_dir: Path, held: Callable[[Request], bool]
+) -> Iterator[tuple[str, threading.Event]]:
+    """The service (no token, loopback) on ``runner``, whose answers to the requests ``held``
+    picks wait until the returned event is set."""
+    app = create_app(Settings(data_dir=data_dir), runner=runner)
     release = threading.Event()
 
     @app.middleware("http")
-    async def hold_events(
+    async def hold(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
-        if request.url.path == "/v1/events":
+        if held(request):
             while not release.is_set():
                 await asyncio.sleep(0.05)
         return await call_next(request)
@@ -62,6 +65,13 @@ def held_site(tmp_path: Path) -> Iterator[tuple[str, threading.Event]]:
             server.should_exit = True
             thread.join(timeout=15)
     assert not thread.is_alive(), "uvicorn did not shut down"
+
+
+@pytest.fixture
+def held_site(tmp_path: Path) -> Iterator[tuple[str, threading.Event]]:
+    """The service whose ``/v1/events`` answers only once the returned event is set."""
+    with holding(FakeRunner(), tmp_path / "service", lambda r: r.url.path == "/v1/events") as found:
+        yield found
 
 
 @pytest.mark.skipif(
@@ -92,32 +102,16 @@ def test_the_job_list_shows_before_the_event_stream_connects(
 
 @pytest.fixture
 def held_history(tmp_path: Path) -> Iterator[tuple[str, FakeRunner, threading.Event]]:
-    """The service (no token, loopback) whose metric history answers the browser only once the
-    returned event is set (the test's own requests are answered at once)."""
+    """The service whose metric history answers the browser only once the returned event is
+    set (the test's own requests are answered at once)."""
+
+    def browsers_history(request: Request) -> bool:
+        agent = request.headers.get("user-agent", "")
+        return request.url.path.endswith("/metrics") and "Chrome" in agent
+
     runner = FakeRunner()
-    app = create_app(Settings(data_dir=tmp_path / "service"), runner=runner)
-    release = threading.Event()
-
-    @app.middleware("http")
-    async def hold_history(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if request.url.path.endswith("/metrics") and "Chrome" in request.headers.get(
-            "user-agent", ""
-        ):
-            while not release.is_set():
-                await asyncio.sleep(0.05)
-        return await call_next(request)
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        server, thread, url = serve(app, sock)
-        try:
-            yield url, runner, release
-        finally:
-            release.set()
-            server.should_exit = True
-            thread.join(timeout=15)
-    assert not thread.is_alive(), "uvicorn did not shut down"
+    with holding(runner, tmp_path / "service", browsers_history) as (url, release):
+        yield url, runner, release
 
 
 @pytest.mark.skipif(
@@ -154,21 +148,17 @@ def test_a_point_both_streamed_and_in_the_history_is_drawn_once(
     runner.push(job_id, step(10), step(20))
     wait(lambda: stored() == 2, "two steps stored")
 
-    def drawn() -> int:
-        found = browser.find_elements(By.CSS_SELECTOR, "#chart-throughput")
-        return int(found[0].get_attribute("data-points") or 0) if found else 0
-
     browser.get(f"{url}/#/jobs/{job_id}")
     wait(lambda: text_of(browser, "#live") == "live", "the job's stream")  # history held
     runner.push(job_id, step(30))  # streamed to the page now, and stored before it reads
     wait(lambda: stored() == 3, "the third step stored")
     release.set()
-    wait(lambda: drawn() >= 3, "the curves")
+    wait(lambda: points(browser, "chart-throughput") >= 3, "the curves")
     runner.push(job_id, step(40))  # streamed after the third: a doubled third would show
     wait(lambda: stored() == 4, "the fourth step stored")
-    wait(lambda: drawn() >= 4, "the fourth point")
+    wait(lambda: points(browser, "chart-throughput") >= 4, "the fourth point")
     time.sleep(1)  # the chart redraws at most twice a second
-    assert drawn() == 4
+    assert points(browser, "chart-throughput") == 4
 
 
 @pytest.mark.skipif(NODE is None, reason="needs node (Debian's nodejs)")

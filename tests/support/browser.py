@@ -65,3 +65,12 @@ def browser(tmp_path: Path) -> Iterator[Any]:
         yield driver
     finally:
         driver.quit()
+
+
+def points(driver: Any, chart: str) -> int:
+    """The points a chart of a job's page drew (its ``data-points``; 0 before it drew)."""
+    from selenium.webdriver.common.by import By
+
+    found = driver.find_elements(By.CSS_SELECTOR, f"#{chart}")
+    value = found[0].get_attribute("data-points") if found else None
+    return int(value or 0)
