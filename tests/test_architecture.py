@@ -210,3 +210,23 @@ def test_the_check_sees_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("import ray\nfrom fastapi import FastAPI\nimport os\n")
     assert {n for n in imported_roots(bad) if third_party(n)} == {"ray", "fastapi"}
+
+
+# -- processes that must not pay for torch ---------------------------------------------------
+
+# Modules that a Ray actor of every job imports in its own process (the progress sink, one per
+# cluster, created by each driver): importing torch there costs seconds of CPU a process.
+TORCH_FREE = ["kaisa_ray.train.progress", "tuner.singleton"]
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_an_actor_module_imports_no_torch(module: str) -> None:
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}\nprint('torch' in sys.modules)\n"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False", f"{module} imports torch"

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tuner.cost import DEFAULT_INTERVALS, Decision, Profile, choose
+from tuner.singleton import cluster_singleton
 
 TUNER_NAME = "kaisa-ray-tuner"
 TUNER_NAMESPACE = "kaisa-ray"
@@ -161,22 +162,6 @@ class TunerState:
 
     def stats(self) -> dict[str, int]:
         return {"profiles": len(self._profiles), "hits": self.hits, "misses": self.misses}
-
-
-def cluster_singleton() -> dict[str, Any]:
-    """Actor options for the cluster's long-lived named actors (the tuner, the progress
-    sink): no CPU (they must never block a job), on the head node (a worker node can leave the
-    cluster, and the actor's state with it), and outside any placement group (created from a
-    Ray Train worker, an actor would otherwise join the job's group and die with it)."""
-    return {
-        "num_cpus": 0,
-        "resources": {"node:__internal_head__": 0.001},
-        # An explicit strategy: Ray captures an actor into its creator's placement group only
-        # when it has none (or a placement-group one).
-        "scheduling_strategy": "DEFAULT",
-        "lifetime": "detached",
-        "get_if_exists": True,
-    }
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)

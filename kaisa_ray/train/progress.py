@@ -26,7 +26,7 @@ from typing import Any
 import ray
 
 from kaisa_ray.train.records import Record, try_record
-from tuner.actor import cluster_singleton
+from tuner.singleton import cluster_singleton
 
 logger = logging.getLogger(__name__)
 
