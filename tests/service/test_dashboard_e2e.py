@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.browser import CHROMEDRIVER, CHROMIUM, points, text_of, wait
+from support.browser import NEEDS_BROWSER, points, text_of, wait
 from support.service_process import ServiceProcess, start_service
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
@@ -42,10 +42,7 @@ pytestmark = [
     pytest.mark.skipif(
         not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
     ),
-    pytest.mark.skipif(
-        not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
-        reason="needs Debian's chromium and chromium-driver (make setup installs them)",
-    ),
+    NEEDS_BROWSER,
 ]
 
 

@@ -21,13 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import Request, Response
-from support.browser import (
-    CHROMEDRIVER,
-    CHROMIUM,
-    points,
-    text_of,
-    wait,
-)
+from support.browser import NEEDS_BROWSER, points, text_of, wait
 from support.fake_runner import FakeRunner
 from support.served import serve
 
@@ -74,23 +68,27 @@ def held_site(tmp_path: Path) -> Iterator[tuple[str, threading.Event]]:
         yield found
 
 
-@pytest.mark.skipif(
-    not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
-    reason="needs Debian's chromium and chromium-driver (make setup installs them)",
-)
+def submit(url: str, name: str, *, max_steps: int) -> str:
+    """A LeNet job on synthetic data, submitted over REST; returns its id."""
+    job = {
+        "name": name,
+        "model": {"name": "lenet"},
+        "dataset": {"name": "synthetic"},
+        "stop": {"max_steps": max_steps},
+    }
+    created = httpx.post(f"{url}/v1/jobs", json=job, timeout=30)
+    assert created.status_code == 201, created.text
+    job_id: str = created.json()["id"]
+    return job_id
+
+
+@NEEDS_BROWSER
 def test_the_job_list_shows_before_the_event_stream_connects(
     browser: Any,
     held_site: tuple[str, threading.Event],
 ) -> None:
     url, release = held_site
-    job = {
-        "name": "listed",
-        "model": {"name": "lenet"},
-        "dataset": {"name": "synthetic"},
-        "stop": {"max_steps": 10},
-    }
-    created = httpx.post(f"{url}/v1/jobs", json=job, timeout=30)
-    assert created.status_code == 201, created.text
+    submit(url, "listed", max_steps=10)
     browser.get(f"{url}/#/")
     wait(lambda: text_of(browser, "#jobs") != "", "the job list, with the stream held back")
     assert "listed" in text_of(browser, "#jobs")
@@ -114,10 +112,7 @@ def held_history(tmp_path: Path) -> Iterator[tuple[str, FakeRunner, threading.Ev
         yield url, runner, release
 
 
-@pytest.mark.skipif(
-    not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
-    reason="needs Debian's chromium and chromium-driver (make setup installs them)",
-)
+@NEEDS_BROWSER
 def test_a_point_both_streamed_and_in_the_history_is_drawn_once(
     browser: Any, held_history: tuple[str, FakeRunner, threading.Event]
 ) -> None:
@@ -126,15 +121,7 @@ def test_a_point_both_streamed_and_in_the_history_is_drawn_once(
     with times to the microsecond as the workers send them (the history's ISO times keep
     milliseconds in the browser)."""
     url, runner, release = held_history
-    job = {
-        "name": "curves",
-        "model": {"name": "lenet"},
-        "dataset": {"name": "synthetic"},
-        "stop": {"max_steps": 100},
-    }
-    created = httpx.post(f"{url}/v1/jobs", json=job, timeout=30)
-    assert created.status_code == 201, created.text
-    job_id = created.json()["id"]
+    job_id = submit(url, "curves", max_steps=100)
 
     def step(n: int) -> dict[str, Any]:
         return {"kind": "step", "step": n, "loss": 1.0 / n, "samples_per_s": 100.0 + n,

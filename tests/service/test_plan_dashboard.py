@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 from support.browser import (
-    CHROMEDRIVER,
-    CHROMIUM,
+    NEEDS_BROWSER,
     text_of,
     wait,
 )
@@ -29,10 +28,7 @@ from service.settings import Settings
 
 TOKEN = "plan-dashboard-token"
 
-pytestmark = pytest.mark.skipif(
-    not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
-    reason="needs Debian's chromium and chromium-driver (make setup installs them)",
-)
+pytestmark = NEEDS_BROWSER
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,11 @@ import pytest
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 T = TypeVar("T")
+# The dashboard tests' mark: they skip, saying why, where the browser is not installed.
+NEEDS_BROWSER = pytest.mark.skipif(
+    not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+    reason="needs Debian's chromium and chromium-driver (make setup installs them)",
+)
 
 
 def wait(check: Callable[[], T | None], what: str, timeout_s: float = 30) -> T:
