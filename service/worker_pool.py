@@ -9,8 +9,8 @@ so requests go first), and:
   ``Retry-After``: when the soonest running task must end), or, with ``wait_s``, waits that
   long for a worker first;
 - a task that runs past ``timeout_s`` is ended (its process killed): ``PoolTimeoutError``;
-- a task whose client has gone (``cancelled()`` answers True) is ended: the work is lost to
-  no one (``PoolCancelledError``);
+- a task whose client has gone (``cancelled()`` answers True), while it runs or while its
+  worker starts, is ended: the work is lost to no one (``PoolCancelledError``);
 - ``stop_now()`` (safe in a signal handler: SIGTERM) kills every worker at once, and every
   task in flight ends with ``PoolStoppedError``, so a stopping service waits for no plan.
 
@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from service.errors import ServiceError
 
@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 POLL_S = 0.1  # how often a task in flight looks at its client and at a stop
 SECRET_PREFIXES = ("KAISA_RAY_", "RAY_AUTH_TOKEN")  # what a worker never needs to see
@@ -135,8 +136,13 @@ class WorkerPool:
             raise PoolStoppedError("the service is stopping; retry when it is back")
         await self._free_slot()
         self._starting += 1
-        try:
-            worker = await self._worker()
+        starting = asyncio.ensure_future(self._worker())
+        try:  # a worker's start can take long on a loaded machine: its client may go meanwhile
+            worker = await self._watched(starting, cancelled, None)
+        except BaseException:
+            if starting.done() and not starting.cancelled() and starting.exception() is None:
+                await self._kill(starting.result())  # started as its client went
+            raise
         finally:
             self._starting -= 1
         self._busy.add(worker)
@@ -193,41 +199,51 @@ class WorkerPool:
             raise RuntimeError("a worker without its pipes")
         stdin.write(json.dumps(task).encode() + b"\n")
         await stdin.drain()
-        reply = asyncio.ensure_future(stdout.readline())
-        deadline = time.monotonic() + self.timeout_s
+        line = await self._watched(
+            asyncio.ensure_future(stdout.readline()), cancelled, time.monotonic() + self.timeout_s
+        )
+        if not line and self.stopping:  # killed by stop_now before we looked
+            self._count("stopped")
+            raise PoolStoppedError("the service is stopping; retry when it is back")
+        if not line:
+            self._count("error")
+            raise RuntimeError(
+                f"the {self.what} worker (pid {worker.process.pid}) ended without an answer; "
+                "see the service's log"
+            )
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    async def _watched(
+        self,
+        work: asyncio.Future[T],
+        cancelled: Callable[[], Awaitable[bool]] | None,
+        deadline: float | None,
+    ) -> T:
+        """``work``'s result, unless the service stops, the client goes or ``deadline``
+        passes first: then ``work`` is cancelled and the pool's error raised."""
         try:
             while True:
-                left = deadline - time.monotonic()
-                finished, _ = await asyncio.wait({reply}, timeout=max(0.0, min(POLL_S, left)))
+                left = POLL_S if deadline is None else deadline - time.monotonic()
+                finished, _ = await asyncio.wait({work}, timeout=max(0.0, min(POLL_S, left)))
                 if finished:
-                    line = reply.result()
-                    if not line and self.stopping:  # killed by stop_now before we looked
-                        self._count("stopped")
-                        raise PoolStoppedError("the service is stopping; retry when it is back")
-                    if not line:
-                        self._count("error")
-                        raise RuntimeError(
-                            f"the {self.what} worker (pid {worker.process.pid}) ended without "
-                            "an answer; see the service's log"
-                        )
-                    answer: dict[str, Any] = json.loads(line)
-                    return answer
+                    return work.result()
                 if self.stopping:
                     self._count("stopped")
                     raise PoolStoppedError("the service is stopping; retry when it is back")
                 if cancelled is not None and await cancelled():
                     self._count("cancelled")
                     raise PoolCancelledError("the client went away")
-                if time.monotonic() >= deadline:
+                if deadline is not None and time.monotonic() >= deadline:
                     self._count("timeout")
                     raise PoolTimeoutError(
                         f"over this service's time limit of {self.timeout_s:g} s ({self.knob})"
                     )
         finally:
-            if not reply.done():
-                reply.cancel()
+            if not work.done():
+                work.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await reply
+                    await work
 
     # -- the workers -------------------------------------------------------------------------
 
@@ -272,9 +288,11 @@ class WorkerPool:
         if process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(process.wait(), 5)
-        self._pids.discard(process.pid)
+        try:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(process.wait(), 5)
+        finally:
+            self._pids.discard(process.pid)
 
     def stop_now(self) -> None:
         """Kill every worker now and refuse new tasks. Plain calls only: safe in a signal

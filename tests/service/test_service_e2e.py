@@ -56,7 +56,7 @@ def small_job(name: str, steps: int, **overrides: Any) -> dict[str, Any]:
 
 
 def wait_for(
-    check: Callable[[], dict[str, Any] | None], what: str, timeout_s: float = 180
+    check: Callable[[], dict[str, Any] | None], what: str, timeout_s: float = 300
 ) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -87,6 +87,36 @@ def test_a_client_that_went_away_ends_its_task() -> None:
     assert outcomes == {"cancelled": 1}
 
 
+def test_a_client_that_went_away_while_its_worker_started_ends_its_task() -> None:
+    """On a loaded machine a worker's start (an interpreter at the lowest priority) can take
+    longer than the client waits: the slot is freed and the starting worker killed then, not
+    once it has started."""
+
+    async def scenario() -> tuple[set[int], list[bool], dict[str, int]]:
+        pool = WorkerPool(what="plans", size=1, timeout_s=600, knob="--max-plans")
+        spawned: set[int] = set()
+        busy_when_asked: list[bool] = []
+
+        async def cancelled() -> bool:  # gone from the start: asked first while it starts
+            spawned.update(pool._pids)
+            busy_when_asked.append(bool(pool._busy))
+            return bool(spawned)
+
+        with pytest.raises(PoolCancelledError):
+            await pool.run(LONG_PLAN, cancelled=cancelled)
+        assert pool.running == 0
+        assert not pool._pids
+        await pool.close()
+        return spawned, busy_when_asked, pool.outcomes
+
+    spawned, busy_when_asked, outcomes = asyncio.run(scenario())
+    assert spawned
+    assert not any(alive(pid) for pid in spawned)
+    assert busy_when_asked
+    assert not any(busy_when_asked)
+    assert outcomes == {"cancelled": 1}
+
+
 PARENT = textwrap.dedent(
     """
     import asyncio, sys
