@@ -62,9 +62,6 @@ def console_errors(driver: Any) -> list[str]:
     ]
 
 
-# Minutes on a loaded 2-core machine (about 2 alone, 5 in a full run on a slow one): the
-# suite's 300 s bound is a hang's, not this test's.
-@pytest.mark.timeout(600)
 def test_a_job_from_the_form_survives_a_service_crash_and_is_watched_to_the_end(
     browser: Any, tmp_path: Path
 ) -> None:

@@ -107,7 +107,6 @@ def _train_workers_alive(head: RayHead, ray_job_id: str) -> int:
     return sum(1 for a in actors if "TrainWorker" in (a.class_name or ""))
 
 
-@pytest.mark.timeout(600)  # two real jobs and a cancel: minutes on a loaded machine
 def test_two_jobs_side_by_side_one_cancelled_while_it_trains_the_other_followed_to_success(
     service: ServiceProcess, ray_head: RayHead
 ) -> None:

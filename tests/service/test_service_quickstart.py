@@ -32,7 +32,6 @@ def readme_quickstart() -> str:
 @pytest.mark.skipif(
     not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
 )
-@pytest.mark.timeout(600)
 def test_the_readme_service_quickstart_runs_verbatim(tmp_path: Path) -> None:
     """The README's service blocks, as written, in a fresh home and a checkout-like folder,
     for a user who never activated the venv (no venv on PATH): serve, submit --follow, jobs,
