@@ -76,18 +76,30 @@ ADAM_EIGENBASIS_FRESHER = "K-FAC (Adam eigenbasis, 1/5)"
 # ... and its factors from 8 of a worker's 32 sequences (kfac.factor_samples): the factors'
 # products over 512 tokens instead of 2048, a quarter of their cost every step.
 ADAM_EIGENBASIS_SAMPLED = "K-FAC (Adam eigenbasis, 1/5, 8 sequences)"
+# K-FAC-reduce over the tokens (kfac.sequence_approx: reduce; added 2026-11-28): each
+# sequence's mean input and summed output gradient are its factors' one row, so the factors'
+# products run over a worker's 32 sequences instead of its 2048 tokens.
+REDUCED = "AdamW + K-FAC (tokens reduced)"
+ADAM_EIGENBASIS_REDUCED = "K-FAC (Adam eigenbasis, 1/5, tokens reduced)"
 FRESH_INTERVALS = {
     ADAM_EIGENBASIS_FRESH: {"factor_update_steps": 1, "inv_update_steps": 10},
     ADAM_EIGENBASIS_FRESHER: {"factor_update_steps": 1, "inv_update_steps": 5},
     ADAM_EIGENBASIS_SAMPLED: {"factor_update_steps": 1, "inv_update_steps": 5, "factor_samples": 8},
+    ADAM_EIGENBASIS_REDUCED: {
+        "factor_update_steps": 1,
+        "inv_update_steps": 5,
+        "sequence_approx": "reduce",
+    },
 }
 GRIDS = {
     "AdamW": [1e-3, 2e-3, 4e-3, 8e-3],
     "AdamW + K-FAC": [1e-3, 2e-3, 4e-3, 8e-3],
+    REDUCED: [1e-3, 2e-3, 4e-3, 8e-3],
     ADAM_EIGENBASIS: [1e-3, 2e-3, 4e-3, 8e-3],
     ADAM_EIGENBASIS_FRESH: [1e-3, 2e-3, 4e-3, 8e-3],
     ADAM_EIGENBASIS_FRESHER: [1e-3, 2e-3, 4e-3, 8e-3],
     ADAM_EIGENBASIS_SAMPLED: [1e-3, 2e-3, 4e-3, 8e-3],
+    ADAM_EIGENBASIS_REDUCED: [1e-3, 2e-3, 4e-3, 8e-3],
     # kfac.update: quadratic-model: no lr to tune; its one setting, the starting damping,
     # adapts, so it runs untuned at the JobSpec's 0.1 (the step sizes here are that damping).
     QM: [0.1],
@@ -157,6 +169,8 @@ def spec(optimizer: str, lr: float, seed: int, max_steps: int) -> dict[str, Any]
                 "scaling": "adam-eigenbasis",
             }
             if optimizer in FRESH_INTERVALS
+            else {**KFAC, "sequence_approx": "reduce"}
+            if optimizer == REDUCED
             else KFAC
             if "K-FAC" in optimizer
             else "off"

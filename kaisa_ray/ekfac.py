@@ -7,7 +7,8 @@ factors' units: the rows the factors are built from, with their scales) is rotat
 examples divided by ``c``, the number such that, were a layer's inputs and output gradients
 independent (the Kronecker approximation's assumption), the diagonal would be ``λ_G λ_Aᵀ``
 exactly: ``c = 1`` where an example is one row (``nn.Linear``, whose rows are every leading
-index, as its factors take them; ``Conv2d`` with ``kfac_approx='reduce'``), and for ``Conv2d``
+index, or each sequence's under ``sequence_approx='reduce'``, as its factors take them; ``Conv2d``
+with ``kfac_approx='reduce'``), and for ``Conv2d``
 with ``'expand'`` ``c = P`` (output positions) under the reference scaling, whose factors are
 means over the ``N·P`` rows, and ``c = 1`` under the Fisher's, whose G is ``P`` times that
 mean. With that, ``Scaling.EKFAC``'s diagonal set to ``λ_G λ_Aᵀ`` is the eigen method.
@@ -52,11 +53,13 @@ def _linear(
     qg: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    a_rows = inputs.reshape(-1, inputs.shape[-1]).t().unsqueeze(0).to(qa.dtype)
+    a_rows = helper.input_rows(inputs).t().unsqueeze(0).to(qa.dtype)
     if helper.has_bias:
         a_rows = _with_ones(a_rows, 1.0)
-    g_rows = grad_output.reshape(-1, grad_output.shape[-1]).t().unsqueeze(0).to(qg.dtype)
-    return _rowwise(a_rows, g_rows * scale, qa, qg, a_rows.shape[-1])
+    g_rows = helper.grad_rows(grad_output).t().unsqueeze(0).to(qg.dtype)
+    # a sequence's reduced rows: A's mean is over the sequences, G's over their tokens
+    tokens = helper.grad_count(grad_output) // a_rows.shape[-1]
+    return _rowwise(a_rows, g_rows * scale, qa, qg, a_rows.shape[-1] * tokens)
 
 
 def _conv(

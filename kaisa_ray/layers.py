@@ -206,9 +206,23 @@ class LayerHelper(ABC):
 
 
 class LinearHelper(LayerHelper):
-    """``nn.Linear``: rows are every leading index of the input (batch, sequence, ...)."""
+    """``nn.Linear``: rows are every leading index of the input (batch, sequence, ...).
+
+    ``approx`` (``sequence_approx``) says what an input of more than two dimensions, a
+    sequence's ``(N, T, ..., d)``, contributes. ``expand``: every token is a row, as the
+    reference builds the factors. ``reduce`` (Eschenhagen et al. 2023's K-FAC-reduce for
+    weight sharing): one row per sequence, ``A = E_n[ā āᵀ]`` with ``ā`` the sequence's mean
+    input and ``G = E_n[(Σ_t g)(Σ_t g)ᵀ] / T`` over its output gradients ``g`` (per token under
+    the Fisher's scaling), a product over ``N`` rows instead of ``N·T``. The ``1/T`` makes ``G``
+    equal to ``expand``'s where a sequence's tokens have uncorrelated gradients, so a damping
+    value means the same under both; with ``T = 1`` (a two-dimensional input) the two are one.
+    """
 
     module: nn.Linear
+
+    def __init__(self, module: nn.Linear, approx: KFACApprox = KFACApprox.EXPAND) -> None:
+        super().__init__(module)
+        self.approx = approx
 
     @property
     def a_dim(self) -> int:
@@ -218,10 +232,33 @@ class LinearHelper(LayerHelper):
     def g_dim(self) -> int:
         return self.module.out_features
 
+    def reduces(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s positions (every dimension between the first and the last)
+        are reduced to one row per example."""
+        return self.approx is KFACApprox.REDUCE and tensor.dim() > 2
+
+    def input_rows(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The A factor's rows ``(n, in_features)``: every token, or each sequence's mean."""
+        if self.reduces(inputs):
+            return inputs.mean(dim=tuple(range(1, inputs.dim() - 1)))
+        return inputs.reshape(-1, inputs.shape[-1])
+
+    def grad_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
+        """The G factor's rows ``(n, out_features)``: every token, or each sequence's sum
+        (``G`` divides by the tokens, ``grad_count``, not by the rows)."""
+        if self.reduces(grad_output):
+            return grad_output.sum(dim=tuple(range(1, grad_output.dim() - 1)))
+        return grad_output.reshape(-1, grad_output.shape[-1])
+
+    @staticmethod
+    def grad_count(grad_output: torch.Tensor) -> int:
+        """What G's sum of row products is divided by: the tokens, under either form."""
+        return grad_output.numel() // max(1, grad_output.shape[-1])
+
     def a_factor(
         self, inputs: torch.Tensor, fisher: bool = False, into: Accumulator | None = None
     ) -> torch.Tensor:
-        rows = inputs.reshape(-1, inputs.shape[-1]).t().unsqueeze(0)
+        rows = self.input_rows(inputs).t().unsqueeze(0)
         return _covariance_features_first(rows, 1.0, rows.shape[-1], self.has_bias, into)
 
     def g_factor(
@@ -231,8 +268,8 @@ class LinearHelper(LayerHelper):
         scale: float = 1.0,
         into: Accumulator | None = None,
     ) -> torch.Tensor:
-        rows = grad_output.reshape(-1, grad_output.shape[-1])
-        return _covariance(rows.unsqueeze(0), scale, rows.shape[0], into)
+        rows = self.grad_rows(grad_output)
+        return _covariance(rows.unsqueeze(0), scale, self.grad_count(grad_output), into)
 
 
 class Conv2dHelper(LayerHelper):
@@ -388,12 +425,15 @@ class Conv2dHelper(LayerHelper):
         return f"Conv2d({m.in_channels}->{m.out_channels}, {m.kernel_size}{extra})"
 
 
-def make_helper(module: nn.Module, approx: KFACApprox) -> LayerHelper | None:
-    """The helper for a supported module, or ``None`` if K-FAC leaves it to the optimizer."""
+def make_helper(
+    module: nn.Module, approx: KFACApprox, sequence_approx: KFACApprox = KFACApprox.EXPAND
+) -> LayerHelper | None:
+    """The helper for a supported module, or ``None`` if K-FAC leaves it to the optimizer:
+    ``approx`` for a convolution's positions, ``sequence_approx`` for a Linear layer's."""
     if isinstance(module, nn.Conv2d):
         return Conv2dHelper(module, approx)
     if isinstance(module, nn.Linear):
-        return LinearHelper(module)
+        return LinearHelper(module, sequence_approx)
     return None
 
 

@@ -86,6 +86,7 @@ class PreconditionerOptions:
     update_factors_in_hook: bool = True
     loglevel: int = logging.INFO
     kfac_approx: KFACApprox = KFACApprox.EXPAND
+    sequence_approx: KFACApprox = KFACApprox.EXPAND
     running_average: RunningAverage = RunningAverage.IDENTITY
     factor_scale: FactorScale = FactorScale.REFERENCE
     pi_damping: bool = False
@@ -111,6 +112,7 @@ class PreconditionerOptions:
         assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
         compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
         kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
+        sequence_approx: KFACApprox | str = KFACApprox.EXPAND,
         running_average: RunningAverage | str = RunningAverage.IDENTITY,
         factor_scale: FactorScale | str = FactorScale.REFERENCE,
         matmul_precision: MatmulPrecision | str = MatmulPrecision.HIGH,
@@ -128,6 +130,7 @@ class PreconditionerOptions:
             ),
             compute_method=parse_enum(ComputeMethod, compute_method, "compute_method"),
             kfac_approx=parse_enum(KFACApprox, kfac_approx, "kfac_approx"),
+            sequence_approx=parse_enum(KFACApprox, sequence_approx, "sequence_approx"),
             running_average=parse_enum(RunningAverage, running_average, "running_average"),
             factor_scale=parse_enum(FactorScale, factor_scale, "factor_scale"),
             matmul_precision=parse_enum(MatmulPrecision, matmul_precision, "matmul_precision"),

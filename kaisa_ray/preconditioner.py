@@ -141,6 +141,10 @@ class KFACPreconditioner:
             than keeping inputs and output gradients until ``step()``.
         loglevel: level of the preconditioner's log lines.
         kfac_approx: 'expand' or 'reduce' factors for Conv2d layers (Eschenhagen et al. 2023).
+        sequence_approx: 'expand' (every token a row, the reference's factors) or 'reduce'
+            (one row per sequence: its mean input and its summed output gradients, the
+            factors' products over ``N`` rows instead of ``N·T``) for Linear layers whose
+            input has more than two dimensions, e.g. a transformer's ``(N, T, d)``.
         running_average: 'identity' (the reference: the averages start at the identity) or
             'debiased' (they start at zero and are bias-corrected as in Adam, so the first
             update is the first batch's factor).
@@ -207,6 +211,7 @@ class KFACPreconditioner:
         update_factors_in_hook: bool = True,
         loglevel: int = logging.INFO,
         kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
+        sequence_approx: KFACApprox | str = KFACApprox.EXPAND,
         running_average: RunningAverage | str = RunningAverage.IDENTITY,
         factor_scale: FactorScale | str = FactorScale.REFERENCE,
         pi_damping: bool = False,
@@ -245,6 +250,7 @@ class KFACPreconditioner:
             update_factors_in_hook=update_factors_in_hook,
             loglevel=loglevel,
             kfac_approx=kfac_approx,
+            sequence_approx=sequence_approx,
             running_average=running_average,
             factor_scale=factor_scale,
             pi_damping=pi_damping,
@@ -265,6 +271,7 @@ class KFACPreconditioner:
         self.compute_method = options.compute_method
         self.assignment_strategy = options.assignment_strategy
         self.kfac_approx = options.kfac_approx
+        self.sequence_approx = options.sequence_approx
         self.running_average = options.running_average
         self.factor_scale = options.factor_scale
         self.matmul_precision = options.matmul_precision
@@ -304,6 +311,7 @@ class KFACPreconditioner:
             model,
             skip_layers=self.skip_layers,
             kfac_approx=self.kfac_approx,
+            sequence_approx=self.sequence_approx,
             factor_dtype=options.factor_dtype,
             inv_dtype=options.inv_dtype,
         )

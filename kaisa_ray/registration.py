@@ -133,18 +133,20 @@ def discover(
     *,
     skip_layers: Iterable[str] | str | None = None,
     kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
+    sequence_approx: KFACApprox | str = KFACApprox.EXPAND,
     factor_dtype: torch.dtype | None = None,
     inv_dtype: torch.dtype | None = None,
 ) -> tuple[list[Registered], list[str]]:
     """The modules to precondition, in registration order, and descriptions of the rest."""
     approx = parse_enum(KFACApprox, kfac_approx, "kfac_approx")
+    sequences = parse_enum(KFACApprox, sequence_approx, "sequence_approx")
     patterns = compile_patterns(skip_layers)
     found: list[Registered] = []
     seen: set[nn.Module] = set()
     skipped: list[str] = []
     holders = _holders(unwrap(model))
     for name, module in unwrap(model).named_modules():
-        helper = make_helper(module, approx)
+        helper = make_helper(module, approx, sequences)
         if helper is None:
             if any(True for _ in module.parameters(recurse=False)):
                 skipped.append(f"{name or '<root>'} ({type(module).__name__})")

@@ -56,6 +56,19 @@ class KFACSpec(StrictModel):
     # two factor-sized tensors, fewer than the eigen method's (docs/curvature.md).
     compute_method: ComputeMethod = ComputeMethod.INVERSE
     kfac_approx: KFACApprox = KFACApprox.REDUCE
+    sequence_approx: Annotated[
+        KFACApprox,
+        Field(
+            description=(
+                "How Linear layers on sequences (an input of more than two dimensions, a "
+                "transformer's tokens) form their factors. ``expand``: every token is a row, "
+                "as the reference does. ``reduce`` (K-FAC-reduce, Eschenhagen et al. 2023): "
+                "one row per sequence, its mean input and its summed output gradients over "
+                "the tokens, so the factors' products run over the sequences instead of the "
+                "tokens. No effect on two-dimensional inputs."
+            )
+        ),
+    ] = KFACApprox.EXPAND
     # The curvature that does real work (benchmarks/batch_size_study.py): the Fisher's own
     # factors, averages that start from the first batch, damping split by pi. The reference's
     # conventions: running_average identity, factor_scale reference, pi_damping false and
@@ -209,6 +222,7 @@ class KFACSpec(StrictModel):
         return {
             "compute_method": self.compute_method,
             "kfac_approx": self.kfac_approx,
+            "sequence_approx": self.sequence_approx,
             "running_average": self.running_average,
             "factor_scale": self.factor_scale,
             "pi_damping": self.pi_damping,
