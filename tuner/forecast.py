@@ -75,6 +75,7 @@ class Workload:
     # K-FAC's float32 products ('highest', 'high', 'medium': the preconditioner's option)
     matmul_precision: str = "high"
     kfac_approx: str = KFACApprox.EXPAND  # the convolutions' factors (``KFACApprox``)
+    sequence_approx: str = KFACApprox.EXPAND  # Linear layers' tokens (``sequence_approx``)
     # (``rows`` and ``moved`` are already the approximation's; this names it for a profile's
     # factor work measured per approximation)
     # Per layer: elements the A and G factors' extraction moves before their products (a
@@ -192,9 +193,10 @@ def factor_work_seconds(workload: Workload, hardware: Hardware) -> float:
 
 def _measured_factor_work(workload: Workload, hardware: Hardware) -> float | None:
     """The factor work ``measure-node --model`` timed for this model at this batch and
-    approximation, at the products' default precision (none for another precision)."""
-    if workload.matmul_precision != "high":
-        return None
+    approximation, at the products' default precision, with a Linear layer's every token a
+    row (none for another precision or reduced tokens)."""
+    if workload.matmul_precision != "high" or workload.sequence_approx != KFACApprox.EXPAND:
+        return None  # measure-node times the products at 'high', every token a row
     found = hardware.factor_work.get((workload.model, workload.batch_size, workload.kfac_approx))
     return None if found is None else found.value
 

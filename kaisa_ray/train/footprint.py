@@ -77,6 +77,7 @@ def footprint(
     optimizer: str = OptimizerName.SGD.value,
     kfac: bool = True,
     kfac_approx: str = KFACApprox.REDUCE,
+    sequence_approx: str = KFACApprox.EXPAND,
     compute_method: str = ComputeMethod.INVERSE,
     scaling: str = Scaling.KRONECKER,
 ) -> Footprint:
@@ -93,6 +94,7 @@ def footprint(
             params=params,
             precision=precision,
             kfac_approx=kfac_approx,
+            sequence_approx=sequence_approx,
             optimizer=optimizer,
             compute_method=compute_method,
             scaling=scaling,

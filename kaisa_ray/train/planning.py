@@ -128,6 +128,7 @@ class PlanRequest:
     intervals: tuple[tuple[int, int], ...] = DEFAULT_INTERVALS
     precision: str = Precision.FP32
     kfac_approx: str = KFACApprox.EXPAND
+    sequence_approx: str = KFACApprox.EXPAND
     compute_method: str = ComputeMethod.EIGEN
     scaling: str = Scaling.KRONECKER
     skip_layers: tuple[str, ...] | None = None  # None: the model's default (KAISA's)
@@ -189,6 +190,7 @@ def request_from_spec(
         intervals=tuple(kfac.ladder() or DEFAULT_INTERVALS),
         precision=spec.precision,
         kfac_approx=kfac.kfac_approx,
+        sequence_approx=kfac.sequence_approx,
         compute_method=kfac.compute_method,
         scaling=kfac.scaling,
         optimizer=spec.optimizer.name,
@@ -291,6 +293,7 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
         params=params,
         precision=request.precision,
         kfac_approx=request.kfac_approx,
+        sequence_approx=request.sequence_approx,
         skip_layers=request.skip_layers,
         optimizer=request.optimizer,
         compute_method=request.compute_method,
@@ -403,6 +406,7 @@ def _inputs(request: PlanRequest, hardware: Hardware, job: Workload, topology: T
         "gpu_memory_bytes": int(hardware.memory_bytes.value),
         "precision": request.precision,
         "kfac_approx": request.kfac_approx,
+        "sequence_approx": request.sequence_approx,
         "compute_method": request.compute_method,
         "optimizer": request.optimizer,
         "skip_layers": list(

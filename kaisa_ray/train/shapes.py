@@ -83,6 +83,7 @@ def workload(
     batch_size: int,
     params: Mapping[str, Any] | None = None,
     kfac_approx: str = KFACApprox.EXPAND,
+    sequence_approx: str = KFACApprox.EXPAND,
     skip_layers: Iterable[str] | None = None,
     **options: Any,
 ) -> Workload:
@@ -128,9 +129,12 @@ def workload(
                     output.numel(),  # the output gradient summed or permuted
                 )
             else:
-                count = math.prod(inputs[0].shape[:-1])
+                x = inputs[0]
+                reduced = sequence_approx == KFACApprox.REDUCE and x.dim() > 2
+                count = x.shape[0] if reduced else math.prod(x.shape[:-1])
                 rows[layer_name] = (count, count)
-                moved[layer_name] = (inputs[0].numel(), 0)
+                # reduced: the input's mean and the output gradient's sum read every token
+                moved[layer_name] = (x.numel(), output.numel() if reduced else 0)
 
         return seen
 
@@ -173,6 +177,7 @@ def workload(
         activation_bytes=sum(saved.values()),
         forward_flops=float(flops.get_total_flops()),
         kfac_approx=str(KFACApprox(kfac_approx)),
+        sequence_approx=str(KFACApprox(sequence_approx)),
     )
     return with_options(job, **options)
 

@@ -106,6 +106,7 @@ def _key(spec: JobSpec) -> tuple[str, dict[str, Any]]:
     }
     if isinstance(kfac, KFACSpec):
         options["kfac_approx"] = str(kfac.kfac_approx)
+        options["sequence_approx"] = str(kfac.sequence_approx)
         options["compute_method"] = str(kfac.compute_method)
     task = {"model": spec.model.name, "params": dict(spec.model.params), "options": options}
     return json.dumps(task, sort_keys=True), task

@@ -20,6 +20,7 @@ from torch import nn
 from kaisa_ray import KFACPreconditioner
 from kaisa_ray.decomposition import EKFACEigenbasis
 from kaisa_ray.ekfac import fitted_diagonal
+from kaisa_ray.enums import KFACApprox
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.layers import Conv2dHelper, LinearHelper
 from kaisa_ray.plan import plan
@@ -113,6 +114,31 @@ def test_the_fitted_diagonal_is_the_projected_per_example_second_moment(
     rotated = qg.transpose(-1, -2) @ per_example @ qa
     expected = rotated.square().mean(dim=0) / divisor
     assert got.shape == (k, g, a)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("fisher", [False, True], ids=["reference", "fisher"])
+def test_on_reduced_tokens_the_diagonal_takes_a_sequence_as_the_example(fisher: bool) -> None:
+    """``sequence_approx='reduce'``: the example is a sequence, its gradient the outer product
+    of its summed output gradient and its mean input, and the diagonal their rotated squares'
+    mean over the sequences divided by the tokens a sequence has (G's own divisor), so that
+    were inputs and gradients independent it would be ``λ_G λ_Aᵀ``."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    module = nn.Linear(5, 4).double()
+    tokens = 7
+    x = torch.randn(N, tokens, 5, dtype=torch.float64)
+    helper = LinearHelper(module, KFACApprox.REDUCE)
+    qa, qg = _orthogonal(helper.a_dim, 1, generator), _orthogonal(helper.g_dim, 1, generator)
+    grad_output = torch.randn(N, tokens, 4, dtype=torch.float64) / (N * tokens)
+    scale = float(N * tokens) if fisher else 1.0
+    got = fitted_diagonal(helper, x, grad_output, qa, qg, fisher=fisher, scale=scale)
+
+    mean_input = torch.cat([x.mean(dim=1), torch.ones(N, 1, dtype=torch.float64)], dim=1)
+    summed = grad_output.sum(dim=1) * scale
+    per_example = (summed[:, :, None] * mean_input[:, None, :]).unsqueeze(1)  # (N, 1, g, a)
+    rotated = qg.transpose(-1, -2) @ per_example @ qa
+    expected = rotated.square().mean(dim=0) / tokens
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-15)
 
 

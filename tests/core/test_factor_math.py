@@ -271,6 +271,69 @@ def test_reduce_equals_expand_when_positions_are_identical() -> None:
     torch.testing.assert_close(expand.a_factor, reduce.a_factor, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("factor_scale", ["reference", "fisher"])
+def test_sequence_reduce_factors_are_each_sequences_mean_input_and_summed_gradient(
+    bias: bool, factor_scale: str
+) -> None:
+    """``sequence_approx='reduce'`` on a Linear layer over ``(N, T, d)`` tokens: A from each
+    sequence's mean input, G from its output gradients summed over the tokens and divided by
+    the N·T tokens; the step is the dense solve with those factors."""
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 3, bias=bias).double()
+    x = torch.randn(4, 7, 5, dtype=torch.float64)
+    expected = nn.Linear(5, 3, bias=bias).double()
+    expected.load_state_dict(layer.state_dict())
+    out = expected(x)
+    torch.manual_seed(123)
+    target = torch.randn_like(out)
+    ((out - target) ** 2).mean().backward()
+    grad_output = 2 * (out - target).detach() / out.numel()
+    if factor_scale == "fisher":  # per-token gradients: the loss is a mean over the tokens
+        grad_output = grad_output * 4 * 7
+    means = x.mean(dim=1)
+    if bias:
+        means = torch.cat([means, torch.ones(4, 1, dtype=torch.float64)], dim=1)
+    sums = grad_output.sum(dim=1)
+    ref = Reference(
+        a=(means.t() @ means / 4)[None],
+        g=(sums.t() @ sums / (4 * 7))[None],
+        grad=current_grad(expected),
+    )
+
+    preconditioner = kfac_step(layer, x, sequence_approx="reduce", factor_scale=factor_scale)
+    (kfac_layer,) = preconditioner.layers
+    torch.testing.assert_close(kfac_layer.a_factor, ref.a, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(kfac_layer.g_factor, ref.g, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(
+        current_grad(layer), dense_eigen_solution(ref, DAMPING), rtol=1e-10, atol=1e-10
+    )
+
+
+def test_sequence_reduce_changes_nothing_on_two_dimensional_inputs_and_convolutions() -> None:
+    """Rows that are already one per example (an MLP's) and a CNN's Linear head give the
+    same factors and step under either ``sequence_approx``; on tokens the two differ."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(2 * 4 * 4, 3)).double()
+    twin = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(2 * 4 * 4, 3)).double()
+    twin.load_state_dict(net.state_dict())
+    x = torch.randn(5, 1, 6, 6, dtype=torch.float64)
+    expand = kfac_step(net, x, kfac_approx="reduce")
+    reduce = kfac_step(twin, x, kfac_approx="reduce", sequence_approx="reduce")
+    for a, b in zip(expand.layers, reduce.layers, strict=True):
+        torch.testing.assert_close(a.a_factor, b.a_factor, rtol=0, atol=0)
+        torch.testing.assert_close(a.g_factor, b.g_factor, rtol=0, atol=0)
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+    tokens = torch.randn(4, 6, 5, dtype=torch.float64)
+    layers = [nn.Linear(5, 3).double() for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    expand_l = kfac_step(layers[0], tokens).layers[0]
+    reduce_l = kfac_step(layers[1], tokens, sequence_approx="reduce").layers[0]
+    assert not torch.allclose(expand_l.a_factor, reduce_l.a_factor)
+
+
 def test_inplace_activation_after_layer_gives_the_same_g_factor() -> None:
     def build(inplace: bool) -> nn.Module:
         torch.manual_seed(0)

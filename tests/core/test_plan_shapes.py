@@ -110,6 +110,13 @@ def test_factor_rows_are_what_each_layer_sees_per_step() -> None:
     assert rows.pop("pooler.dense") == rows.pop("cls.seq_relationship") == (4, 4)
     assert set(rows.values()) == {(4 * 128, 4 * 128)}
     assert bert.seq_len == 128
+    # sequence_approx reduce: a sequence is one row; moved still counts every token
+    reduced = workload(
+        "bert-large", batch_size=4, params={"seq_len": 128}, sequence_approx="reduce"
+    )
+    assert set(reduced.rows) == {(4, 4)}
+    assert reduced.sequence_approx == "reduce"
+    assert all(m[0] >= 4 * 128 for m in reduced.moved)
 
 
 def decomposition_bytes(a: int, g: int) -> int:

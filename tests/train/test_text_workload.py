@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kaisa_ray import KFACPreconditioner
 from kaisa_ray.train.corpus import DEFAULT_FORTUNES_DIR, load_text_corpus, read_corpus
 from kaisa_ray.train.datasets import DatasetNotFoundError
+from kaisa_ray.train.planning import request_from_spec
 from kaisa_ray.train.records import EvalRecord, Record
 from kaisa_ray.train.session import LocalSession
 from kaisa_ray.train.spec import JobSpecError, parse_job_spec
@@ -93,14 +94,22 @@ def test_kfac_preconditions_every_linear_layer_of_the_transformer() -> None:
 @pytest.mark.skipif(
     not DEFAULT_FORTUNES_DIR.is_dir(), reason="needs Debian's fortunes (make setup installs it)"
 )
-def test_a_language_model_job_trains_with_kfac_in_the_worker_loop() -> None:
+@pytest.mark.parametrize("sequence_approx", ["expand", "reduce"])
+def test_a_language_model_job_trains_with_kfac_in_the_worker_loop(sequence_approx: str) -> None:
+    """Either form of the tokens' factors (``kfac.sequence_approx``) trains the job, and its
+    plan request carries the form (``test_plan_shapes.py``: the rows it prices)."""
     spec = parse_job_spec(
         {
             "name": "lm",
             "model": {"name": "char-transformer", "params": {"width": 32, "depth": 1}},
             "dataset": {"name": "fortunes", "batch_size": 16, "limit": 400},
             "optimizer": {"name": "adamw", "lr": 0.004},
-            "kfac": {"kl_clip": None, "factor_update_steps": 2, "inv_update_steps": 10},
+            "kfac": {
+                "kl_clip": None,
+                "factor_update_steps": 2,
+                "inv_update_steps": 10,
+                "sequence_approx": sequence_approx,
+            },
             "stop": {"max_steps": 40, "target": {"metric": "test_loss", "value": 0.1}},
             "eval_every": 20,
             "checkpoint": {"every_steps": 1000},
@@ -118,6 +127,8 @@ def test_a_language_model_job_trains_with_kfac_in_the_worker_loop() -> None:
     accuracy = evals[-1].test_accuracy
     assert accuracy is not None
     assert 0.0 < accuracy < 1.0
+    request = request_from_spec(spec, hardware="any")
+    assert request.sequence_approx == sequence_approx
 
 
 def test_a_model_param_the_transformer_does_not_take_is_refused() -> None:
