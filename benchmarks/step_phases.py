@@ -56,6 +56,13 @@ CONFIGS = [
         _kfac(5, 50, matmul_precision="medium"),
         versions=("after",),
     ),
+    Config(
+        "char-transformer: AdamW + K-FAC 5/50, tokens reduced",
+        "char-transformer",
+        32,
+        _kfac(5, 50, sequence_approx="reduce"),
+        versions=("after",),
+    ),
     Config("ResNet-20, 128: SGD", "resnet20", 128, None, steps=100),
     Config("ResNet-20: K-FAC 10/100", "resnet20", 128, _kfac(10, 100), steps=100),
 ]

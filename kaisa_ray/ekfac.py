@@ -57,9 +57,7 @@ def _linear(
     if helper.has_bias:
         a_rows = _with_ones(a_rows, 1.0)
     g_rows = helper.grad_rows(grad_output).t().unsqueeze(0).to(qg.dtype)
-    # a sequence's reduced rows: A's mean is over the sequences, G's over their tokens
-    tokens = helper.grad_count(grad_output) // a_rows.shape[-1]
-    return _rowwise(a_rows, g_rows * scale, qa, qg, a_rows.shape[-1] * tokens)
+    return _rowwise(a_rows, g_rows * scale, qa, qg, a_rows.shape[-1])
 
 
 def _conv(

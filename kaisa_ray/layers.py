@@ -211,11 +211,12 @@ class LinearHelper(LayerHelper):
     ``approx`` (``sequence_approx``) says what an input of more than two dimensions, a
     sequence's ``(N, T, ..., d)``, contributes. ``expand``: every token is a row, as the
     reference builds the factors. ``reduce`` (Eschenhagen et al. 2023's K-FAC-reduce for
-    weight sharing): one row per sequence, ``A = E_n[ā āᵀ]`` with ``ā`` the sequence's mean
-    input and ``G = E_n[(Σ_t g)(Σ_t g)ᵀ] / T`` over its output gradients ``g`` (per token under
-    the Fisher's scaling), a product over ``N`` rows instead of ``N·T``. The ``1/T`` makes ``G``
-    equal to ``expand``'s where a sequence's tokens have uncorrelated gradients, so a damping
-    value means the same under both; with ``T = 1`` (a two-dimensional input) the two are one.
+    weight sharing, as ``Conv2dHelper`` forms it over positions): one row per sequence,
+    ``A = E_n[ā āᵀ]`` with ``ā`` the sequence's mean input and ``G = E_n[(Σ_t g)(Σ_t g)ᵀ]``
+    from its output gradients ``g`` (per token under the Fisher's scaling), a product over
+    ``N`` rows instead of ``N·T``. Where a sequence's tokens have uncorrelated gradients this
+    ``G`` is ``T`` times ``expand``'s, so a damping value weighs less against it; with
+    ``T = 1`` (a two-dimensional input) the two forms are one.
     """
 
     module: nn.Linear
@@ -244,16 +245,10 @@ class LinearHelper(LayerHelper):
         return inputs.reshape(-1, inputs.shape[-1])
 
     def grad_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
-        """The G factor's rows ``(n, out_features)``: every token, or each sequence's sum
-        (``G`` divides by the tokens, ``grad_count``, not by the rows)."""
+        """The G factor's rows ``(n, out_features)``: every token, or each sequence's sum."""
         if self.reduces(grad_output):
             return grad_output.sum(dim=tuple(range(1, grad_output.dim() - 1)))
         return grad_output.reshape(-1, grad_output.shape[-1])
-
-    @staticmethod
-    def grad_count(grad_output: torch.Tensor) -> int:
-        """What G's sum of row products is divided by: the tokens, under either form."""
-        return grad_output.numel() // max(1, grad_output.shape[-1])
 
     def a_factor(
         self, inputs: torch.Tensor, fisher: bool = False, into: Accumulator | None = None
@@ -269,7 +264,7 @@ class LinearHelper(LayerHelper):
         into: Accumulator | None = None,
     ) -> torch.Tensor:
         rows = self.grad_rows(grad_output)
-        return _covariance(rows.unsqueeze(0), scale, self.grad_count(grad_output), into)
+        return _covariance(rows.unsqueeze(0), scale, rows.shape[0], into)
 
 
 class Conv2dHelper(LayerHelper):

@@ -121,8 +121,7 @@ def test_the_fitted_diagonal_is_the_projected_per_example_second_moment(
 def test_on_reduced_tokens_the_diagonal_takes_a_sequence_as_the_example(fisher: bool) -> None:
     """``sequence_approx='reduce'``: the example is a sequence, its gradient the outer product
     of its summed output gradient and its mean input, and the diagonal their rotated squares'
-    mean over the sequences divided by the tokens a sequence has (G's own divisor), so that
-    were inputs and gradients independent it would be ``λ_G λ_Aᵀ``."""
+    mean over the sequences (one row an example: ``c = 1``)."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
     module = nn.Linear(5, 4).double()
@@ -138,7 +137,7 @@ def test_on_reduced_tokens_the_diagonal_takes_a_sequence_as_the_example(fisher: 
     summed = grad_output.sum(dim=1) * scale
     per_example = (summed[:, :, None] * mean_input[:, None, :]).unsqueeze(1)  # (N, 1, g, a)
     rotated = qg.transpose(-1, -2) @ per_example @ qa
-    expected = rotated.square().mean(dim=0) / tokens
+    expected = rotated.square().mean(dim=0)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-15)
 
 

@@ -277,8 +277,8 @@ def test_sequence_reduce_factors_are_each_sequences_mean_input_and_summed_gradie
     bias: bool, factor_scale: str
 ) -> None:
     """``sequence_approx='reduce'`` on a Linear layer over ``(N, T, d)`` tokens: A from each
-    sequence's mean input, G from its output gradients summed over the tokens and divided by
-    the N·T tokens; the step is the dense solve with those factors."""
+    sequence's mean input, G from its output gradients summed over the tokens, both means over
+    the N sequences; the step is the dense solve with those factors."""
     torch.manual_seed(0)
     layer = nn.Linear(5, 3, bias=bias).double()
     x = torch.randn(4, 7, 5, dtype=torch.float64)
@@ -297,7 +297,7 @@ def test_sequence_reduce_factors_are_each_sequences_mean_input_and_summed_gradie
     sums = grad_output.sum(dim=1)
     ref = Reference(
         a=(means.t() @ means / 4)[None],
-        g=(sums.t() @ sums / (4 * 7))[None],
+        g=(sums.t() @ sums / 4)[None],
         grad=current_grad(expected),
     )
 
