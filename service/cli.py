@@ -47,10 +47,52 @@ TRAINING_COMMANDS = {
 """The training commands, by where they are defined: they import torch (and Ray), so they
 are imported only when they run."""
 
+TRAINING_HELP = {
+    "example": "Train LeNetCNN on Fashion-MNIST with SGD, K-FAC preconditioned unless --no-kfac.",
+    "validate": "Check a job file and print it with every default filled in; exit 1 naming each "
+    "bad field.",
+    "train": "Train a job on Ray Train: locally, or on the cluster when run by `ray job submit`.",
+    "tune": "Choose K-FAC's strategy for a `kfac: auto` job without training: profile the job "
+    "on its own workers, print the candidate table and the decision (with adapted intervals: "
+    "each layer's cost on every rung).",
+    "sweep": "Run a job's hyperparameter sweep on Ray Tune; print its trials and the best spec.",
+    "plan": "What K-FAC would cost for a job (--config/--spec) or a model (--model, --workers, "
+    "--batch) on GPUs of a hardware profile: memory and collectives per strategy, time per "
+    "step and its parts per candidate, and the tuner's choice under each --budget.",
+    "measure-node": "Measure this machine's GPU (matmul rates by size, eigh times, launch "
+    "latency, the intra-node collectives when several GPUs are visible, ResNet-50 training "
+    "throughput) into a hardware profile; every measured number says when, where and with what "
+    "it was measured.",
+    "head": "A Ray head of its own for `ray job submit`: free ports, its own temp directory, "
+    "every process of it pinned to it (RAY_ADDRESS); other Ray instances on the machine neither "
+    "see it nor are seen by it.",
+}
+"""Each training command's short help as its own docstring gives it, so that ``kaisa-ray
+--help`` lists them without importing them (``tests/service/test_service_cli.py`` checks that
+each equals the command's own)."""
+
 
 class _Commands(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *TRAINING_COMMANDS})
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list, as click writes it, with the training commands' short help from
+        ``TRAINING_HELP`` instead of from the commands themselves (which import torch)."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(len(name) for name in names)
+        rows = []
+        for name in names:
+            if name in TRAINING_HELP:
+                stand_in = click.Command(name, help=TRAINING_HELP[name])  # click's truncation
+                rows.append((name, stand_in.get_short_help_str(limit)))
+                continue
+            command = super().get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         where = TRAINING_COMMANDS.get(name)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import re
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -465,3 +467,34 @@ def test_serve_submit_needs_a_port_it_can_post_to(tmp_path: Path) -> None:
     assert result.exit_code == 2, result.output
     assert "--submit posts to the service's own port: give --port a number" in result.output
     assert not (tmp_path / "head.json").exists()  # no Ray head was started
+
+
+def test_help_lists_the_training_commands_without_importing_them() -> None:
+    """``kaisa-ray --help`` lists every command with its own short help, the training
+    commands' from ``TRAINING_HELP`` (which must equal each command's docstring's), and
+    imports neither torch nor Ray to do so."""
+    import click
+
+    from service.cli import TRAINING_COMMANDS, TRAINING_HELP
+
+    assert set(TRAINING_HELP) == set(TRAINING_COMMANDS)
+    context = click.Context(main)
+    for name, text in TRAINING_HELP.items():
+        command = main.get_command(context, name)
+        assert command is not None
+        assert command.get_short_help_str(10**6) == text, name
+    script = (
+        "import sys\n"
+        "from service.cli import main\n"
+        "sys.argv = ['kaisa-ray', '--help']\n"
+        "try:\n    main()\nexcept SystemExit as exit:\n    code = exit.code\n"
+        "print(code, sorted(m for m in ('torch', 'ray') if m in sys.modules))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=root
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "0 []", done.stdout[-2000:]
+    for name in TRAINING_COMMANDS:
+        assert re.search(rf"^  {re.escape(name)} +\S", done.stdout, re.MULTILINE), name
