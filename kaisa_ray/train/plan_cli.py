@@ -95,7 +95,8 @@ def render_plan(report: dict[str, Any]) -> str:
         f"{_gib(model['fp32_factor_bytes'])} per rank",
         f"{inputs['workers']} x {inputs['gpu']} ({inputs['hardware']}): {inputs['nodes']} node(s) "
         f"of {inputs['gpus_per_node']}; batch {inputs['batch_size']} per GPU{accumulation}{seq}; "
-        f"{inputs['precision']}, {inputs['kfac_approx']} conv factors, {inputs['compute_method']}",
+        f"{inputs['precision']}, {inputs['kfac_approx']} conv factors, "
+        f"{inputs['sequence_approx']} tokens, {inputs['compute_method']}",
         f"plain step {basis['plain_step_s'] * 1e3:,.1f} ms ({basis['plain_step_source']})",
         f"base memory {_gib(basis['base_memory_bytes'])} per GPU (weights, gradients, optimizer "
         f"state, activations) + K-FAC temporaries {_gib(basis['kfac_transient_bytes'])}",
@@ -237,6 +238,12 @@ def _params(pairs: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--intervals", default=None, help="factor/inverse pairs, e.g. 1/10,10/100.")
 @click.option("--precision", type=click.Choice([m.value for m in Precision]), default=None)
 @click.option("--kfac-approx", type=click.Choice([m.value for m in KFACApprox]), default=None)
+@click.option(
+    "--sequence-approx",
+    type=click.Choice([m.value for m in KFACApprox]),
+    default=None,
+    help="Linear layers' tokens: every token a row (expand) or one per sequence (reduce).",
+)
 @click.option("--compute-method", type=click.Choice([m.value for m in ComputeMethod]), default=None)
 @click.option(
     "--optimizer", type=click.Choice([name.value for name in OptimizerName]), default=None
@@ -268,6 +275,7 @@ def plan(
     intervals: str | None,
     precision: str | None,
     kfac_approx: str | None,
+    sequence_approx: str | None,
     compute_method: str | None,
     optimizer: str | None,
     accumulation: int,
@@ -316,6 +324,7 @@ def plan(
             ("batch_size", batch),
             ("precision", precision),
             ("kfac_approx", kfac_approx),
+            ("sequence_approx", sequence_approx),
             ("compute_method", compute_method),
             ("optimizer", optimizer),
             ("parallel", parallel),

@@ -63,6 +63,9 @@ class PlanBody(BaseModel):
     intervals: Annotated[list[Interval], Field(min_length=1, max_length=16)] | None = None
     precision: Precision | None = None
     kfac_approx: KFACApprox | None = None
+    sequence_approx: KFACApprox | None = Field(
+        None, description="Linear layers' tokens: every token a row, or one per sequence"
+    )
     compute_method: ComputeMethod | None = None
     optimizer: OptimizerName | None = None
     accumulation_steps: Annotated[int, Field(ge=1, le=65536)] = 1
@@ -126,7 +129,14 @@ def _request(body: PlanBody) -> PlanRequest:
     if body.seq_len is not None:
         params["seq_len"] = body.seq_len
     overrides: dict[str, Any] = {"params": params, "accumulation_steps": body.accumulation_steps}
-    for name in ("workers", "batch_size", "precision", "kfac_approx", "compute_method"):
+    for name in (
+        "workers",
+        "batch_size",
+        "precision",
+        "kfac_approx",
+        "sequence_approx",
+        "compute_method",
+    ):
         value = getattr(body, name)
         if value is not None:
             overrides[name] = value

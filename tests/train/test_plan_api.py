@@ -68,6 +68,25 @@ def test_a_model_is_planned_as_the_cli_plans_it(client: TestClient) -> None:
     assert "no strategy fits the memory budget" in report["choices"][1]["reason"]
 
 
+def test_a_model_with_its_tokens_reduced_is_planned_as_the_cli_plans_it(
+    client: TestClient,
+) -> None:
+    body = {"model": "bert-large", "workers": 8, "batch_size": 8, "seq_len": 128}
+    report = post(client, {**body, "sequence_approx": "reduce"})
+    expected = plan_job(
+        PlanRequest(
+            model="bert-large",
+            params={"seq_len": 128},
+            batch_size=8,
+            workers=8,
+            hardware="a100-80gb-hdr",
+            sequence_approx="reduce",
+        )
+    ).to_json()
+    assert report == expected
+    assert report["inputs"]["sequence_approx"] == "reduce"
+
+
 def test_a_job_spec_is_planned_with_its_settings(client: TestClient) -> None:
     spec = {
         "name": "bert-phase1",

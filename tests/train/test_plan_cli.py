@@ -157,6 +157,22 @@ def test_bert_large_phase_one_as_kaisa_ran_it() -> None:
     assert report["basis"]["plain_step_s"] == pytest.approx(86 * 96 / 580)
 
 
+def test_bert_large_with_its_tokens_reduced_prices_one_row_a_sequence() -> None:
+    """``--sequence-approx reduce``: the plan says so and its factor time is the products over
+    the sequences, less than over every token; memory for the factors is the same."""
+    args = ("--model", "bert-large", "--seq-len", "128", "--workers", "8", "--batch", "32")
+    expand = plan_json(*args)
+    reduce = plan_json(*args, "--sequence-approx", "reduce")
+    assert (expand["inputs"]["sequence_approx"], reduce["inputs"]["sequence_approx"]) == (
+        "expand",
+        "reduce",
+    )
+    assert reduce["basis"]["factor_s"] < expand["basis"]["factor_s"]
+    assert reduce["model"]["fp32_factor_bytes"] == expand["model"]["fp32_factor_bytes"]
+    text = kaisa_ray("plan", *args, "--sequence-approx", "reduce")
+    assert "reduce tokens" in text.output
+
+
 def test_a_job_file_is_planned_with_its_own_settings(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(
