@@ -7,9 +7,9 @@ factors' units: the rows the factors are built from, with their scales) is rotat
 examples divided by ``c``, the number such that, were a layer's inputs and output gradients
 independent (the Kronecker approximation's assumption), the diagonal would be ``λ_G λ_Aᵀ``
 exactly: ``c = 1`` where an example is one row (``nn.Linear``, whose rows are every leading
-index, or each sequence's under ``sequence_approx='reduce'``, as its factors take them; ``Conv2d``
-with ``kfac_approx='reduce'``), and for ``Conv2d``
-with ``'expand'`` ``c = P`` (output positions) under the reference scaling, whose factors are
+index, or one a sequence under ``sequence_approx='reduce'``, as its factors take them;
+``Conv2d`` with ``kfac_approx='reduce'``), and for ``Conv2d`` with ``'expand'`` ``c = P``
+(output positions) under the reference scaling, whose factors are
 means over the ``N·P`` rows, and ``c = 1`` under the Fisher's, whose G is ``P`` times that
 mean. With that, ``Scaling.EKFAC``'s diagonal set to ``λ_G λ_Aᵀ`` is the eigen method.
 

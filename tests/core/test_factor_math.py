@@ -129,6 +129,18 @@ def kfac_step(layer: nn.Module, x: torch.Tensor, **kwargs: object) -> KFACPrecon
     return preconditioner
 
 
+def assert_factors_and_step(
+    preconditioner: KFACPreconditioner, layer: nn.Module, ref: Reference
+) -> None:
+    """The one layer's factors are ``ref``'s, and its gradient now the dense solve with them."""
+    (kfac_layer,) = preconditioner.layers
+    torch.testing.assert_close(kfac_layer.a_factor, ref.a, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(kfac_layer.g_factor, ref.g, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(
+        current_grad(layer), dense_eigen_solution(ref, DAMPING), rtol=1e-10, atol=1e-10
+    )
+
+
 def current_grad(layer: nn.Module) -> torch.Tensor:
     """The layer's gradient now, as (k, g_dim, a_dim)."""
     k = getattr(layer, "groups", 1)
@@ -250,13 +262,7 @@ def test_inverse_method_equals_dense_formula(name: str) -> None:
 def test_conv_reduce_factors_match_position_means(case: str) -> None:
     layer, x = _conv(case)
     ref = reference_for(layer, x, reduce=True)
-    preconditioner = kfac_step(layer, x, kfac_approx="reduce")
-    (kfac_layer,) = preconditioner.layers
-    torch.testing.assert_close(kfac_layer.a_factor, ref.a, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(kfac_layer.g_factor, ref.g, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(
-        current_grad(layer), dense_eigen_solution(ref, DAMPING), rtol=1e-10, atol=1e-10
-    )
+    assert_factors_and_step(kfac_step(layer, x, kfac_approx="reduce"), layer, ref)
 
 
 def test_reduce_equals_expand_when_positions_are_identical() -> None:
@@ -302,12 +308,7 @@ def test_sequence_reduce_factors_are_each_sequences_mean_input_and_summed_gradie
     )
 
     preconditioner = kfac_step(layer, x, sequence_approx="reduce", factor_scale=factor_scale)
-    (kfac_layer,) = preconditioner.layers
-    torch.testing.assert_close(kfac_layer.a_factor, ref.a, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(kfac_layer.g_factor, ref.g, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(
-        current_grad(layer), dense_eigen_solution(ref, DAMPING), rtol=1e-10, atol=1e-10
-    )
+    assert_factors_and_step(preconditioner, layer, ref)
 
 
 def test_sequence_reduce_changes_nothing_on_two_dimensional_inputs_and_convolutions() -> None:
