@@ -130,6 +130,15 @@ def _connect(address: str) -> None:
                 "to a running cluster, or unset RAY_ADDRESS to let this command start a local "
                 "Ray of its own"
             )
+    if address.lower().startswith(("http://", "https://")):
+        raise ConfigurationError(
+            f"RAY_ADDRESS={address} is a job server (dashboard) address: `ray job submit "
+            "--address` takes that one, but a command that trains connects to the cluster's GCS "
+            "address, host:port (`kaisa-ray head start` prints it as 'GCS host:port (for "
+            "RAY_ADDRESS)'; on a cluster's head node it is the port `ray start --head` was "
+            "given, 6379 by default). Set RAY_ADDRESS to that, or unset it to let this command "
+            "start a local Ray of its own"
+        )
     plain = "://" not in address and address != "auto"
     if plain and not reachable(address):
         raise ConfigurationError(

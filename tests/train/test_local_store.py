@@ -135,3 +135,16 @@ def test_a_stale_address_file_is_named_for_ray_address_auto(
     with pytest.raises(ConfigurationError, match=rf"names {dead}, but nothing answers there") as e:
         connection._connect("auto")
     assert f"Remove the file (rm {left})" in str(e.value)
+
+
+@pytest.mark.parametrize("address", ["http://127.0.0.1:8265", "HTTPS://head.example:443"])
+def test_a_job_server_address_is_refused_naming_the_gcs_address_instead(address: str) -> None:
+    """The address ``kaisa-ray head start`` prints first (for ``ray job submit``) is not one a
+    driver can connect to: an error that says which one to use, not Ray's traceback."""
+    from kaisa_ray.errors import ConfigurationError
+    from kaisa_ray.train import connection
+
+    with pytest.raises(ConfigurationError, match="is a job server") as e:
+        connection._connect(address)
+    assert "GCS address, host:port" in str(e.value)
+    assert "unset it to let this command start a local Ray of its own" in str(e.value)
