@@ -29,20 +29,25 @@ MANY_PROCESSES = {
 }
 # The longest modules (minutes of Ray and services), run first: with a module to a worker,
 # the last module to start decides when the run ends.
-LONGEST_FIRST = [  # by their seconds in a full run (2026-11-27), longest first
+LONGEST_FIRST = [  # by their seconds in a full run (2026-11-28), longest first
     "test_shared_machine.py",
     "test_ray_train.py",
     "test_service_e2e.py",
+    "test_streaming.py",
     "test_kfac_auto.py",
     "test_service_ops.py",
-    "test_multinode.py",
-    "test_service_restart.py",
-    "test_service_quickstart.py",
-    "test_distributed.py",
     "test_dashboard_e2e.py",
+    "test_service_quickstart.py",
+    "test_service_restart.py",
+    "test_multinode.py",
+    "test_distributed.py",
+    "test_fsdp.py",
     "test_sweep.py",
-    "test_service_plan_burst.py",
     "test_peers.py",
+    "test_service_plan_burst.py",
+    "test_definitions.py",
+    "test_service_fuzz.py",
+    "test_plan_cli.py",
 ]
 
 

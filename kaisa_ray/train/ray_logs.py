@@ -12,6 +12,13 @@ Ray Train: its ``ray.train`` loggers take the level of the run's ``LoggingConfig
 trainer sets WARNING), but a worker's line for each report is logged under a logger named by
 its module's file, which that setting does not reach: ``quiet_train_reports`` sets that one's
 level in a worker.
+
+Ray Train's preemption watcher: an actor a run that watches for nodes being drained (cloud
+preemption, an autoscaler scaling down), and whose creation prints a C++ error line in every
+job's output (its constructor arguments in the object store, ray-project/ray#53727). The heads
+kaisa-ray starts are one machine's, where no node is drained: ``quiet_environment`` turns it
+off there (``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0``) unless the environment names a value. A
+cluster's own head (``ray start`` on it, KubeRay) keeps Ray's default, the watcher on.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from pathlib import Path
 
 __all__ = [
     "CONFIG",
+    "PREEMPTION_WATCHER",
     "VARIABLE",
     "QuietConsole",
     "quiet_environment",
@@ -31,6 +39,7 @@ __all__ = [
 ]
 
 VARIABLE = "RAY_DATA_LOGGING_CONFIG"
+PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 CONFIG = Path(__file__).with_name("ray_data_logging.yaml")
 NOTICES = ("Progress bars disabled", "Progress bars for operators disabled")
 
@@ -43,9 +52,10 @@ class QuietConsole(logging.Filter):
 
 
 def quiet_environment(env: MutableMapping[str, str]) -> None:
-    """Point ``env`` (a head's or a job's environment) at the quiet configuration, unless it
-    names one of its own."""
+    """Point ``env`` (the environment of a head on one machine) at the quiet configuration and
+    turn Ray Train's preemption watcher off, each unless ``env`` names a value of its own."""
     env.setdefault(VARIABLE, str(CONFIG))
+    env.setdefault(PREEMPTION_WATCHER, "0")
 
 
 def quiet_here() -> None:

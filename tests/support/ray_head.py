@@ -19,7 +19,6 @@ __all__ = ["RAY", "TEST_ENV", "RayHead", "free_port", "start_head", "stop_unfini
 TEST_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
-    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_memory_monitor_refresh_ms": "0",
 }
 

@@ -60,3 +60,16 @@ def test_ray_train_s_report_line_is_quiet_in_a_worker() -> None:
         assert context.logger.isEnabledFor(logging.WARNING)
     finally:
         context.logger.setLevel(before)
+
+
+def test_a_head_on_one_machine_has_no_preemption_watcher_unless_asked() -> None:
+    """No node of a one-machine head is ever drained: Ray Train's watcher (an actor a run, and
+    a C++ error line in every job's output) is off there; a value the user set is kept."""
+    from kaisa_ray.train.ray_logs import PREEMPTION_WATCHER, quiet_environment
+
+    fresh: dict[str, str] = {}
+    quiet_environment(fresh)
+    assert fresh[PREEMPTION_WATCHER] == "0"
+    asked = {PREEMPTION_WATCHER: "1"}
+    quiet_environment(asked)
+    assert asked[PREEMPTION_WATCHER] == "1"
