@@ -31,6 +31,7 @@ from kaisa_ray.train.trainer import (
     build_trainer,
     ensure_ray,
     resource_timeout,
+    sigint_kept,
     unique_run_name,
     unplaced_message,
     waited_too_long,
@@ -164,7 +165,7 @@ def run_job(
     reader = SinkReader(name, follower.take)
     reader.start()
     try:
-        with resource_timeout(spec):
+        with resource_timeout(spec), sigint_kept():
             result = trainer.fit()
     except Exception as err:  # Ray raises when the workers failed beyond max_failures
         return JobResult(

@@ -6,6 +6,8 @@ failures and the records of the checkpoints Ray Train holds).
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,6 +33,7 @@ __all__ = [
     "build_trainer",
     "ensure_ray",
     "resource_timeout",
+    "sigint_kept",
     "stream_for",
     "unique_run_name",
     "unplaced_message",
@@ -141,6 +144,24 @@ def resource_timeout(spec: JobSpec) -> Iterator[None]:
             os.environ.pop(START_TIMEOUT_ENV, None)
         else:
             os.environ[START_TIMEOUT_ENV] = old
+
+
+@contextmanager
+def sigint_kept() -> Iterator[None]:
+    """The SIGINT handler this process had, put back when a fit inside ends. Ray Train's
+    ``fit()`` in the main thread installs one that aborts its run and holds the run's controller
+    actor: left there, Ctrl-C after the fit would abort a run that has ended (and exit the
+    process with status 0), and the controller, with its polling, would outlive its run until
+    the next fit (in a notebook, or a process that runs several jobs)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        if before is not None:  # None: a handler not installed from Python, left as it is
+            signal.signal(signal.SIGINT, before)
 
 
 def waited_too_long(error: BaseException) -> bool:

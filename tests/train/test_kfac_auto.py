@@ -6,7 +6,10 @@ saying so."""
 
 from __future__ import annotations
 
+import gc
 import json
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -32,14 +35,33 @@ pytestmark = [
 ]
 
 
+def controllers_alive(within_s: float = 30) -> int:
+    """Ray Train controllers alive on this test process's head, once the ones of ended runs
+    have had ``within_s`` to go (what an error's traceback still holds is collected first)."""
+    from ray.util.state import list_actors
+
+    deadline = time.monotonic() + within_s
+    while True:
+        gc.collect()
+        alive = list_actors(
+            filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]
+        )
+        if not alive or time.monotonic() > deadline:
+            return len(alive)
+        time.sleep(1)
+
+
 def test_kfac_auto_profiles_on_the_workers_chooses_and_trains(
     ray_head: RayHead, tmp_path: Path
 ) -> None:
     ray.get(tuner_actor().forget.remote())  # no profile cached by an earlier test
     kfac = {"strategy": "auto", "adapt": True}
     spec = job(kfac=kfac, memory_budget="1GiB", stop={"max_steps": 20}, eval_every=10)
+    handler = signal.getsignal(signal.SIGINT)
     result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
     assert result.succeeded, result.error
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert controllers_alive() == 0
     (tuning,) = records(result.run_name, "tuner")
     assert tuning["cache"] == "miss"
     assert tuning["budget_bytes"] == 2**30
@@ -131,8 +153,13 @@ def test_kfac_auto_with_a_budget_below_the_model_fails_saying_so(
     ``kaisa-ray tune`` raises the same ``ConfigurationError`` as a usage error: exit code 1
     with the message, as for the fixed job above.)"""
     spec = job(kfac="auto", memory_budget="100KiB", stop={"max_steps": 5})
+    handler = signal.getsignal(signal.SIGINT)
     result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
     assert not result.succeeded
+    # Ray Train's SIGINT handler (it aborts the run, and holds its controller) went with the
+    # run: the one before is back, and no controller outlives its run.
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert controllers_alive() == 0
     error = result.error or ""
     assert "the memory budget 0.10 MiB is smaller than the job itself" in error, error
     assert "MiB over, before any K-FAC state" in error, error

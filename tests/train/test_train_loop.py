@@ -123,6 +123,47 @@ def test_progress_store_sequences_filters_and_bounds() -> None:
         ProgressStore(max_records=0)
 
 
+def test_the_sigint_handler_before_a_fit_is_back_after_it() -> None:
+    """Ray Train's ``fit()`` in the main thread installs a SIGINT handler that holds its run's
+    controller; ``sigint_kept`` puts back the one before, also when the fit raises, and does
+    nothing in another thread (where ``fit()`` installs none)."""
+    import signal
+    import threading
+
+    from kaisa_ray.train.trainer import sigint_kept
+
+    def ours(signum: int, frame: object) -> None: ...
+
+    def rays(signum: int, frame: object) -> None: ...
+
+    before = signal.signal(signal.SIGINT, ours)
+    try:
+        with sigint_kept():
+            signal.signal(signal.SIGINT, rays)
+        assert signal.getsignal(signal.SIGINT) is ours
+
+        def failing_fit() -> None:
+            with sigint_kept():
+                signal.signal(signal.SIGINT, rays)
+                raise RuntimeError("the workers failed")
+
+        with pytest.raises(RuntimeError, match="the workers failed"):
+            failing_fit()
+        assert signal.getsignal(signal.SIGINT) is ours
+        entered: list[bool] = []
+
+        def elsewhere() -> None:
+            with sigint_kept():
+                entered.append(True)
+
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+        assert entered == [True]
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_run_names_are_unique() -> None:
     names = {unique_run_name("job") for _ in range(100)}
     assert len(names) == 100
