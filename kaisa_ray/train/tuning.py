@@ -131,7 +131,8 @@ def measure_candidates(
         min_steps=min_steps,
         rounds=rounds,
     )
-    build_trainer(spec, config, storage=storage, max_failures=0).fit()
+    with sigint_kept():
+        build_trainer(spec, config, storage=storage, max_failures=0).fit()
     found = [
         parse_record(r) for r in read_progress(run_name, kinds=[RecordKind.MEASURED])["records"]
     ]
