@@ -13,7 +13,15 @@ from kaisa_ray.train.head import free_port
 from service.head import RAY, RayHead
 from service.head import start_head as _start_head
 
-__all__ = ["RAY", "TEST_ENV", "RayHead", "free_port", "start_head", "stop_unfinished_jobs"]
+__all__ = [
+    "RAY",
+    "TEST_ENV",
+    "RayHead",
+    "actors_alive",
+    "free_port",
+    "start_head",
+    "stop_unfinished_jobs",
+]
 
 # ENVIRONMENT.md: fast, reliable Ray in tests.
 TEST_ENV = {
@@ -42,3 +50,26 @@ def stop_unfinished_jobs(head: RayHead) -> list[str]:
             client.stop_job(job.submission_id)
             stopped.append(job.submission_id)
     return stopped
+
+
+def actors_alive(head: RayHead, class_name: str, within_s: float = 30) -> int:
+    """Actors of ``class_name`` alive on ``head``, once those of ended runs have had
+    ``within_s`` to go (what a traceback or a cycle still holds is collected first). The head
+    is named: left to find one, Ray's state API refuses when other heads run on the machine
+    (the other pytest worker's), or waits on a stopped head's address file."""
+    import gc
+    import time
+
+    from ray.util.state import list_actors
+
+    deadline = time.monotonic() + within_s
+    while True:
+        gc.collect()
+        alive = list_actors(
+            address=head.dashboard_url,
+            filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")],
+            timeout=10,
+        )
+        if not alive or time.monotonic() > deadline:
+            return len(alive)
+        time.sleep(1)

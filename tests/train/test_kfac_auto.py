@@ -6,17 +6,15 @@ saying so."""
 
 from __future__ import annotations
 
-import gc
 import json
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import ray
 import yaml
 from click.testing import CliRunner
-from support.ray_head import RayHead
+from support.ray_head import RayHead, actors_alive
 from support.ray_jobs import job, records
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
@@ -35,26 +33,6 @@ pytestmark = [
 ]
 
 
-def controllers_alive(head: RayHead, within_s: float = 30) -> int:
-    """Ray Train controllers alive on ``head``, once the ones of ended runs have had
-    ``within_s`` to go (what an error's traceback still holds is collected first). The head is
-    named: left to find one, Ray's state API refuses when other heads run on the machine (the
-    other pytest worker's), or waits on a stopped one's address file."""
-    from ray.util.state import list_actors
-
-    deadline = time.monotonic() + within_s
-    while True:
-        gc.collect()
-        alive = list_actors(
-            address=head.dashboard_url,
-            filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")],
-            timeout=10,
-        )
-        if not alive or time.monotonic() > deadline:
-            return len(alive)
-        time.sleep(1)
-
-
 def test_kfac_auto_profiles_on_the_workers_chooses_and_trains(
     ray_head: RayHead, tmp_path: Path
 ) -> None:
@@ -65,7 +43,7 @@ def test_kfac_auto_profiles_on_the_workers_chooses_and_trains(
     result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
     assert result.succeeded, result.error
     assert signal.getsignal(signal.SIGINT) is handler
-    assert controllers_alive(ray_head) == 0
+    assert actors_alive(ray_head, "TrainController") == 0
     (tuning,) = records(result.run_name, "tuner")
     assert tuning["cache"] == "miss"
     assert tuning["budget_bytes"] == 2**30
@@ -163,7 +141,7 @@ def test_kfac_auto_with_a_budget_below_the_model_fails_saying_so(
     # Ray Train's SIGINT handler (it aborts the run, and holds its controller) went with the
     # run: the one before is back, and no controller outlives its run.
     assert signal.getsignal(signal.SIGINT) is handler
-    assert controllers_alive(ray_head) == 0
+    assert actors_alive(ray_head, "TrainController") == 0
     error = result.error or ""
     assert "the memory budget 0.10 MiB is smaller than the job itself" in error, error
     assert "MiB over, before any K-FAC state" in error, error
