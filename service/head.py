@@ -35,7 +35,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kaisa_ray.train.head import RAY as RAY  # re-exported: the tests start heads with it
-from kaisa_ray.train.head import descendants, free_port, ray_start_command, running
+from kaisa_ray.train.head import (
+    TRANSIENT,
+    descendants,
+    free_port,
+    listening,
+    ray_start_command,
+    running,
+)
 from kaisa_ray.train.ray_logs import quiet_environment
 
 logger = logging.getLogger(__name__)
@@ -146,9 +153,28 @@ def start_head(
     env: dict[str, str] | None = None,
     timeout_s: float = 120,
 ) -> RayHead:
-    """Start ``ray start --head --block`` (job server on, token auth on) on free ports."""
+    """Start ``ray start --head --block`` (job server on, token auth on) on free ports; once
+    more where the first try failed as a loaded machine or a port race can make it fail."""
     token = token or secrets.token_hex(16)
-    gcs, dashboard = free_port(), free_port()
+    try:
+        return _start_once(log_dir, token, num_cpus, object_store_bytes, env, timeout_s)
+    except RuntimeError as err:
+        if not any(sign in str(err) for sign in TRANSIENT):
+            raise
+        logger.warning("starting a Ray head failed (%s); trying once more", str(err)[-200:])
+        return _start_once(log_dir, token, num_cpus, object_store_bytes, env, timeout_s)
+
+
+def _start_once(
+    log_dir: Path,
+    token: str,
+    num_cpus: int | None,
+    object_store_bytes: int | None,
+    env: dict[str, str] | None,
+    timeout_s: float,
+) -> RayHead:
+    """One try of ``start_head``."""
+    gcs, dashboard, client = free_port(), free_port(), free_port()
     head_env = ray_environment(env)
     head_env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PATH=venv_path())
     head_env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"  # every Ray process of this head: this head
@@ -159,7 +185,7 @@ def start_head(
     # makes its temp directory world-writable (chmod 0777), so it lives in a folder of its
     # own that only this user can enter (mkdtemp's 0700), removed when the head stops.
     temp_dir = os.path.join(tempfile.mkdtemp(prefix="kaisa-ray-", dir="/tmp"), "ray")
-    command = ray_start_command(temp_dir, gcs, dashboard, num_cpus, object_store_bytes)
+    command = ray_start_command(temp_dir, gcs, dashboard, client, num_cpus, object_store_bytes)
     with log.open("wb") as out:
         process = subprocess.Popen(
             command, env=head_env, stdout=out, stderr=subprocess.STDOUT, process_group=0
@@ -177,7 +203,7 @@ def start_head(
         if process.poll() is not None:
             head.stop(grace_s=1)  # what it started, and its temp directory
             raise RuntimeError(f"ray start exited with {process.returncode}:\n{log.read_text()}")
-        if head.alive():
+        if head.alive() and listening(client):
             logger.info("Ray head up at %s (dashboard %s)", head.gcs_address, head.dashboard_url)
             return head
         time.sleep(0.5)

@@ -215,20 +215,49 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-TRANSIENT = ("timed out during startup", "address already in use", "Address already in use")
+TRANSIENT = (
+    "timed out during startup",
+    "Timed out waiting for node info",
+    "address already in use",
+    "Address already in use",
+)
 """What a second try may not meet: Ray's raylet not registered within Ray's fixed 30 s (an
-overloaded machine), or a port chosen free taken by someone else before Ray bound it."""
+overloaded machine; the raylet's own start, or the Ray Client server's wait for it, after which
+``ray start --block`` kills the whole head), or a port chosen free taken by someone else before
+Ray bound it."""
+
+
+def listening(port: int) -> bool:
+    """Something on this machine listens on TCP ``port``, on any address (read from
+    ``/proc/net``, never by binding it: a bind would race the process about to bind it).
+    True where ``/proc/net`` is absent (not Linux): nothing to wait for there."""
+    found = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        found = True
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                return True
+    return not found
 
 
 def ray_start_command(
     temp_dir: str,
     gcs: int,
     dashboard: int,
+    client: int,
     num_cpus: float | None = None,
     object_store_bytes: int | None = None,
 ) -> list[str]:
-    """``ray start --head --block`` on the given ports (the dashboard agent's and the client
-    server's: free ones), in ``temp_dir``, dashboard on loopback only."""
+    """``ray start --head --block`` on the given ports (the dashboard agent's: a free one), in
+    ``temp_dir``, dashboard on loopback only. ``client`` is the Ray Client server's port: Ray
+    starts one wherever its client extra is installed, and nothing here turns it off; the head
+    is up once it listens (it waits up to 30 s for the raylet, and ends the head when that
+    runs out)."""
     command = [
         RAY,
         "start",
@@ -242,7 +271,7 @@ def ray_start_command(
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dashboard}",
         "--dashboard-agent-listen-port=0",  # the agent binds a port of its own and registers it
-        f"--ray-client-server-port={free_port()}",
+        f"--ray-client-server-port={client}",
         "--disable-usage-stats",
     ]
     if num_cpus is not None:
@@ -307,11 +336,11 @@ def _start_once(
     """One try of ``start_head``."""
     head_env = dict(head_environment() if env is None else env)
     quiet_environment(head_env)  # Ray Data's INFO lines stay in its log, out of the job's
-    gcs, dashboard = free_port(), free_port()
+    gcs, dashboard, client = free_port(), free_port(), free_port()
     head_env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"  # every process of this head: this head
     temp_dir = tempfile.mkdtemp(prefix=HEAD_PREFIX, dir=temp_root)
     log = Path(temp_dir) / "ray-start.log"
-    command = ray_start_command(temp_dir, gcs, dashboard, num_cpus, object_store_bytes)
+    command = ray_start_command(temp_dir, gcs, dashboard, client, num_cpus, object_store_bytes)
     with log.open("wb") as out:
         process = subprocess.Popen(
             command,
@@ -335,7 +364,7 @@ def _start_once(
             tail = _tail(log)
             head.stop()
             raise HeadStartError(f"`ray start --head` exited with {process.returncode}:\n{tail}")
-        if head.up():
+        if head.up() and listening(client):
             logger.info("Ray head up at %s (dashboard %s)", head.gcs_address, head.dashboard_url)
             return head
         time.sleep(0.25)
