@@ -36,10 +36,10 @@ from pathlib import Path
 
 from kaisa_ray.train.head import RAY as RAY  # re-exported: the tests start heads with it
 from kaisa_ray.train.head import (
-    TRANSIENT,
     descendants,
     free_port,
     listening,
+    once_more_if_transient,
     ray_start_command,
     running,
 )
@@ -156,13 +156,10 @@ def start_head(
     """Start ``ray start --head --block`` (job server on, token auth on) on free ports; once
     more where the first try failed as a loaded machine or a port race can make it fail."""
     token = token or secrets.token_hex(16)
-    try:
-        return _start_once(log_dir, token, num_cpus, object_store_bytes, env, timeout_s)
-    except RuntimeError as err:
-        if not any(sign in str(err) for sign in TRANSIENT):
-            raise
-        logger.warning("starting a Ray head failed (%s); trying once more", str(err)[-200:])
-        return _start_once(log_dir, token, num_cpus, object_store_bytes, env, timeout_s)
+    return once_more_if_transient(
+        lambda: _start_once(log_dir, token, num_cpus, object_store_bytes, env, timeout_s),
+        RuntimeError,
+    )
 
 
 def _start_once(

@@ -42,9 +42,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.ray_logs import quiet_environment
@@ -227,6 +228,23 @@ overloaded machine; the raylet's own start, or the Ray Client server's wait for 
 Ray bound it."""
 
 
+_Started = TypeVar("_Started")
+
+
+def once_more_if_transient(
+    attempt: Callable[[], _Started], failure: type[Exception] = HeadStartError
+) -> _Started:
+    """``attempt()`` (one try of starting a head), and once more where it raised ``failure``
+    naming one of the ``TRANSIENT`` causes; any other failure, or a second one, is raised."""
+    try:
+        return attempt()
+    except failure as err:
+        if not any(sign in str(err) for sign in TRANSIENT):
+            raise
+        logger.warning("starting a Ray head failed (%s); trying once more", str(err)[-200:])
+        return attempt()
+
+
 def listening(port: int) -> bool:
     """Something on this machine listens on TCP ``port``, on any address (read from
     ``/proc/net``, never by binding it: a bind would race the process about to bind it).
@@ -315,13 +333,7 @@ def start_head(
         timeout_s=timeout_s,
         temp_root=temp_root,
     )
-    try:
-        return attempt()
-    except HeadStartError as err:
-        if not any(sign in str(err) for sign in TRANSIENT):
-            raise
-        logger.warning("starting a Ray head failed (%s); trying once more", str(err)[-200:])
-        return attempt()
+    return once_more_if_transient(attempt)
 
 
 def _start_once(
