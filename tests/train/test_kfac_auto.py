@@ -87,8 +87,10 @@ def test_kaisa_ray_tune_verifies_the_best_candidates_and_prints_the_table_withou
     and nothing trained. (How a verified choice reaches the workers, ``decided``, is in
     ``test_adaptive_job.py``; a decision kept in the checkpoint, above.)"""
     spec = tmp_path / "auto.yaml"
-    kfac = {"strategy": "auto", "intervals": [[1, 4], [2, 8]]}
-    spec.write_text(yaml.safe_dump(job(kfac=kfac, memory_budget="1GiB")))
+    # One worker (one fraction, f = 1): a trial's worker group costs a process a worker.
+    kfac = {"strategy": "auto", "intervals": [[1, 4], [2, 8], [4, 16]]}
+    one_worker = job(kfac=kfac, memory_budget="1GiB", scaling={"workers": 1})
+    spec.write_text(yaml.safe_dump(one_worker))
     run = CliRunner().invoke(
         main,
         ["tune", "--config", str(spec), "--verify", "2", "--storage-path", str(tmp_path / "runs")],
@@ -98,7 +100,7 @@ def test_kaisa_ray_tune_verifies_the_best_candidates_and_prints_the_table_withou
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["f", "intervals"])
     assert "measured MiB" in lines[header]
     # f, intervals, MiB/worker, K-FAC MiB, ms/step, measured MiB, measured ms, then the verdict
-    rows = [line.split() for line in lines[header + 1 : header + 1 + 2 * 2]]  # 2 f x 2 pairs
+    rows = [line.split() for line in lines[header + 1 : header + 1 + 3]]  # f = 1 x 3 pairs
     assert all(len(row) >= 8 for row in rows), rows
     measured = [row for row in rows if row[6] != "-"]
     assert len(measured) == 2  # the two best predicted

@@ -139,14 +139,14 @@ def checkout(tmp_path: Path) -> Path:
 
 
 def reduced_sweep(clone: Path) -> Path:
-    """The README's sweep example with fewer, shorter trials (the full one: 16 trials, about
-    17 minutes here): the same model and scheduler, on 4096 images to 80%, over two learning
-    rates far apart, so that ASHA certainly stops a trial at its first rung while its workers
-    run, and another must start after it: Tune's seed 1 draws 0.05 (reaches 80%), then 0.0005
-    twice (the first of these falls behind at step 25). Training here is deterministic: three
-    trials at 0.0005 ended at the same accuracy to the digit."""
+    """The README's sweep example with fewer, shorter trials on one worker each (the full one:
+    16 trials, about 17 minutes here): the same model and scheduler, on 4096 images to 80%,
+    over two learning rates far apart, so that ASHA certainly stops a trial at its first rung
+    while its workers run, and another must start after it: Tune's seed 1 draws 0.05 (reaches
+    80%), then 0.0005 twice (the first of these falls behind at step 25)."""
     spec = yaml.safe_load((ROOT / "examples" / "fashion_mnist_sweep.yaml").read_text())
     spec["dataset"]["limit"] = 4096
+    spec["scaling"]["workers"] = 1  # a trial's worker group costs a process a worker
     spec["stop"] = {"max_steps": 150, "target": {"metric": "test_accuracy", "value": 0.8}}
     spec["checkpoint"] = {"every_steps": 150, "keep": 1}
     spec["sweep"]["trials"] = 3
