@@ -39,7 +39,6 @@ LONGEST_FIRST = [  # by their seconds in a full run (2026-11-27), longest first
     "test_kfac_auto.py",
     "test_service_ops.py",
     "test_multinode.py",
-    "test_service_restart.py",
     "test_service_quickstart.py",
     "test_distributed.py",
     "test_dashboard_e2e.py",

@@ -1,12 +1,17 @@
-"""The service as an operator runs it, with real parts (issue 18): two ``kaisa-ray serve``
-processes, each with its embedded Ray head, side by side on one machine; their Ray
-processes' environments; and SIGTERM. Two service start-ups, at once, for the module (the
-README's service quickstart, with its own, is ``test_service_quickstart.py``)."""
+"""The service as an operator runs it, with real parts (issues 18 and 30): two ``kaisa-ray
+serve`` processes, each with its embedded Ray head, side by side on one machine; their Ray
+processes' environments; SIGTERM while a job trains, and the next ``kaisa-ray serve`` on the
+same data directory resuming that job from its latest checkpoint to the end, its step records
+going on with no step twice and none missing. Three service start-ups for the module (the
+README's service quickstart, with its own, is ``test_service_quickstart.py``; the same
+restart in process, with a fake Ray, is ``test_service_resume.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
+import sqlite3
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,12 +23,28 @@ import pytest
 from support.service_process import ServiceProcess, start_service
 
 from service.head import RayHead, descendants
+from service.runner import submission_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "ops-token-0123456789"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # a colour escape in a log line
 MARKER = "KAISA_RAY_MAX_WORKERS"  # a service variable set in the services' environment
+ENV = {MARKER: "8", "KAISA_RAY_EMBEDDED_CPUS": "3", "KAISA_RAY_STATUS_INTERVAL_S": "0.5"}
+STEPS, EVERY = 1500, 100  # the resumed job's
+
+
+def resumed_job() -> dict[str, Any]:
+    return {
+        "name": "resumed",
+        "model": {"name": "lenet"},
+        "dataset": {"name": "synthetic", "batch_size": 32, "limit": 1024},
+        "kfac": "off",
+        "scaling": {"workers": 1},
+        "stop": {"max_steps": STEPS},
+        "eval_every": EVERY,
+        "checkpoint": {"every_steps": EVERY, "keep": 2},
+    }
 
 
 def quick_job(name: str, steps: int) -> dict[str, Any]:
@@ -58,13 +79,12 @@ def head_of(service: ServiceProcess) -> RayHead:
 @pytest.fixture(scope="module")
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServiceProcess]]:
     """Two services, each on its own data directory with its own embedded Ray head."""
-    env = {MARKER: "8", "KAISA_RAY_EMBEDDED_CPUS": "3"}
     started: dict[str, ServiceProcess] = {}
     dirs = {name: tmp_path_factory.mktemp(f"ops-{name}") for name in ("a", "b")}
     try:
         with ThreadPoolExecutor(2) as pool:  # both start at once: the start-ups overlap
             futures = {
-                name: pool.submit(start_service, where, token=TOKEN, env=env, timeout_s=180)
+                name: pool.submit(start_service, where, token=TOKEN, env=ENV, timeout_s=180)
                 for name, where in dirs.items()
             }
             failed: list[BaseException] = []
@@ -78,12 +98,13 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Ser
             raise failed[0]
         yield started
     finally:
-        for service in started.values():
+        for service in started.values():  # a restarted one too (its data directory's head)
             if service.process.poll() is None:
                 service.stop()
-                head = RayHead.load(service.log.parent / "ray" / "head.json")
-                if head is not None:
-                    head.stop(grace_s=1)
+        for where in dirs.values():
+            head = RayHead.load(where / "ray" / "head.json")
+            if head is not None and head.alive():
+                head.stop(grace_s=1)
 
 
 def ray_processes(head: RayHead) -> list[int]:
@@ -116,23 +137,24 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-@pytest.mark.timeout(900)  # two services' jobs, beside the suite's heaviest modules
-def test_two_services_side_by_side_each_job_sees_only_its_own_cluster(
+@pytest.mark.timeout(1200)  # two services' jobs and a restart, beside the heaviest modules
+def test_two_services_side_by_side_then_sigterm_and_a_restart_that_resumes_the_job(
     services: dict[str, ServiceProcess],
 ) -> None:
-    """A job on each service: b's runs to SUCCEEDED, a's (long) trains; neither log mentions
-    other Ray instances or the other cluster's address; while the long job runs, no Ray
-    process of either head (head, raylet, workers, the job's driver and train worker) has a
-    service variable or the service's token in its environment; then SIGTERM stops service a,
-    its head and every process it started, the long job's among them, while service b goes
-    on."""
+    """A job on each service: b's runs to SUCCEEDED, a's (long, checkpointing) trains;
+    neither log mentions other Ray instances or the other cluster's address; while the long
+    job runs, no Ray process of either head (head, raylet, workers, the job's driver and train
+    worker) has a service variable or the service's token in its environment. Then SIGTERM
+    stops service a, its head and every process it started, the long job's among them, while
+    service b goes on; the job is INTERRUPTED, not failed. The next service on a's data
+    directory resumes it from its latest checkpoint to the end."""
     a, b = services["a"], services["b"]
     heads = {name: head_of(service) for name, service in services.items()}
     assert heads["a"].gcs_address != heads["b"].gcs_address
     assert heads["a"].temp_dir != heads["b"].temp_dir
     clients = {name: service.client() for name, service in services.items()}
     jobs = {
-        "a": clients["a"].submit(quick_job("long", 1_000_000)),
+        "a": clients["a"].submit(resumed_job()),
         "b": clients["b"].submit(quick_job("short", 30)),
     }
     long = jobs["a"]
@@ -156,27 +178,18 @@ def test_two_services_side_by_side_each_job_sees_only_its_own_cluster(
     drivers = [pid for pid in ray_processes(heads["a"]) if "kaisa-ray train" in cmdline(pid)]
     assert drivers, "the long job's driver is not among the head's processes"
     assert checked > 10
-    done = wait_for(
-        lambda: (j := clients["b"].job(jobs["b"]["id"]))["state"] in ("SUCCEEDED", "FAILED") and j,
-        "job b to end",
+
+    trained = wait_for(
+        lambda: (
+            (j := clients["a"].job(long["id"]))["metrics"].get("checkpoint_step", 0) >= 2 * EVERY
+            and j
+        ),
+        "two checkpoints",
         timeout_s=300,
     )
-    assert done["state"] == "SUCCEEDED", done["failure_reason"]
-    logs = {name: clients[name].logs(jobs[name]["id"]) for name in services}
-    assert "finished at step 30" in logs["b"]
-    assert "Running entrypoint for job" in logs["a"]  # the long job's log, as far as it got
-    for name, log in logs.items():
-        other = heads["b" if name == "a" else "a"]
-        assert "multiple active Ray instances" not in log
-        assert other.gcs_address.rsplit(":", 1)[1] not in log
-        # Ray Train's own controller actor may log a traceback of its own under load (its
-        # autoscaling coordinator call, retried by Ray): lines it prefixes with its name are
-        # Ray's, not the job's. A traceback anywhere else in the job's log is a failure.
-        # Ray colours that prefix (an ANSI escape before the name) where its output is a tty.
-        plain = [ANSI.sub("", line) for line in log.splitlines()]
-        ours = [line for line in plain if not line.startswith("(TrainController")]
-        assert not [line for line in ours if "Traceback" in line], log
-    assert b.process.poll() is None
+    assert trained["state"] == "RUNNING"
+    logs = {"a": clients["a"].logs(long["id"])}  # the long job's log, as far as it got
+    assert "Running entrypoint for job" in logs["a"]
 
     # SIGTERM, what systemd, Docker and Kubernetes send, to service a while its long job
     # trains: within 20 s the service, its Ray head and every process below them (the job's
@@ -184,7 +197,6 @@ def test_two_services_side_by_side_each_job_sees_only_its_own_cluster(
     # stop's phases are bounded at about 12 s, docs/service.md; on a quiet machine it takes
     # 3-4 s, and the rest is for a CI machine busy with other tests). (A cancel on the real
     # Ray: tests/service/test_service_e2e.py.)
-    assert clients["a"].job(long["id"])["state"] == "RUNNING"
     family = [a.process.pid, *descendants(a.process.pid)]
     assert any("kaisa-ray train" in cmdline(pid) for pid in family)  # the job's driver
     assert len(family) > 5
@@ -207,8 +219,83 @@ def test_two_services_side_by_side_each_job_sees_only_its_own_cluster(
             f"\n{chr(10).join(left)}\nthe service's log:\n{a.log_tail()}"
         )
     took = time.monotonic() - began
+    stopped_at = time.time()
     assert took < 20
     assert a.process.returncode == 0
     assert "shutdown complete" in a.log.read_text()
-    print(f"SIGTERM: {len(family)} processes gone in {took:.1f} s")
+    at = trained["progress"]["step"]
+    print(f"SIGTERM at step {at}: {len(family)} processes gone in {took:.1f} s")
     assert b.process.poll() is None  # the other service did not notice
+
+    done = wait_for(
+        lambda: (j := clients["b"].job(jobs["b"]["id"]))["state"] in ("SUCCEEDED", "FAILED") and j,
+        "job b to end",
+        timeout_s=300,
+    )
+    assert done["state"] == "SUCCEEDED", done["failure_reason"]
+    logs["b"] = clients["b"].logs(jobs["b"]["id"])
+    assert "finished at step 30" in logs["b"]
+    for name, log in logs.items():
+        other = heads["b" if name == "a" else "a"]
+        assert "multiple active Ray instances" not in log
+        assert other.gcs_address.rsplit(":", 1)[1] not in log
+        # Ray Train's own controller actor may log a traceback of its own under load (its
+        # autoscaling coordinator call, retried by Ray): lines it prefixes with its name are
+        # Ray's, not the job's. A traceback anywhere else in the job's log is a failure.
+        # Ray colours that prefix (an ANSI escape before the name) where its output is a tty.
+        plain = [ANSI.sub("", line) for line in log.splitlines()]
+        ours = [line for line in plain if not line.startswith("(TrainController")]
+        assert not [line for line in ours if "Traceback" in line], log
+
+    data_dir = a.log.parent
+    with contextlib.closing(sqlite3.connect(data_dir / "jobs.db")) as database:
+        state, reason = database.execute(
+            "SELECT state, failure_reason FROM jobs WHERE id = ?", (long["id"],)
+        ).fetchone()
+        interrupted_at_step = database.execute(
+            "SELECT max(step) FROM metrics WHERE job_id = ? AND kind = 'step'", (long["id"],)
+        ).fetchone()[0]
+    assert (state, reason) == ("INTERRUPTED", None)
+    assert (data_dir / "logs" / f"{long['id']}.log").is_file()  # kept before the head went
+
+    # The next service on a's data directory resumes the job from its latest checkpoint.
+    again = services["a again"] = start_service(data_dir, token=TOKEN, env=ENV, timeout_s=180)
+    client = again.client()
+    ended = wait_for(
+        lambda: (j := client.job(long["id"]))["state"] in ("SUCCEEDED", "FAILED") and j,
+        "the resumed job to end",
+        timeout_s=400,
+    )
+    assert ended["state"] == "SUCCEEDED", ended["failure_reason"]
+    assert ended["progress"]["step"] == STEPS
+    history = [(t["from_state"], t["to_state"]) for t in ended["transitions"]]
+    assert ("RUNNING", "INTERRUPTED") in history
+    assert ("INTERRUPTED", "QUEUED") in history
+    assert "FAILED" not in str(history)
+    points = client.metrics(long["id"], kinds=["step"])["points"]
+    client.close()
+    assert again.stop() == 0
+    steps = [p["step"] for p in points]
+    assert steps == list(range(10, STEPS + 1, 10))  # no step twice, none missing
+    # The first life's records up to its checkpoint were kept, the rest done again: a
+    # resume from the checkpoint, not from the start.
+    before = [p["step"] for p in points if time_of(p) < stopped_at]
+    after = [p["step"] for p in points if time_of(p) > stopped_at]
+    assert before == steps[: len(before)]
+    assert before[-1] % EVERY == 0  # ended at a checkpoint
+    assert 2 * EVERY <= before[-1] <= interrupted_at_step
+    assert after[0] == before[-1] + 10
+    # Both lives' logs are kept in the service's copy, in order, past Ray's (which went with
+    # each head); that a later start serves this copy is test_service_resume.py's.
+    kept = (data_dir / "logs" / f"{long['id']}.log").read_text()
+    first_life, second_life = submission_id(long["id"]), submission_id(long["id"], 1)
+    assert f"Ray Job {first_life} -----" in kept
+    assert f"Ray Job {second_life} -----" in kept
+    assert kept.index(first_life) < kept.index(second_life)
+    assert f"finished at step {STEPS}" in kept
+
+
+def time_of(point: dict[str, Any]) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(point["at"]).timestamp()

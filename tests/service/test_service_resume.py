@@ -1,7 +1,7 @@
 """A graceful restart that resumes (``service.domain.restart``), in process: the app's lifespan on a
 real SQLite file, ``FakeRunner`` in place of Ray, and a second app on the same data
 directory as the service's next start. The same with the real ``kaisa-ray serve``, its
-embedded Ray head and a training job is ``test_service_restart.py``."""
+embedded Ray head and a training job is ``test_service_ops.py``."""
 
 from __future__ import annotations
 
