@@ -32,6 +32,7 @@ from kaisa_ray.train.trainer import (
     ensure_ray,
     resource_timeout,
     sigint_kept,
+    stream_ended,
     unique_run_name,
     unplaced_message,
     waited_too_long,
@@ -165,7 +166,7 @@ def run_job(
     reader = SinkReader(name, follower.take)
     reader.start()
     try:
-        with resource_timeout(spec), sigint_kept():
+        with resource_timeout(spec), sigint_kept(), stream_ended(trainer):
             result = trainer.fit()
     except Exception as err:  # Ray raises when the workers failed beyond max_failures
         return JobResult(

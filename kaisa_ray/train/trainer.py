@@ -34,6 +34,7 @@ __all__ = [
     "ensure_ray",
     "resource_timeout",
     "sigint_kept",
+    "stream_ended",
     "stream_for",
     "unique_run_name",
     "unplaced_message",
@@ -144,6 +145,21 @@ def resource_timeout(spec: JobSpec) -> Iterator[None]:
             os.environ.pop(START_TIMEOUT_ENV, None)
         else:
             os.environ[START_TIMEOUT_ENV] = old
+
+
+@contextmanager
+def stream_ended(trainer: TorchTrainer) -> Iterator[None]:
+    """A streamed fit's skipped-records ledger (``streaming.SkipLedger``, an actor this process
+    owns) ended with the fit inside, whether it returned or raised: otherwise it lives on while
+    anything, Ray Data's plans included, still holds its handle (in a process that runs several
+    jobs, one ledger a job)."""
+    try:
+        yield
+    finally:
+        # v2's attribute (mypy reads the v1 TorchTrainer)
+        counts = (getattr(trainer, "train_loop_config", None) or {}).get("stream")
+        if isinstance(counts, StreamCounts) and counts.ledger is not None:
+            ray.kill(counts.ledger)
 
 
 @contextmanager

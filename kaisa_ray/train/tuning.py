@@ -32,7 +32,13 @@ from kaisa_ray.train.records import (
 )
 from kaisa_ray.train.spec import JobSpec, KFACSpec
 from kaisa_ray.train.storage import resolve_storage
-from kaisa_ray.train.trainer import build_trainer, ensure_ray, sigint_kept, unique_run_name
+from kaisa_ray.train.trainer import (
+    build_trainer,
+    ensure_ray,
+    sigint_kept,
+    stream_ended,
+    unique_run_name,
+)
 from kaisa_ray.train.worker_config import MeasureConfig, ProfileConfig
 from tuner.cost import Candidate, NoFeasibleCandidateError
 from tuner.verify import Measurement, shortlist, verified
@@ -93,7 +99,7 @@ def tune_job(
         spec, ProfileConfig(spec=spec, run=profile_run), storage=storage, max_failures=0
     )
     try:
-        with sigint_kept():
+        with sigint_kept(), stream_ended(trainer):
             trainer.fit()
     except Exception as error:  # Ray raises when the workers failed
         raise _profile_failure(profile_run, error) from None

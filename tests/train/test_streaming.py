@@ -20,7 +20,7 @@ import yaml
 from PIL import Image
 from pydantic import ValidationError
 from support.cli_process import KAISA_RAY, run, user_env
-from support.ray_head import RayHead
+from support.ray_head import RayHead, actors_alive
 from support.ray_jobs import records
 
 from kaisa_ray.errors import ConfigurationError
@@ -478,6 +478,30 @@ def shard_of(train: FakeSplit, counted: int) -> StreamShard:
     )
 
 
+def test_a_fits_skipped_records_ledger_ends_with_the_fit_even_when_it_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``stream_ended`` kills the ledger the trainer's config carries once the fit inside
+    returns or raises; a fit without a ledger (in-memory data, ``bad_records: fail``) kills
+    nothing."""
+    from types import SimpleNamespace
+
+    from kaisa_ray.train import trainer as trainer_module
+    from kaisa_ray.train.streaming import StreamCounts
+
+    killed: list[object] = []
+    monkeypatch.setattr(trainer_module.ray, "kill", killed.append)
+    ledger = object()
+    fit = SimpleNamespace(train_loop_config={"stream": StreamCounts(8, 2, ledger=ledger)})
+    with pytest.raises(RuntimeError), trainer_module.stream_ended(fit):  # type: ignore[arg-type]
+        raise RuntimeError("the workers failed")
+    assert killed == [ledger]
+    for config in ({"stream": StreamCounts(8, 2)}, {"stream": None}, None):
+        with trainer_module.stream_ended(SimpleNamespace(train_loop_config=config)):  # type: ignore[arg-type]
+            pass
+    assert killed == [ledger]
+
+
 def test_a_worker_reads_its_epochs_in_order_and_a_jump_starts_a_fresh_iteration() -> None:
     train = FakeSplit(rows=20)
     shard = shard_of(train, counted=41)
@@ -575,6 +599,8 @@ def test_a_two_worker_job_streams_an_image_folder_and_resumes_at_its_step(
     assert start["from_step"] == 20
     assert [r["step"] for r in records("streamed-again", "step")] == [30, 40]
     assert again.metrics["test_accuracy"] > 0.5
+    # Each run's skipped-records ledger ended with its run (this process runs several jobs).
+    assert actors_alive(ray_head, "SkipLedger") == 0
 
 
 @pytest.mark.ray
