@@ -10,7 +10,7 @@ hands it the step's gradients.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +68,12 @@ def group_dot(out: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
     flat = out.reshape(out.shape[0], -1)
     dots: torch.Tensor = torch.linalg.vecdot(flat, raw.to(out.dtype).reshape(flat.shape))
     return dots
+
+
+def _over_ranks(
+    values: torch.Tensor, over_ranks: Callable[[torch.Tensor], torch.Tensor] | None
+) -> torch.Tensor:
+    return values if over_ranks is None else over_ranks(values)
 
 
 def finite_flags(tensors: Sequence[torch.Tensor]) -> list[bool]:
@@ -154,6 +160,7 @@ class GradientSetter:
         write_grads: bool = True,
         *,
         group_dots: bool = False,
+        over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """KL clipping (scale by min(1, sqrt(kl_clip / |lr² Σ p·g|))), then set the grads;
         where a gradient or a preconditioned gradient is not finite, the raw gradients stay.
@@ -166,7 +173,9 @@ class GradientSetter:
         the clip's products a shape group at a time (one operation for its members), for
         steps where every rank groups every layer alike (one rank, or COMM-OPT); elsewhere a
         layer preconditioned in a group on one rank arrives alone on another, and its
-        product must be the same operation on both."""
+        product must be the same operation on both. ``over_ranks``: where each rank holds
+        only some rows of every layer (FSDP2's ``rows_mode``), the per-block sums (one a
+        layer, every rank in the same order) summed over ranks before they are added up."""
         if not blocks and gathered is None:
             return
         if kl_clip is not None and group_dots:  # Σ p·g a shape group (or a block) at a time
@@ -194,7 +203,7 @@ class GradientSetter:
                 for index, layer in enumerate(layers)
             }
             dots = [dot_of[layer.name] for layer in order if layer.name in dot_of]
-            total = torch.stack(dots).to(torch.float64).sum()
+            total = _over_ranks(torch.stack(dots).to(torch.float64), over_ranks).sum()
         else:  # only whether everything is finite (the products spread a raw gradient's
             # NaN or infinity into its preconditioned one): one float64 sum per block and per
             # shape group's output, which no float32, bfloat16 or float16 values overflow (a
@@ -202,7 +211,8 @@ class GradientSetter:
             outs = [block.out for block in blocks]
             if gathered is not None:
                 outs += gathered.outs
-            total = torch.stack([out.sum(dtype=torch.float64) for out in outs]).sum()
+            sums = torch.stack([out.sum(dtype=torch.float64) for out in outs])
+            total = _over_ranks(sums, over_ranks).sum()
         ok = torch.isfinite(total)
         skipped, last = self.state(total.device)
         if kl_clip is not None:
@@ -241,8 +251,9 @@ class GradientSetter:
                 weight_grad, bias_grad = helper.weight_grad(), helper.bias_grad()
                 if weight_grad is None:
                     continue
-                k, g = helper.groups, helper.g_dim
-                weight_view = weight_grad.view(k, g, -1)
+                # (k, g) of the layer's whole gradient, or (1, rows) of a rank's rows
+                k, g, width = out.shape[1:]
+                weight_view = weight_grad.view(k, g, width - (bias_grad is not None))
                 pairs.append((weight_view, out[index, :, :, : weight_view.shape[-1]]))
                 if bias_grad is not None:
                     pairs.append((bias_grad.view(k, g), out[index, :, :, -1]))

@@ -81,7 +81,9 @@ class Bucket:
     """One collective call: its pieces travel together in one flat buffer."""
 
     purpose: Purpose
-    op: str  # "all_reduce" | "broadcast" | "all_gather" (FSDP2's gradient rows)
+    # "all_reduce" | "broadcast"; FSDP2's gradient rows: "all_gather" (COMM-OPT, and a
+    # column's workers under HYBRID-OPT), "gather" to a row's worker, "scatter" back from it
+    op: str
     group: tuple[int, ...]
     src: int | None
     dtype: DType
@@ -235,6 +237,15 @@ class Schedule:
     gradient_row: tuple[Bucket, ...]
     staleness_buckets: tuple[Bucket, ...] = ()
     gather_buckets: tuple[Bucket, ...] = ()  # FSDP2: every rank's gradient rows, every step
+    # FSDP2 with fewer gradient workers than ranks (``rows_mode``): the first row's gathers
+    # of the rows to the row's worker (moved by row as ``gradient_row`` is), the column
+    # workers' all-gathers of what their rows gathered (HYBRID-OPT), the all-reduce of
+    # whether every gradient row is finite (on steps that fold factors or measure
+    # staleness), and the all-reduce of the KL clip's per-layer sums over each rank's rows
+    gather_row: tuple[Bucket, ...] = ()
+    gather_columns: tuple[Bucket, ...] = ()
+    finite_buckets: tuple[Bucket, ...] = ()
+    clip_buckets: tuple[Bucket, ...] = ()
     layers: tuple[PlannedLayer, ...] = ()
     options: Options = field(default_factory=Options)
     _subsets: dict[tuple[frozenset[str], frozenset[str]], Schedule] = field(
@@ -251,16 +262,26 @@ class Schedule:
         )
 
     def gradient_buckets_of_row(self, row: int) -> tuple[Bucket, ...]:
-        """The gradient broadcasts within receiver group ``row``."""
+        """The gradient broadcasts (FSDP2's ``rows_mode``: scatters) within receiver group
+        ``row``."""
+        return self._moved(self.gradient_row, row)
+
+    def gather_buckets_of_row(self, row: int) -> tuple[Bucket, ...]:
+        """FSDP2's ``rows_mode``: the gathers of the gradient rows within receiver group
+        ``row``, each to the row's worker of a column."""
+        return self._moved(self.gather_row, row)
+
+    def _moved(self, first: tuple[Bucket, ...], row: int) -> tuple[Bucket, ...]:
+        """The first row's buckets as row ``row`` issues them."""
         if row == 0:
-            return self.gradient_row
+            return first
         columns = self.assignment.columns
         group = tuple(range(row * columns, (row + 1) * columns))
         return tuple(
             dataclasses.replace(
                 bucket, group=group, src=None if bucket.src is None else bucket.src + row * columns
             )
-            for bucket in self.gradient_row
+            for bucket in first
         )
 
     def for_rank(self, buckets: Sequence[Bucket], rank: int) -> list[Bucket]:
@@ -300,6 +321,10 @@ class Schedule:
                 gradient_row=self.gradient_row,
                 staleness_buckets=self.staleness_buckets,
                 gather_buckets=self.gather_buckets,
+                gather_row=self.gather_row,
+                gather_columns=self.gather_columns,
+                finite_buckets=self.finite_buckets,
+                clip_buckets=self.clip_buckets,
                 layers=self.layers,
                 options=self.options,
             )
@@ -353,17 +378,37 @@ def _decomposition_buckets(
     )
 
 
+def rows_mode(assignment: Assignment, options: Options) -> bool:
+    """FSDP2 with fewer gradient workers than ranks: each layer's gradient rows are gathered
+    to its workers, preconditioned there, and each rank's rows scattered back to it
+    (``kaisa_ray.sharding.RowExchange``); under COMM-OPT every rank all-gathers them all."""
+    return options.parallel is Parallel.FSDP and assignment.broadcasts_gradients
+
+
+def _rows_each(layer: PlannedLayer, world_size: int) -> int:
+    """Elements of one rank's rows of a layer's gradient (``⌈rows / W⌉`` rows of ``a``
+    elements, ``torch.chunk``'s split, padded), as FSDP2's gradient collectives move them."""
+    return -(-layer.groups * layer.g_dim // world_size) * layer.a_dim
+
+
 def _gradient_row(
     layers: Sequence[PlannedLayer], assignment: Assignment, options: Options
 ) -> list[Bucket]:
     """The first row's gradient broadcasts: each layer's from the row's worker of its column
-    (the row's rank in that column: the column's index, in the first row)."""
+    (the row's rank in that column: the column's index, in the first row). FSDP2's
+    ``rows_mode``: scatters of each rank's rows of the preconditioned gradient instead."""
     if not assignment.broadcasts_gradients:
         return []
+    rows = rows_mode(assignment, options)
+    world = assignment.world_size
     items = [
         (
             (0, assignment.column_of(layer.name), layer.grad_dtype),
-            Piece(layer=layer.name, part="grad", numel=layer.groups * layer.g_dim * layer.a_dim),
+            Piece(layer=layer.name, part="grad_rows", numel=_rows_each(layer, world))
+            if rows
+            else Piece(
+                layer=layer.name, part="grad", numel=layer.groups * layer.g_dim * layer.a_dim
+            ),
         )
         for layer in layers
     ]
@@ -371,7 +416,7 @@ def _gradient_row(
         items,
         groups={0: assignment.receiver_group_of(0)},
         purpose=Purpose.GRADIENTS,
-        op="broadcast",
+        op="scatter" if rows else "broadcast",
         cap_bytes=options.bucket_cap_bytes,
     )
 
@@ -379,16 +424,16 @@ def _gradient_row(
 def _gather_buckets(
     layers: Sequence[PlannedLayer], assignment: Assignment, options: Options
 ) -> list[Bucket]:
-    """FSDP2: each step's all-gather of the layers' gradient rows (``kaisa_ray.sharding``),
-    one call per gradient dtype; a rank sends ``⌈rows / W⌉`` rows of every layer (the
-    ``torch.chunk`` split, padded), so the call's bytes are the same on every rank."""
-    if options.parallel is not Parallel.FSDP:
+    """FSDP2 under COMM-OPT: each step's all-gather of the layers' gradient rows
+    (``kaisa_ray.sharding``), one call per gradient dtype; a rank sends ``⌈rows / W⌉`` rows
+    of every layer (the ``torch.chunk`` split, padded), so the call's bytes are the same on
+    every rank."""
+    if options.parallel is not Parallel.FSDP or rows_mode(assignment, options):
         return []
     world = assignment.world_size
     by_dtype: dict[DType, list[Piece]] = {}
     for layer in layers:
-        rows = -(-layer.groups * layer.g_dim // world)
-        piece = Piece(layer=layer.name, part="grad_rows", numel=rows * layer.a_dim)
+        piece = Piece(layer=layer.name, part="grad_rows", numel=_rows_each(layer, world))
         by_dtype.setdefault(layer.grad_dtype, []).append(piece)
     return [
         Bucket(
@@ -401,6 +446,87 @@ def _gather_buckets(
         )
         for dtype, pieces in by_dtype.items()
     ]
+
+
+def _gather_row(
+    layers: Sequence[PlannedLayer], assignment: Assignment, options: Options
+) -> list[Bucket]:
+    """FSDP2's ``rows_mode``: the first row's gathers, each rank's rows of each layer to the
+    row's worker of the layer's column (one call per column and dtype, up to the cap)."""
+    if not rows_mode(assignment, options):
+        return []
+    world = assignment.world_size
+    items = [
+        (
+            (0, assignment.column_of(layer.name), layer.grad_dtype),
+            Piece(layer=layer.name, part="grad_rows", numel=_rows_each(layer, world)),
+        )
+        for layer in layers
+    ]
+    return _fill(
+        items,
+        groups={0: assignment.receiver_group_of(0)},
+        purpose=Purpose.GRADIENTS,
+        op="gather",
+        cap_bytes=options.bucket_cap_bytes,
+    )
+
+
+def _gather_columns(
+    layers: Sequence[PlannedLayer], assignment: Assignment, options: Options
+) -> list[Bucket]:
+    """FSDP2's ``rows_mode`` with several workers a layer (HYBRID-OPT): each column's workers
+    all-gather the rows their rows gathered (a row's ``columns`` ranks' shares, padded), so
+    that every worker of a layer holds its whole gradient."""
+    if not rows_mode(assignment, options) or assignment.grad_workers == 1:
+        return []
+    world, columns = assignment.world_size, assignment.columns
+    items: list[tuple[BucketKey, Piece]] = []
+    groups: dict[int, tuple[int, ...]] = {}
+    for layer in layers:
+        column = assignment.column_of(layer.name)
+        groups[column] = assignment.placements[layer.name].workers
+        numel = columns * _rows_each(layer, world)
+        items.append(
+            (
+                (column, None, layer.grad_dtype),
+                Piece(layer=layer.name, part="grad_rows", numel=numel),
+            )
+        )
+    return _fill(
+        items,
+        groups=groups,
+        purpose=Purpose.GRADIENTS,
+        op="all_gather",
+        cap_bytes=options.bucket_cap_bytes,
+    )
+
+
+def _rows_reductions(
+    layers: Sequence[PlannedLayer], assignment: Assignment, options: Options
+) -> tuple[list[Bucket], list[Bucket]]:
+    """FSDP2's ``rows_mode``: the all-reduce of the count of ranks whose gradient rows are
+    not all finite, and the KL clip's per-layer sums over each rank's rows (float64; under no
+    clip, the sums that say whether the preconditioned rows are finite)."""
+    if not rows_mode(assignment, options):
+        return [], []
+    everyone = _everyone(assignment.world_size)
+    finite = Bucket(
+        purpose=Purpose.GRADIENTS,
+        op="all_reduce",
+        group=everyone,
+        src=None,
+        dtype="float64",
+        pieces=(Piece(layer="", part="finite", numel=1),),
+    )
+    clip = _fill(
+        [((0, None, "float64"), Piece(layer=layer.name, part="clip", numel=1)) for layer in layers],
+        groups={0: everyone},
+        purpose=Purpose.GRADIENTS,
+        op="all_reduce",
+        cap_bytes=options.bucket_cap_bytes,
+    )
+    return [finite], clip
 
 
 def schedule(layers: Sequence[PlannedLayer], assignment: Assignment, options: Options) -> Schedule:
@@ -421,6 +547,7 @@ def schedule(layers: Sequence[PlannedLayer], assignment: Assignment, options: Op
             op="all_reduce",
             cap_bytes=options.bucket_cap_bytes,
         )
+    finite, clip = _rows_reductions(layers, assignment, options)
     return Schedule(
         assignment=assignment,
         factor_buckets=tuple(_factor_buckets(layers, assignment, options)),
@@ -428,6 +555,10 @@ def schedule(layers: Sequence[PlannedLayer], assignment: Assignment, options: Op
         gradient_row=tuple(_gradient_row(layers, assignment, options)),
         staleness_buckets=tuple(staleness_buckets),
         gather_buckets=tuple(_gather_buckets(layers, assignment, options)),
+        gather_row=tuple(_gather_row(layers, assignment, options)),
+        gather_columns=tuple(_gather_columns(layers, assignment, options)),
+        finite_buckets=tuple(finite),
+        clip_buckets=tuple(clip),
         layers=tuple(layers),
         options=options,
     )
@@ -516,8 +647,38 @@ class Plan:
 
     @functools.cached_property
     def gather_calls(self) -> tuple[Collective, ...]:
-        """FSDP2's all-gather of the gradient rows, on every step (every rank)."""
+        """FSDP2 under COMM-OPT: the all-gather of the gradient rows, on every step (every
+        rank)."""
         return tuple(b.collective for b in self.schedule.gather_buckets)
+
+    @functools.cached_property
+    def finite_calls(self) -> tuple[Collective, ...]:
+        """FSDP2's ``rows_mode``: whether every rank's gradient rows are finite (every rank,
+        on steps that fold factors or measure staleness)."""
+        return tuple(b.collective for b in self.schedule.finite_buckets)
+
+    @functools.cached_property
+    def clip_calls(self) -> tuple[Collective, ...]:
+        """FSDP2's ``rows_mode``: the KL clip's sums over every rank's rows (every rank, every
+        step)."""
+        return tuple(b.collective for b in self.schedule.clip_buckets)
+
+    def row_gather_calls(self, row: int) -> tuple[Collective, ...]:
+        """FSDP2's ``rows_mode``: the gathers of the gradient rows within receiver group
+        ``row``, every step."""
+        return tuple(b.collective for b in self.schedule.gather_buckets_of_row(row))
+
+    def column_gather_calls(self, column: int) -> tuple[Collective, ...]:
+        """FSDP2's ``rows_mode`` under HYBRID-OPT: the all-gathers of what the rows gathered,
+        within ``column``'s workers, every step."""
+        return self._column_gathers.get(column, ())
+
+    @functools.cached_property
+    def _column_gathers(self) -> dict[int, tuple[Collective, ...]]:
+        found: dict[int, list[Collective]] = {}
+        for bucket in self.schedule.gather_columns:
+            found.setdefault(bucket.group[0], []).append(bucket.collective)  # its column
+        return {column: tuple(calls) for column, calls in found.items()}
 
     @functools.cached_property
     def staleness_calls(self) -> tuple[Collective, ...]:
@@ -583,16 +744,18 @@ class Plan:
     def rank_plan(self, rank: int) -> RankPlan:
         """``rank``'s plan, composed of its column's and its row's (see the class)."""
         row, column = divmod(rank, self.assignment.columns)
-        gradients = self.row_calls(row)
-        factors, gathers = self.factor_calls, self.gather_calls
+        gradients = self.row_calls(row) + self.clip_calls
+        factors, finite = self.factor_calls, self.finite_calls
+        gathers = self.gather_calls + self.row_gather_calls(row) + self.column_gather_calls(column)
         return RankPlan(
             rank=rank,
             memory=self.column_memory(column),
             calls={
                 StepType.PLAIN: gathers + gradients,
-                StepType.FACTOR_UPDATE: factors + gathers + gradients,
+                StepType.FACTOR_UPDATE: factors + gathers + finite + gradients,
                 StepType.INVERSE_UPDATE: factors
                 + gathers
+                + finite
                 + self.column_calls(column)
                 + gradients
                 + self.staleness_calls,
@@ -607,7 +770,9 @@ class Plan:
         the order it issues them. No layer: ``calls[PLAIN]``; every layer in both:
         ``calls[INVERSE_UPDATE]``."""
         sched = self.schedule.restricted(factor_layers, decomposition_layers)
-        return _calls(sched, rank, staleness=bool(decomposition_layers))
+        staleness = bool(decomposition_layers)
+        finite = bool(factor_layers) or (staleness and self.options.staleness_probes > 0)
+        return _calls(sched, rank, staleness=staleness, finite=finite)
 
     def mean_bytes_per_step(
         self, rank: int, factor_update_steps: int, inv_update_steps: int
@@ -694,16 +859,22 @@ def _memory(every_rank: tuple[int, int], decompositions: int) -> dict[str, int]:
     return memory
 
 
-def _calls(sched: Schedule, rank: int, *, staleness: bool) -> tuple[Collective, ...]:
+def _calls(sched: Schedule, rank: int, *, staleness: bool, finite: bool) -> tuple[Collective, ...]:
     """One step's collectives on ``rank`` in the order the preconditioner issues them:
-    factors, FSDP2's gradient rows, decompositions, gradients, then (on steps with
-    decompositions) staleness. Of the
-    gradient broadcasts only its own row's can include it (no need to list every row's)."""
+    factors, FSDP2's gradient rows (and, in ``rows_mode``, whether they are finite where
+    ``finite``), decompositions, gradients (and ``rows_mode``'s clip sums), then (on steps
+    with decompositions) staleness. Of the gradient broadcasts (and ``rows_mode``'s gathers)
+    only its own row's can include it (no need to list every row's)."""
+    row = rank // sched.assignment.columns
     buckets = [
         *sched.factor_buckets,
         *sched.gather_buckets,
+        *sched.gather_buckets_of_row(row),
+        *sched.gather_columns,
+        *(sched.finite_buckets if finite else ()),
         *sched.decomposition_buckets,
-        *sched.gradient_buckets_of_row(rank // sched.assignment.columns),
+        *sched.gradient_buckets_of_row(row),
+        *sched.clip_buckets,
         *(sched.staleness_buckets if staleness else ()),
     ]
     return tuple(b.collective for b in sched.for_rank(buckets, rank))
@@ -715,9 +886,9 @@ def calls_for_rank(sched: Schedule, rank: int) -> dict[StepType, tuple[Collectiv
     none = sched.restricted((), ())
     factors_only = sched.restricted([layer.name for layer in sched.layers], ())
     return {
-        StepType.PLAIN: _calls(none, rank, staleness=False),
-        StepType.FACTOR_UPDATE: _calls(factors_only, rank, staleness=False),
-        StepType.INVERSE_UPDATE: _calls(sched, rank, staleness=True),
+        StepType.PLAIN: _calls(none, rank, staleness=False, finite=False),
+        StepType.FACTOR_UPDATE: _calls(factors_only, rank, staleness=False, finite=True),
+        StepType.INVERSE_UPDATE: _calls(sched, rank, staleness=True, finite=True),
     }
 
 

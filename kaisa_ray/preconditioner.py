@@ -78,9 +78,9 @@ from kaisa_ray.options import (
     GradScalerLike,
     PreconditionerOptions,
 )
-from kaisa_ray.plan import Options, Plan, build_plan
+from kaisa_ray.plan import Options, Plan, build_plan, rows_mode
 from kaisa_ray.registration import discover
-from kaisa_ray.sharding import ShardedGradients, sharded_layers
+from kaisa_ray.sharding import RowExchange, ShardedGradients, sharded_layers
 from kaisa_ray.staleness import PROBES, VALUES_PER_LAYER, LayerStaleness, angle_degrees
 from kaisa_ray.strategy import resolve_grad_worker_fraction
 from kaisa_ray.timing import PhaseTimes
@@ -409,8 +409,10 @@ class KFACPreconditioner:
                 )
         self._graphs: dict[batching.GradientLayout, GraphedPreconditioning] = {}
         # FSDP2: the type of the first layer's weight when last looked, and the whole
-        # gradients' keeper if it was sharded
-        self._sharding: tuple[type, ShardedGradients | None] | None = None
+        # gradients' keeper if it was sharded (the rows' exchange with fewer gradient
+        # workers than ranks); the exchange while a step runs
+        self._sharding: tuple[type, ShardedGradients | RowExchange | None] | None = None
+        self._rows: RowExchange | None = None
         self._steps = 0
         self.skipped_factor_updates = 0
         # Kept on the device from the first step on, so that a step need not wait for them
@@ -577,6 +579,16 @@ class KFACPreconditioner:
         if sharded is None:
             self._step(factor_step)
             return
+        if isinstance(sharded, RowExchange):
+            with self.times.phase("communication"):
+                sharded.gather()
+            self._rows = sharded
+            try:  # each rank's rows are set in place (on an error, as backward left them)
+                self._step(factor_step)
+            finally:
+                self._rows = None
+                sharded.release()
+            return
         with self.times.phase("communication"):
             wholes = sharded.gather()
         try:
@@ -585,7 +597,7 @@ class KFACPreconditioner:
             wholes.release()
         wholes.write_back()
 
-    def _sharded_now(self) -> ShardedGradients | None:
+    def _sharded_now(self) -> ShardedGradients | RowExchange | None:
         """Whole gradients for a model FSDP2 shards (built sharded or sharded since), else None:
         whether the first layer's weight is a ``DTensor`` decides, checked every step."""
         weight = self._layers[0].helper.weight()
@@ -600,14 +612,31 @@ class KFACPreconditioner:
                 "cuda_graphs=True is not available for a model sharded by FSDP2 (the step "
                 "gathers each layer's gradient first): leave cuda_graphs off."
             )
-        helpers = [layer.helper for layer in self._layers]
-        self._sharding = (type(weight), ShardedGradients(helpers, self.rank, self.world_size))
         if self.plan.options.parallel is not Parallel.FSDP:  # sharded since it was built
             options = dataclasses.replace(self.plan.options, parallel=Parallel.FSDP)
             self.plan = build_plan(
                 self.plan.layers, self.world_size, self.grad_worker_fraction, options
             )
-        return self._sharding[1]
+        keeper: ShardedGradients | RowExchange
+        if rows_mode(self.assignment, self.plan.options):
+            sched, comm = self.plan.schedule, self._comm
+            row = self.rank // self.assignment.columns
+            buckets = (
+                comm.mine(sched.gather_buckets_of_row(row)),
+                comm.mine(sched.gather_columns),
+                comm.mine(sched.gradient_buckets_of_row(row)),
+                comm.mine(sched.finite_buckets),
+                comm.mine(sched.clip_buckets),
+            )
+            helpers = {layer.name: layer.helper for layer in self._layers}
+            keeper = RowExchange(
+                helpers, buckets, comm.group, self.rank, self.world_size, self.assignment.columns
+            )
+        else:
+            helpers_list = [layer.helper for layer in self._layers]
+            keeper = ShardedGradients(helpers_list, self.rank, self.world_size)
+        self._sharding = (type(weight), keeper)
+        return keeper
 
     def _step(self, factor_step: bool) -> None:
         """The step after its factors' reduction (and, under FSDP2, the gradients' gather)."""
@@ -628,7 +657,7 @@ class KFACPreconditioner:
         stale: dict[str, torch.Tensor] = {}
         if self.measures_staleness and (self._factor_now or decompose):
             if grads_finite is None:
-                grads_finite = all(finite_flags(param_grads(active)))
+                grads_finite = self._grads_finite(active, [])[0]
             with times.phase("staleness"):
                 stale = self._before_decompositions(decompose, grads_finite, damping)
         if decompose:
@@ -653,7 +682,6 @@ class KFACPreconditioner:
         """Fold this step's (reduced) batch factors into the running averages, unless a
         factor or a gradient is not finite; returns whether every gradient is finite."""
         step = self._steps
-        grads = param_grads(active)
         ready = [(layer, b) for layer in self._layers if (b := layer.batch_factors()) is not None]
         # EKFAC: the diagonals fitted in bases this rank holds (the same ranks as the bases)
         fitted = [
@@ -664,9 +692,7 @@ class KFACPreconditioner:
             and (s := layer.fitted_batch()) is not None
         ]
         factors = [t for _, pair in ready for t in pair] + [s for _, s in fitted]
-        flags = finite_flags(grads + factors)
-        grads_finite = all(flags[: len(grads)])
-        factors_finite = all(flags[len(grads) :])
+        grads_finite, factors_finite = self._grads_finite(active, factors)
         if ready:
             if grads_finite and factors_finite:
                 fold_all(ready, self.factor_decay)
@@ -684,6 +710,18 @@ class KFACPreconditioner:
             layer.reset_batch()
         self._comm.reset()
         return grads_finite
+
+    def _grads_finite(
+        self, active: list[KFACLayer], factors: list[torch.Tensor]
+    ) -> tuple[bool, bool]:
+        """Whether every gradient (over all ranks' rows where FSDP2 leaves each rank only
+        some rows of each layer) and whether every one of ``factors`` is finite."""
+        if self._rows is not None:
+            factors_finite = all(finite_flags(factors))
+            return self._rows.grads_finite(lambda grads: all(finite_flags(grads))), factors_finite
+        grads = param_grads(active)
+        flags = finite_flags(grads + factors)
+        return all(flags[: len(grads)]), all(flags[len(grads) :])
 
     # -- staleness --------------------------------------------------------------------------
 
@@ -886,6 +924,9 @@ class KFACPreconditioner:
                 out = layer.precondition(raw, damping)
                 blocks.append(Block((layer,), raw.unsqueeze(0), out.unsqueeze(0)))
                 preconditioned.put(layer.name, out)
+        if self._rows is not None:
+            self._set_rows(self._rows, preconditioned)
+            return preconditioned
 
         def get(name: str, part: str) -> torch.Tensor:
             if name in preconditioned:
@@ -919,6 +960,22 @@ class KFACPreconditioner:
                 group_dots=not self._comm.gradient_buckets,  # every rank groups alike
             )
         return preconditioned
+
+    def _set_rows(self, rows: RowExchange, preconditioned: Outputs) -> None:
+        """FSDP2 with fewer gradient workers than ranks: the workers' preconditioned
+        gradients scattered by rows, then every rank clips (the sums over all ranks' rows)
+        and sets its own rows of every layer."""
+        with self.times.phase("communication"):
+            mine = rows.scatter(preconditioned)
+        with self.times.phase("precondition"):
+            raws = rows.lend_rows()
+            blocks = [
+                Block((layer,), raws[layer.name][None, None], mine[layer.name][None, None])
+                for layer in self._layers
+            ]
+            self._setter.set(
+                blocks, None, self._layers, self.kl_clip, self.lr, over_ranks=rows.sum_over_ranks
+            )
 
     def _graphable(self, active: list[KFACLayer], groups: tuple[batching.ShapeGroup, ...]) -> bool:
         """Whether the shape groups are this step's whole preconditioning: no layer alone,

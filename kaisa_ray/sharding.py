@@ -5,26 +5,35 @@ after backward, each gradient as the rank's rows of the gradient averaged over r
 factors are unchanged (the hooks see the rank's own activations and the whole weight), but
 ``G⁻¹ ∇W A⁻¹`` mixes rows, so a step needs each layer's whole gradient (docs/fsdp.md).
 
-``ShardedGradients.gather`` all-gathers every registered layer's rows in one collective per
-dtype and lends the whole gradients to the layers' helpers (``LayerHelper.whole``) while the
-step runs exactly as under DDP; ``Wholes.write_back`` then writes each rank's rows of the
-result into its shards.
+Under COMM-OPT (every rank a gradient worker of every layer) ``ShardedGradients.gather``
+all-gathers every registered layer's rows in one collective per dtype and lends the whole
+gradients to the layers' helpers (``LayerHelper.whole``) while the step runs exactly as under
+DDP; ``Wholes.write_back`` then writes each rank's rows of the result into its shards.
+
+With fewer gradient workers than ranks (MEM-OPT, HYBRID-OPT: ``plan.rows_mode``)
+``RowExchange`` gathers each layer's rows only to its workers (to the row's worker, then, under
+HYBRID-OPT, among the column's workers), which precondition the whole gradient and scatter each
+rank of their row its rows of the result; every rank then clips and sets its own rows, the KL
+clip's sums added up over ranks. No rank but a layer's workers holds its whole gradient.
+
 The rows are ``torch.chunk``'s split (``⌈n/W⌉`` a rank, the last ranks fewer or none), the
-split FSDP2 and DTensor make.
+split FSDP2 and DTensor make; every collective moves ``⌈n/W⌉`` rows a rank, padded.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from kaisa_ray.comm import torch_dtype
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.layers import LayerHelper
+from kaisa_ray.plan import Bucket
 
 FIX = "Train this model with DistributedDataParallel, or leave these layers out with skip_layers."
 
@@ -100,11 +109,29 @@ def shard_layers(model: nn.Module) -> None:
     fully_shard(model)
 
 
-def all_gather_rows(gathered: torch.Tensor, mine: torch.Tensor) -> None:
-    """Every rank's ``mine`` into ``gathered``, by rank (over all ranks)."""
+def all_gather_rows(
+    gathered: torch.Tensor, mine: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> None:
+    """Every member's ``mine`` into ``gathered``, by rank (over all ranks, or ``group``)."""
     # torch 2.13 names it all_gather_single (all_gather_into_tensor, now deprecated, before)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(gathered, mine)
+    gather(gathered, mine, group=group)
+
+
+def gather_rows(
+    mine: torch.Tensor, parts: list[torch.Tensor] | None, dst: int, group: dist.ProcessGroup | None
+) -> None:
+    """Every member's ``mine`` into ``parts`` (by the group's order) on ``dst``, a global
+    rank; ``parts`` is None elsewhere."""
+    dist.gather(mine, parts, dst=dst, group=group)
+
+
+def scatter_rows(
+    mine: torch.Tensor, parts: list[torch.Tensor] | None, src: int, group: dist.ProcessGroup | None
+) -> None:
+    """Each member's part of ``parts`` (by the group's order, given on ``src``, a global rank)
+    into its ``mine``."""
+    dist.scatter(mine, parts, src=src, group=group)
 
 
 def rows_of(rows: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -203,3 +230,187 @@ def _shard_grad(helper: LayerHelper, is_bias: bool) -> torch.Tensor:
     if grad is None:
         raise RuntimeError(f"{helper.describe()} has no gradient shard to write back.")
     return grad
+
+
+class _Rows:
+    """One layer's gradient as FSDP2 splits it: ``rows`` rows of ``width`` elements (the
+    weight's row, then the bias's element), ``each`` rows a rank in the collectives."""
+
+    def __init__(self, helper: LayerHelper, rank: int, world_size: int) -> None:
+        weight = helper.weight()
+        self.helper = helper
+        self.rows = weight.shape[0]
+        self.weight_width = weight.shape[1:].numel()
+        self.width = self.weight_width + (1 if helper.bias() is not None else 0)
+        self.each = -(-self.rows // world_size)
+        self.world_size = world_size
+        start, end = rows_of(self.rows, rank, world_size)
+        self.mine = end - start
+
+    def local(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's rows of the weight's and the bias's gradients (FSDP2's own storage)."""
+        weight = _shard_grad(self.helper, False).to_local()  # type: ignore[attr-defined]
+        bias = None
+        if self.helper.bias() is not None:
+            bias = _shard_grad(self.helper, True).to_local()  # type: ignore[attr-defined]
+        return weight, bias
+
+    def matrix(self) -> torch.Tensor:
+        """This rank's rows as ``(mine, width)`` (a copy)."""
+        weight, bias = self.local()
+        rows = weight.reshape(self.mine, self.weight_width)
+        return rows if bias is None else torch.cat([rows, bias.reshape(-1, 1)], dim=1)
+
+    def put(self, slot: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """``rows`` (``(n, width)``, at most ``each``; default: this rank's) into a flat slot
+        of ``each × width`` elements, zeros after them."""
+        square = slot.view(self.each, self.width)
+        if rows is None:
+            weight, bias = self.local()
+            square[: self.mine, : self.weight_width] = weight.reshape(self.mine, self.weight_width)
+            if bias is not None:
+                square[: self.mine, self.weight_width] = bias
+            square[self.mine :] = 0
+        else:
+            square[: rows.shape[0]] = rows
+            square[rows.shape[0] :] = 0
+
+    def lend_whole(self, shares: torch.Tensor) -> None:
+        """Lend the helper the whole weight and bias gradients, put together from every
+        rank's padded share ``(W, each, width)``."""
+        weight = shares.new_empty(self.rows, self.weight_width)
+        bias = shares.new_empty(self.rows) if self.width > self.weight_width else None
+        for rank in range(self.world_size):
+            start, end = rows_of(self.rows, rank, self.world_size)
+            weight[start:end] = shares[rank, : end - start, : self.weight_width]
+            if bias is not None:
+                bias[start:end] = shares[rank, : end - start, self.weight_width]
+        self.helper.whole = (weight.view(self.helper.weight().shape), bias)
+
+
+class RowExchange:
+    """FSDP2's gradient rows with fewer gradient workers than ranks (the module docstring):
+    one rank's part of the plan's ``rows_mode`` collectives."""
+
+    def __init__(
+        self,
+        helpers: Mapping[str, LayerHelper],
+        buckets: tuple[list[Bucket], list[Bucket], list[Bucket], list[Bucket], list[Bucket]],
+        group: Callable[[tuple[int, ...]], dist.ProcessGroup | None],
+        rank: int,
+        world_size: int,
+        columns: int,
+    ) -> None:
+        self.rank, self.world_size, self.columns = rank, world_size, columns
+        self.group = group
+        self.gathers, self.column_gathers, self.scatters, self.finites, self.clips = buckets
+        self.layers = {name: _Rows(helper, rank, world_size) for name, helper in helpers.items()}
+        self.device = next(iter(helpers.values())).weight().device
+
+    def gather(self) -> None:
+        """Each layer's whole gradient to its workers (lent to their helpers until
+        ``release``): the rows to the row's worker, then among the column's workers. Each
+        bucket's buffers are let go of once its layers' whole gradients are made."""
+        shares: dict[str, torch.Tensor] = {}  # HYBRID-OPT: what the row gathered, by layer
+        for bucket in self.gathers:
+            mine = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=self.device)
+            offset = 0
+            for piece in bucket.pieces:
+                self.layers[piece.layer].put(mine[offset : offset + piece.numel])
+                offset += piece.numel
+            received = parts = None
+            if bucket.src == self.rank:
+                received = mine.new_empty(len(bucket.group), bucket.numel)
+                parts = list(received.unbind(0))
+            assert bucket.src is not None
+            gather_rows(mine, parts, bucket.src, self.group(bucket.group))
+            del mine
+            if received is not None:
+                self._take(bucket, received, shares)
+            del received, parts
+        for bucket in self.column_gathers:
+            mine = torch.cat([shares.pop(p.layer).reshape(-1) for p in bucket.pieces])
+            gathered = mine.new_empty(len(bucket.group), mine.numel())
+            all_gather_rows(gathered.view(-1), mine, self.group(bucket.group))
+            del mine
+            self._take(bucket, gathered, None)
+            del gathered
+
+    def _take(
+        self, bucket: Bucket, received: torch.Tensor, shares: dict[str, torch.Tensor] | None
+    ) -> None:
+        """The pieces of a gathered bucket ``(members, numel)``: every rank's rows (lent as
+        whole gradients), or, where a column's all-gather is still to come, a row's (kept in
+        ``shares``, a copy)."""
+        offset = 0
+        for piece in bucket.pieces:
+            rows = self.layers[piece.layer]
+            part = received[:, offset : offset + piece.numel]
+            if shares is not None and self.column_gathers:
+                shares[piece.layer] = part.contiguous()
+            else:
+                rows.lend_whole(part.reshape(self.world_size, rows.each, rows.width))
+            offset += piece.numel
+
+    def grads_finite(self, local: Callable[[list[torch.Tensor]], bool]) -> bool:
+        """Whether every rank's gradient rows are finite (``local`` says of this rank's)."""
+        grads = [t for rows in self.layers.values() for t in rows.local() if t is not None]
+        flag = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
+        if not local(grads):
+            flag += 1
+        for bucket in self.finites:
+            dist.all_reduce(flag, group=self.group(bucket.group))
+        return bool(flag.item() == 0)
+
+    def scatter(self, outputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each rank of the row its rows ``(mine, width)`` of the preconditioned gradients
+        (``outputs``: this rank's layers' ``(k, g, a)``)."""
+        mine: dict[str, torch.Tensor] = {}
+        for bucket in self.scatters:
+            dtype = torch_dtype(bucket.dtype)
+            sent = parts = None
+            if bucket.src == self.rank:
+                sent = torch.empty(len(bucket.group), bucket.numel, dtype=dtype, device=self.device)
+                offset = 0
+                for piece in bucket.pieces:
+                    rows = self.layers[piece.layer]
+                    whole = outputs[piece.layer].reshape(rows.rows, rows.width)
+                    for index, member in enumerate(bucket.group):
+                        start, end = rows_of(rows.rows, member, self.world_size)
+                        rows.put(sent[index, offset : offset + piece.numel], whole[start:end])
+                    offset += piece.numel
+                parts = list(sent.unbind(0))
+            received = torch.empty(bucket.numel, dtype=dtype, device=self.device)
+            assert bucket.src is not None
+            scatter_rows(received, parts, bucket.src, self.group(bucket.group))
+            del sent, parts
+            offset = 0
+            for piece in bucket.pieces:
+                rows = self.layers[piece.layer]
+                flat = received[offset : offset + piece.numel].view(rows.each, rows.width)
+                mine[piece.layer] = flat[: rows.mine]
+                offset += piece.numel
+        return mine
+
+    def lend_rows(self) -> dict[str, torch.Tensor]:
+        """Lend every helper its rank's rows (FSDP2's storage) for the step's write; returns
+        each layer's rows as ``(mine, width)`` copies (the raw gradient)."""
+        raws = {}
+        for name, rows in self.layers.items():
+            raws[name] = rows.matrix()
+            weight, bias = rows.local()
+            rows.helper.whole = (weight, bias)
+        return raws
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (float64, a layer's sum over this rank's rows each) summed over ranks."""
+        offset = 0
+        for bucket in self.clips:
+            dist.all_reduce(values[offset : offset + bucket.numel], group=self.group(bucket.group))
+            offset += bucket.numel
+        return values
+
+    def release(self) -> None:
+        """The helpers read their parameters' own gradients again."""
+        for rows in self.layers.values():
+            rows.helper.whole = None

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kaisa_ray.assignment import LayerShape
-from kaisa_ray.enums import ComputeMethod, Scaling
+from kaisa_ray.enums import ComputeMethod, Parallel, Scaling
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.intervals import LayerCost, check_rungs
 from kaisa_ray.plan import STALENESS_PROBES as PROBES
@@ -152,6 +152,9 @@ class Profile:
     broadcast: LinkFit
     compute_method: str = ComputeMethod.EIGEN
     scaling: str = Scaling.KRONECKER  # what the eigen method's state holds besides its bases
+    # ``fsdp``: the model was sharded by FSDP2 when profiled (the base memory measured holds
+    # its shards); every candidate's plan then moves the gradient rows (docs/fsdp.md)
+    parallel: str = Parallel.DDP
     # How much slower ranks compute all at once than one alone (``measure.compute_contention``):
     # 1 with a device or cores per rank; the times above were measured with every rank busy.
     contention: float = 1.0
@@ -270,6 +273,7 @@ def _plan(profile: Profile, fraction: float, staleness: bool) -> Plan:
         compute_method=profile.compute_method,
         staleness_probes=PROBES if staleness else 0,
         scaling=profile.scaling,
+        parallel=profile.parallel,
     )
 
 
@@ -540,6 +544,7 @@ def _mem_opt_state(
             compute_method=profile.compute_method,
             staleness_probes=probes,
             scaling=profile.scaling,
+            parallel=profile.parallel,
         )
     )
 

@@ -140,7 +140,7 @@ def profile_job(
     """Measure a job on this rank (collective: every rank calls it with its own batches).
 
     Args:
-        model: the model as trained (DDP-wrapped when distributed).
+        model: the model as trained (DDP-wrapped when distributed, or sharded by FSDP2).
         optimizer: its optimizer; its state is restored afterwards.
         batch: ``batch(i)`` gives the i-th profiling batch on this rank, on any device.
         loss_fn: ``loss_fn(output, target)``.
@@ -187,6 +187,7 @@ def profile_job(
         grad_worker_fraction=1.0,
         **options,
     )
+    parallel = preconditioner.plan.options.parallel  # FSDP2 where the model is sharded
     # The warm-up step allocates the K-FAC state and decomposes once. The next one updates
     # the factors and decomposes them again, as every inverse-update step of training does
     # (old decompositions live until new ones replace them). Its peak over the base and the
@@ -235,6 +236,7 @@ def profile_job(
         broadcast=broadcast,
         compute_method=compute_method,
         scaling=str(options.get("scaling", Scaling.KRONECKER)),
+        parallel=str(parallel),
         contention=contention,
     )
     # The decomposition fit is local: take rank 0's, so every rank holds the same profile.

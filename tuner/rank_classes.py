@@ -97,7 +97,8 @@ class RankClasses:
         self.row_class: list[int] = []  # by row number modulo ``_apart``
         self.row_prices: list[list[float]] = []  # by class
         for row in range(min(self.rows, self._apart)):
-            prices = self._prices(strategy.row_calls(row))
+            # (FSDP2 with fewer workers than ranks: its gathers of the gradient rows too)
+            prices = self._prices(strategy.row_gather_calls(row) + strategy.row_calls(row))
             key = tuple(prices)
             if key not in by_prices:
                 by_prices[key] = len(self.row_prices)
@@ -105,7 +106,10 @@ class RankClasses:
             self.row_class.append(by_prices[key])
 
         factors = self._prices(strategy.factor_calls)
-        gathers = self._prices(strategy.gather_calls)  # FSDP2's gradient rows, every step
+        # FSDP2's gradient rows, every step: COMM-OPT's all-gather, or the clip's sums over
+        # the ranks' rows (and, on factor steps, whether they are finite)
+        gathers = self._prices(strategy.gather_calls + strategy.clip_calls)
+        finite = self._prices(strategy.finite_calls)
         staleness = self._prices(strategy.staleness_calls)
         # Per (column, class of rows): the seconds of communication of a plain step, a
         # factor-update step and an inverse-update step, summed call by call in the order
@@ -113,11 +117,12 @@ class RankClasses:
         self.communication: dict[tuple[int, int], tuple[float, float, float]] = {}
         for column in strategy.representatives:
             decompositions = self._prices(strategy.column_calls(column))
+            every = gathers + self._prices(strategy.column_gather_calls(column))
             for row_class, gradients in enumerate(self.row_prices):
                 self.communication[column, row_class] = (
-                    sum(gathers + gradients),
-                    sum(factors + gathers + gradients),
-                    sum(factors + gathers + decompositions + gradients + staleness),
+                    sum(every + gradients),
+                    sum(factors + every + finite + gradients),
+                    sum(factors + every + finite + decompositions + gradients + staleness),
                 )
         self.candidates = self._lowest_of_each_class()
 
@@ -131,6 +136,11 @@ class RankClasses:
                 # all-reduce of all the shares: priced as half of that, on the same link.
                 reduce = self._link("all_reduce", call.group)
                 prices.append(reduce(call.nbytes * len(call.group)) / 2)
+            elif call.op in ("gather", "scatter"):
+                # every other member's share into (or out of) one rank: its link carries them
+                # all, priced as a broadcast of as many bytes
+                link = self._link("broadcast", call.group)
+                prices.append(link(call.nbytes * (len(call.group) - 1)))
             else:
                 prices.append(self._link(call.op, call.group)(call.nbytes))
         return prices

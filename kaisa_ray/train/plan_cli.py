@@ -146,7 +146,9 @@ def render_plan(report: dict[str, Any]) -> str:
     if inputs.get("parallel") == Parallel.FSDP:
         gathers = {calls(s["collectives"]["gradient_rows"]) for s in report["strategies"]}
         lines.append(
-            f"sharded by FSDP2: each rank's gradient rows all-gathered every step, "
+            "sharded by FSDP2: each rank's gradient rows gathered to the layers' workers every "
+            "step (all-gathered under COMM-OPT; MEM-OPT and HYBRID-OPT scatter the rows "
+            f"back in the gradients' calls), "
             f"{', '.join(sorted(gathers))} (beside the calls above; docs/fsdp.md)"
         )
     lines += ["", "Predicted time per step (slowest rank), ms"]

@@ -229,8 +229,15 @@ def _collectives(strategy: Plan, topology: Topology) -> dict[str, Any]:
         "decompositions": [strategy.column_calls(column) for column in strategy.representatives],
         "gradients": [strategy.row_calls(0)],
     }
-    if strategy.gather_calls:  # FSDP2: every rank's gradient rows, to every rank
-        parts["gradient_rows"] = [strategy.gather_calls]
+    if strategy.options.parallel is Parallel.FSDP:  # FSDP2's gradient rows, every step
+        parts["gradient_rows"] = [
+            strategy.gather_calls
+            + strategy.row_gather_calls(0)
+            + strategy.column_gather_calls(column)
+            + strategy.finite_calls
+            + strategy.clip_calls
+            for column in strategy.representatives
+        ]
     out: dict[str, Any] = {}
     for purpose, candidates in parts.items():
         best: tuple[int, int, int] = (0, 0, 0)  # bytes, calls, nodes spanned

@@ -6,6 +6,7 @@ K-FAC cannot take is refused naming the layers and the fix."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -16,13 +17,15 @@ from support.fsdp_workers import (
     checkpoint_round_trip,
     hybrid_sharded,
     partly_sharded,
+    profiled,
     sharded_after_build,
 )
 from support.harness import run_distributed
 from support.kfac_workers import equivalence_worker, reference_params
 
 from kaisa_ray.assignment import LayerShape
-from kaisa_ray.plan import plan
+from kaisa_ray.plan import StepType, plan
+from tuner.cost import choose
 
 pytestmark = pytest.mark.slow  # processes of gloo, spawned per test
 
@@ -56,9 +59,9 @@ def test_fsdp_equals_ddp_and_one_process_and_sends_what_the_plan_says(world_size
             assert sharded["memory"] == sharded["planned_memory"], f"{label}, rank {rank}"
             for a, b in zip(sharded["params"], fsdp["params"], strict=True):
                 assert torch.equal(a, b), f"{label}: rank {rank} differs from rank 0"
-        # Beside DDP's calls, every step sends each rank's rows of every layer's gradient.
-        for kind, sent in fsdp["sent_bytes"].items():
-            assert sent > ddp["sent_bytes"][kind], (label, kind)
+        if combo["strategy"] == "comm-opt":  # beside DDP's calls: the all-gather of the rows
+            for kind, sent in fsdp["sent_bytes"].items():
+                assert sent > ddp["sent_bytes"][kind], (label, kind)
         expected = reference_params(combo | {"strategy": "comm-opt", "fsdp": False})
         for name, other in (("DDP", ddp["params"]), ("one process", expected)):
             for a, e in zip(fsdp["params"], other, strict=True):
@@ -67,17 +70,36 @@ def test_fsdp_equals_ddp_and_one_process_and_sends_what_the_plan_says(world_size
 
 
 def test_the_plan_counts_each_rank_s_rows_of_every_gradient() -> None:
-    """A 7-row and a 3-row layer on 4 ranks: each rank sends ⌈7/4⌉ = 2 and ⌈3/4⌉ = 1 rows
-    (the last ranks pad what they lack), of 6 and 8 columns, in float32, on every step."""
+    """A 7-row and a 3-row layer on 4 ranks: every collective of the gradients moves ⌈7/4⌉ =
+    2 and ⌈3/4⌉ = 1 rows a rank (the last ranks pad what they lack), 6 and 8 wide, float32.
+    COMM-OPT all-gathers them to every rank beside DDP's calls; MEM-OPT gathers each layer's
+    rows to its one worker and scatters each rank its rows of the result, in place of DDP's
+    broadcasts of the whole preconditioned gradient, then adds up the KL clip's sums (one a
+    layer, float64) over ranks, and on factor steps whether every rank's rows are finite."""
     layers = [LayerShape(name="a", a_dim=6, g_dim=7), LayerShape(name="b", a_dim=8, g_dim=3)]
-    sharded = plan(layers, 4, "mem-opt", parallel="fsdp")
-    ddp = plan(layers, 4, "mem-opt")
+    sharded = plan(layers, 4, "comm-opt", parallel="fsdp")
+    ddp = plan(layers, 4, "comm-opt")
     for kind in ("plain", "factor_update", "inverse_update"):
         extra = sharded.ranks[3].bytes(kind) - ddp.ranks[3].bytes(kind)
         assert extra == (2 * 6 + 1 * 8) * 4, kind
     (gather,) = sharded.gather_calls
     assert (gather.op, gather.group, gather.src) == ("all_gather", (0, 1, 2, 3), None)
     assert ddp.gather_calls == ()
+
+    mem = plan(layers, 4, "mem-opt", parallel="fsdp")
+    workers = {name: mem.assignment.placements[name].workers for name in ("a", "b")}
+    assert mem.gather_calls == ()
+    everyone = (0, 1, 2, 3)
+    rows = [(workers["a"][0], 2 * 6 * 4), (workers["b"][0], 1 * 8 * 4)]
+    exchange = [("gather", everyone, src, n) for src, n in rows]
+    back = [("scatter", everyone, src, n) for src, n in rows]
+    clip = [("all_reduce", everyone, None, 2 * 8)]
+    for rank in range(4):
+        calls = mem.ranks[rank].calls
+        seen = {kind: [(c.op, c.group, c.src, c.nbytes) for c in calls[kind]] for kind in calls}
+        assert seen["plain"] == exchange + back + clip, rank
+        finite = [("all_reduce", everyone, None, 8)]
+        assert seen["factor_update"][1:] == exchange + finite + back + clip, rank
 
 
 def test_a_model_sharded_after_the_preconditioner_was_built_trains_as_one_sharded_before() -> None:
@@ -132,3 +154,24 @@ def test_a_model_sharded_over_a_2d_mesh_is_refused_with_the_fix() -> None:
         assert "sharded in a way K-FAC does not precondition" in message
         assert "a 1-D mesh of all 4 ranks" in message
         assert "DistributedDataParallel" in message
+
+
+def test_kfac_auto_profiles_a_sharded_model_and_prices_its_gradient_rows() -> None:
+    """``kfac: auto`` on a job sharded by FSDP2: the profile (taken on the sharded model,
+    whose parameters it restores) says so, and every candidate the tuner prices is planned
+    with the gradient rows' collectives (MEM-OPT's gathers and scatters, COMM-OPT's
+    all-gather)."""
+    said = run_distributed(profiled, 2)
+    for profile, restored in said:
+        assert restored
+        assert profile.parallel == "fsdp"
+    profile = said[0][0]
+    outcome = choose(profile, budget_bytes=None)
+    assert {c.grad_worker_fraction for c in outcome.candidates} == {0.5, 1.0}
+    unsharded = choose(dataclasses.replace(profile, parallel="ddp"), budget_bytes=None)
+    priced = {c.key: c.step_s for c in unsharded.candidates}
+    for candidate in outcome.candidates:  # the rows' collectives in every candidate's price
+        assert candidate.step_s != priced[candidate.key], candidate.key
+    for fraction, ops in ((0.5, {"gather", "scatter"}), (1.0, {"all_gather"})):
+        strategy = plan(list(profile.layers), 2, fraction, parallel=profile.parallel)
+        assert ops <= {c.op for c in strategy.ranks[0].calls[StepType.PLAIN]}

@@ -205,3 +205,28 @@ def test_a_plan_of_65536_ranks_is_built_without_them() -> None:
         c.src + 32768 for c in p.row_calls(0) if c.src is not None
     ]
     assert len(p.ranks._built) == 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_sharded_ranks_plan_is_the_rank_by_rank_plan(world: int) -> None:
+    """FSDP2 (``parallel='fsdp'``): composed from its row's gathers and scatters, its
+    column's all-gathers and every rank's sums, a rank's plan is the schedule's bucket by
+    bucket, and its representative's but for where the row moves them."""
+    for fraction in valid_fractions(world):
+        p = plan(LAYERS, world, fraction, parallel="fsdp")
+        empty = [r for r in p.representatives if r not in p.loaded_columns]
+        for rank in range(world):
+            mine = p.ranks[rank]
+            assert mine.calls == calls_for_rank(p.schedule, rank), (fraction, rank)
+            column = rank % p.assignment.columns
+            stand_in = p.ranks[column if column in p.loaded_columns else empty[0]]
+            for step in StepType:
+                same = [(c.purpose, c.op, c.nbytes) for c in mine.calls[step]]
+                assert same == [(c.purpose, c.op, c.nbytes) for c in stand_in.calls[step]]
+        ops = {c.op for c in p.ranks[0].calls[StepType.PLAIN]}
+        assert ops == (
+            {"all_gather"}
+            if p.assignment.columns == 1
+            else {"gather", "scatter", "all_reduce"}
+            | ({"all_gather"} if p.assignment.grad_workers > 1 else set())
+        ), fraction

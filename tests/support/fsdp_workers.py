@@ -210,3 +210,28 @@ def hybrid_sharded(rank: int, world_size: int) -> str:
     except ConfigurationError as err:
         return str(err)
     return "no error"
+
+
+def profiled(rank: int, world_size: int) -> object:
+    """``kfac: auto``'s profile (``tuner.profile.profile_job``) of a LeNet sharded as a job
+    shards it (``shard_layers``), with AdamW, on random batches."""
+    from kaisa_ray.sharding import shard_layers
+    from kaisa_ray.train.models import LeNetCNN
+    from tuner.profile import profile_job
+
+    torch.manual_seed(0)
+    model = LeNetCNN()
+    shard_layers(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(rank)
+    batches = [
+        (torch.randn(32, 1, 28, 28, generator=generator), torch.randint(0, 10, (32,)))
+        for _ in range(4)
+    ]
+    before = [p.full_tensor().clone() for p in model.parameters()]  # type: ignore[operator]
+    result = profile_job(
+        model, optimizer, lambda i: batches[i % 4], F.cross_entropy, torch.device("cpu"), steps=2
+    )
+    after = [p.full_tensor() for p in model.parameters()]  # type: ignore[operator]
+    restored = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    return result.profile, restored

@@ -117,8 +117,9 @@ def kfac_options(combo: dict[str, Any]) -> dict[str, Any]:
 
 
 class Counter:
-    """Wraps torch.distributed's all_reduce and broadcast, and the all-gather of a sharded
-    model's gradient rows (``kaisa_ray.sharding``), to record what this rank sends."""
+    """Wraps torch.distributed's all_reduce and broadcast, and the all-gathers, gathers and
+    scatters of a sharded model's gradient rows (``kaisa_ray.sharding``), to record what this
+    rank sends (a gather's or a scatter's call: one member's share)."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
@@ -138,11 +139,19 @@ class Counter:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         real_all_reduce, real_broadcast = dist.all_reduce, dist.broadcast
-        real_gather = sharding.all_gather_rows
+        real = sharding.all_gather_rows, sharding.gather_rows, sharding.scatter_rows
 
-        def all_gather_rows(gathered: torch.Tensor, mine: torch.Tensor) -> None:
-            self._record("all_gather", mine, None)
-            real_gather(gathered, mine)
+        def all_gather_rows(gathered: torch.Tensor, mine: torch.Tensor, group: Any = None) -> None:
+            self._record("all_gather", mine, group)
+            real[0](gathered, mine, group)
+
+        def gather_rows(mine: torch.Tensor, parts: Any, dst: int, group: Any) -> None:
+            self._record("gather", mine, group)  # each member's share
+            real[1](mine, parts, dst, group)
+
+        def scatter_rows(mine: torch.Tensor, parts: Any, src: int, group: Any) -> None:
+            self._record("scatter", mine, group)  # each member's share
+            real[2](mine, parts, src, group)
 
         def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             self._record("all_reduce", tensor, kwargs.get("group"))
@@ -154,11 +163,12 @@ class Counter:
 
         dist.all_reduce, dist.broadcast = all_reduce, broadcast  # type: ignore[assignment]
         sharding.all_gather_rows = all_gather_rows
+        sharding.gather_rows, sharding.scatter_rows = gather_rows, scatter_rows
         try:
             yield
         finally:
             dist.all_reduce, dist.broadcast = real_all_reduce, real_broadcast
-            sharding.all_gather_rows = real_gather
+            sharding.all_gather_rows, sharding.gather_rows, sharding.scatter_rows = real
 
 
 def step_type(step: int) -> StepType:

@@ -50,9 +50,11 @@ def _final_model(result: JobResult) -> dict[str, torch.Tensor]:
 def test_killed_worker_of_a_sharded_job_resumes_from_its_checkpoint(
     ray_head: RayHead, tmp_path: Path
 ) -> None:
-    """A job sharded by FSDP2 (``scaling.parallel: fsdp``), with Adam's moments in K-FAC's
-    eigenbasis (``kfac.scaling``: state beyond the factors and decompositions that the
-    checkpoint carries and the resume restores): a worker killed mid-run, the job resumed from
+    """A job sharded by FSDP2 (``scaling.parallel: fsdp``) under MEM-OPT (each layer's gradient
+    rows gathered to its one worker and scattered back), with Adam's moments in K-FAC's
+    eigenbasis (``kfac.scaling``: state beyond the factors and decompositions, held by each
+    layer's worker, that the checkpoint gathers and the resume restores to it): a worker
+    killed mid-run, the job resumed from
     its checkpoint (the model and optimizer gathered whole), ending with the parameters of an
     uninterrupted run from that checkpoint; the checkpoint is a DDP job's (a plain LeNet loads
     it and reproduces the reported accuracy)."""
@@ -61,7 +63,7 @@ def test_killed_worker_of_a_sharded_job_resumes_from_its_checkpoint(
             scaling={"workers": 2, "parallel": "fsdp"},
             optimizer={"name": "sgd", "lr": 0.004, "momentum": 0.0},
             kfac={
-                "strategy": "comm-opt",
+                "strategy": "mem-opt",
                 "factor_update_steps": 5,
                 "inv_update_steps": 20,
                 "compute_method": "eigen",

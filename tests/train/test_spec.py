@@ -101,7 +101,6 @@ def test_strategy_must_fit_the_workers_and_auto_is_a_strategy() -> None:
 @pytest.mark.parametrize(
     ("change", "what", "fix"),
     [
-        ({"kfac": "auto"}, "kfac: auto", "name kfac.strategy"),
         (
             {"kfac": {"update": "quadratic-model", "factor_update_steps": 1}},
             "kfac.update: quadratic-model",
@@ -115,6 +114,9 @@ def test_what_a_sharded_job_does_not_run_yet_is_refused_with_the_fix(
 ) -> None:
     sharded = {"workers": 2, "parallel": "fsdp"}
     assert parse_job_spec(with_(scaling=sharded)).scaling.parallel == "fsdp"
+    auto = parse_job_spec(with_(scaling=sharded, kfac="auto")).kfac  # profiled sharded
+    assert isinstance(auto, KFACSpec)
+    assert auto.auto
     assert parse_job_spec(GOOD).scaling.parallel == "ddp"
     with pytest.raises(JobSpecError) as caught:
         parse_job_spec(with_(scaling=sharded, **change))

@@ -243,18 +243,42 @@ def test_the_span_of_spaced_ranks_is_counted_by_formula_exactly(per_node: int) -
         assert topology.span(group) == counted(group), group
 
 
-@pytest.mark.parametrize("strategy", ["comm-opt", "mem-opt"])
-def test_a_sharded_plan_costs_its_gather_on_every_step(strategy: str) -> None:
-    """FSDP2's all-gather of the gradient rows (``plan(..., parallel='fsdp')``) is priced as
-    the all-gather half of a ring all-reduce of every rank's share, on every step type, and
-    is the only difference from the DDP plan's price."""
+def test_a_sharded_plan_costs_its_gather_on_every_step() -> None:
+    """FSDP2's all-gather of the gradient rows under COMM-OPT (``plan(..., parallel='fsdp')``)
+    is priced as the all-gather half of a ring all-reduce of every rank's share, on every
+    step type, and is the only difference from the DDP plan's price."""
     shapes = layers(3, 6)
     world = 4
-    ddp, fsdp = plan(shapes, world, strategy), plan(shapes, world, strategy, parallel="fsdp")
+    ddp, fsdp = plan(shapes, world, "comm-opt"), plan(shapes, world, "comm-opt", parallel="fsdp")
     (gather,) = fsdp.gather_calls
     base = profile(world, shapes)
     expected = base.allreduce.seconds(world * gather.nbytes) / 2
     for fus, ius in [(1, 1), (1, 10), (10, 100)]:
         plain, sharded = price(base, ddp, fus, ius), price(base, fsdp, fus, ius)
+        assert sharded.step_s - plain.step_s == pytest.approx(expected, rel=1e-9), (fus, ius)
+        assert sharded.kfac_state_bytes == plain.kfac_state_bytes
+
+
+def test_a_sharded_mem_opt_plan_costs_its_gathers_and_scatters_in_place_of_broadcasts() -> None:
+    """FSDP2 under MEM-OPT: each gather of the rows to a worker and each scatter back is
+    priced as a broadcast of the other members' shares (the worker's link carries them all),
+    the clip's sums as an all-reduce on every step and whether the rows are finite on factor
+    steps, in place of DDP's broadcasts of the whole preconditioned gradients."""
+    shapes = layers(3, 6)
+    world = 4
+    ddp, fsdp = plan(shapes, world, "mem-opt"), plan(shapes, world, "mem-opt", parallel="fsdp")
+    base = profile(world, shapes)
+    calls = fsdp.ranks[0].calls[StepType.PLAIN]
+    moved = [c for c in calls if c.op in ("gather", "scatter")]
+    assert {c.op for c in moved} == {"gather", "scatter"}
+    assert fsdp.gather_calls == ()
+    every_step = sum(base.broadcast.seconds(c.nbytes * (world - 1)) for c in moved) + sum(
+        base.allreduce.seconds(c.nbytes) for c in fsdp.clip_calls
+    )
+    every_step -= sum(base.broadcast.seconds(c.nbytes) for c in ddp.ranks[0].calls[StepType.PLAIN])
+    (finite,) = fsdp.finite_calls
+    for fus, ius in [(1, 1), (1, 10), (10, 100)]:
+        plain, sharded = price(base, ddp, fus, ius), price(base, fsdp, fus, ius)
+        expected = every_step + base.allreduce.seconds(finite.nbytes) / fus
         assert sharded.step_s - plain.step_s == pytest.approx(expected, rel=1e-9), (fus, ius)
         assert sharded.kfac_state_bytes == plain.kfac_state_bytes

@@ -168,8 +168,6 @@ class JobSpec(StrictModel):
             return self
         kfac = self.kfac if isinstance(self.kfac, KFACSpec) else None
         problems = [
-            (kfac is not None and kfac.auto, "kfac: auto (the tuner profiles DDP only)",
-             "name kfac.strategy"),
             (kfac is not None and kfac.quadratic_model, "kfac.update: quadratic-model",
              "kfac.update: optimizer"),
             (self.optimizer.name not in (OptimizerName.SGD, OptimizerName.ADAM,
