@@ -6,11 +6,13 @@ KAISA strategy (COMM-OPT, HYBRID-OPT at 4, MEM-OPT), ``W`` gloo processes train 
 factors every step, decompositions every 2) on random batches of 128 per rank for 4 steps,
 then report the bytes each rank holds, counted from the live tensors (their local shards
 under FSDP2): parameters, gradients, the optimizer's state, K-FAC's state
-(``memory_usage()``) and, under FSDP2, what a step adds while it runs (the all-gather's two
-buffers and the whole gradients of the K-FAC layers, recorded from the step itself). The
-peak is their sum: a count of what the step holds at once, not an allocator's figure, and
-without activations (the same under both) and FSDP2's unsharded parameters during forward
-and backward (one layer at a time here).
+(``memory_usage()``) and what a step adds while it runs: the peak bytes of the tensors
+``preconditioner.step()`` creates (``tuner.memory.TensorMemory``: every storage an operator
+returns, until it is freed; the gathers' and scatters' buffers and the whole gradients under
+FSDP2, the preconditioning's temporaries and DDP's broadcasts of preconditioned gradients
+under both), on the steps after the first. The peak is their sum, without activations (the
+same under both) and FSDP2's unsharded parameters during forward and backward (one layer at
+a time here).
 
 Run ``python benchmarks/fsdp_memory.py --write`` (about a minute): prints the table, stores
 it in ``benchmarks/README.md`` (block ``fsdp-memory``) and the figures in
@@ -36,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray import KFACPreconditioner, sharding
 from kaisa_ray.train.models import WideMLP
+from tuner.memory import TensorMemory
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "fsdp_memory.json"
@@ -63,29 +66,22 @@ def _rank(rank: int, world: int, store: str, out: str, parallel: str, strategy: 
     preconditioner = KFACPreconditioner(
         net, factor_update_steps=1, inv_update_steps=2, grad_worker_fraction=strategy
     )
-    transient = {"gather": 0}
-    real = sharding.all_gather_rows
-
-    def recorded(gathered: torch.Tensor, mine: torch.Tensor) -> None:
-        transient["gather"] = max(transient["gather"], gathered.nbytes + mine.nbytes)
-        real(gathered, mine)
-
-    sharding.all_gather_rows = recorded
+    # What the step adds while it runs, measured: the peak bytes of the tensors the step
+    # creates (``tuner.memory.TensorMemory`` counts every storage an operator returns until
+    # it is freed), on the steps after the first (which makes K-FAC's state)
+    most = 0
     generator = torch.Generator().manual_seed(rank)
-    for _ in range(STEPS):
+    for step in range(STEPS):
         x = torch.randn(128, 1, 28, 28, generator=generator)
         y = torch.randint(0, 10, (128,), generator=generator)
         optimizer.zero_grad()
         F.cross_entropy(net(x), y).backward()
-        preconditioner.step()
+        with TensorMemory("cpu") as memory:
+            preconditioner.step()
+        if step > 0:
+            most = max(most, memory.peak_bytes)
         optimizer.step()
     params = list(model.parameters())
-    wholes = 0
-    if parallel == "fsdp":  # the whole gradients lent to the K-FAC layers during the step
-        for layer in preconditioner.layers:
-            for param in (layer.helper.weight(), layer.helper.bias()):
-                if param is not None:
-                    wholes += param.numel() * param.element_size()
     held = {
         "parameters": sum(_local_bytes(p) for p in params),
         "gradients": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
@@ -96,7 +92,7 @@ def _rank(rank: int, world: int, store: str, out: str, parallel: str, strategy: 
             if isinstance(v, torch.Tensor)
         ),
         "kfac": preconditioner.memory_usage()["total"],
-        "step": transient["gather"] + wholes,
+        "step": most,
     }
     torch.save(held, out)
     dist.destroy_process_group()
