@@ -120,10 +120,10 @@ def checkpoint_round_trip(rank: int, world_size: int) -> dict[str, object]:
     }
 
 
-def accumulated(rank: int, world_size: int) -> float:
+def accumulated(rank: int, world_size: int, strategy: str) -> float:
     """Two micro-batches a step (FSDP2's ``set_requires_gradient_sync``, DDP's ``no_sync``),
-    K-FAC with ``accumulation_steps=2``: the largest relative difference of the sharded
-    model's parameters from DDP's after 4 steps."""
+    K-FAC with ``accumulation_steps=2`` under ``strategy``: the largest relative difference
+    of the sharded model's parameters from DDP's after 4 steps."""
     import contextlib
 
     from torch.nn.parallel import DistributedDataParallel
@@ -139,7 +139,11 @@ def accumulated(rank: int, world_size: int) -> float:
         else:
             net = DistributedDataParallel(model)
         preconditioner = KFACPreconditioner(
-            net, factor_update_steps=1, inv_update_steps=2, accumulation_steps=2
+            net,
+            factor_update_steps=1,
+            inv_update_steps=2,
+            accumulation_steps=2,
+            grad_worker_fraction=strategy,
         )
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(4):
@@ -164,10 +168,10 @@ def accumulated(rank: int, world_size: int) -> float:
     )
 
 
-def bf16_parameters(rank: int, world_size: int) -> dict[str, object]:
+def bf16_parameters(rank: int, world_size: int, strategy: str) -> dict[str, object]:
     """FSDP2's ``MixedPrecisionPolicy`` (bf16 parameters in forward and backward, fp32
-    gradient reduction) against fp32, K-FAC on both: the losses of 6 steps, the gradients'
-    dtype K-FAC preconditioned, and the factors' dtype."""
+    gradient reduction) against fp32, K-FAC under ``strategy`` on both: the losses of 6
+    steps, the gradients' dtype K-FAC preconditioned, and the factors' dtype."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     said: dict[str, object] = {}
@@ -179,7 +183,9 @@ def bf16_parameters(rank: int, world_size: int) -> dict[str, object]:
         for layer in (model[0], model[2]):
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
-        preconditioner = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=2)
+        preconditioner = KFACPreconditioner(
+            model, factor_update_steps=1, inv_update_steps=2, grad_worker_fraction=strategy
+        )
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         losses = []
         for step in range(6):
