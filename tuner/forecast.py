@@ -42,8 +42,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, Scaling
-from kaisa_ray.plan import PlannedLayer
+from kaisa_ray.enums import ComputeMethod, KFACApprox, Parallel, Scaling
+from kaisa_ray.plan import Plan, PlannedLayer, rows_mode
 from tuner.cost import LinkFit, Profile, precondition_flops
 from tuner.hardware import OVERHEAD_OPERATIONS, Hardware
 from tuner.topology import Topology
@@ -152,23 +152,48 @@ def memory_basis(workload: Workload) -> tuple[int, int]:
     """(base bytes, K-FAC temporaries) per rank. Sharded over ``W`` ranks (FSDP2), a rank
     holds ``1/W`` of the parameters, gradients and optimizer state (rounded up), and the step
     adds the K-FAC layers' whole gradients and the gather's buffer of every rank's rows
-    (``kaisa_ray.sharding``: about twice the K-FAC layers' gradients)."""
+    (``kaisa_ray.sharding``: about twice the K-FAC layers' gradients), as COMM-OPT gathers
+    them to every rank (``sharded_transient`` for the other strategies)."""
     shards = workload.sharded_over
     weights = -(-workload.parameters // shards) * FLOAT32 * (2 + workload.optimizer_states)
     base = weights + workload.activation_bytes
+    transient = _common_transient(workload)
+    if shards > 1:
+        transient += FLOAT32 * sum(_gathered_and_whole(layer, shards) for layer in workload.layers)
+    return base, transient
+
+
+def sharded_transient(workload: Workload, strategy: Plan) -> int:
+    """K-FAC's temporaries on the busiest rank of ``strategy`` for a workload sharded by FSDP2
+    (``sharded_over`` ranks): ``memory_basis``'s under COMM-OPT; with fewer gradient workers
+    than ranks (``plan.rows_mode``) only a layer's workers gather its rows, so at most the
+    layers of the busiest worker's column, each whole and as much again (padded) for the
+    gather's and the scatter's buffers."""
+    if not rows_mode(strategy.assignment, strategy.options):
+        return memory_basis(workload)[1]
+    world = workload.sharded_over
+    held: dict[int, int] = {}
+    for layer in workload.layers:
+        column = strategy.assignment.column_of(layer.name)
+        held[column] = held.get(column, 0) + _gathered_and_whole(layer, world)
+    return _common_transient(workload) + FLOAT32 * max(held.values(), default=0)
+
+
+def _common_transient(workload: Workload) -> int:
+    """K-FAC's temporaries under any parallelism: the widest layer's batch factors, the
+    largest decomposition's workspace and the convolutions' patches."""
     widest = max(
         (layer.groups * (layer.a_dim**2 + layer.g_dim**2) for layer in workload.layers), default=0
     )
     largest = max((max(layer.a_dim, layer.g_dim) for layer in workload.layers), default=0)
-    transient = FLOAT32 * (widest + largest**2) + workload.patch_bytes
-    if shards > 1:
-        gathered = sum(
-            -(-layer.groups * layer.g_dim // shards) * shards * layer.a_dim
-            for layer in workload.layers
-        )
-        whole = sum(layer.groups * layer.g_dim * layer.a_dim for layer in workload.layers)
-        transient += FLOAT32 * (gathered + whole)
-    return base, transient
+    return FLOAT32 * (widest + largest**2) + workload.patch_bytes
+
+
+def _gathered_and_whole(layer: PlannedLayer, world: int) -> int:
+    """Elements of a layer's gathered rows (every rank's ``⌈rows/W⌉``, padded) and of its
+    whole gradient."""
+    gathered = -(-layer.groups * layer.g_dim // world) * world * layer.a_dim
+    return gathered + layer.groups * layer.g_dim * layer.a_dim
 
 
 def factor_work_seconds(workload: Workload, hardware: Hardware) -> float:
@@ -360,6 +385,7 @@ def forecast_profile(
         broadcast=link,
         compute_method=workload.compute_method,
         scaling=workload.scaling,
+        parallel=Parallel.FSDP if workload.sharded_over > 1 else Parallel.DDP,
         topology=Topology.of(hardware, gpus_per_node),
         host_step_s=host_s,
         device_step_s=None if host_s is None else device_s,

@@ -49,7 +49,7 @@ from tuner.cost import (
     choose,
     prices,
 )
-from tuner.forecast import Basis, Workload, forecast_profile
+from tuner.forecast import Basis, Workload, forecast_profile, sharded_transient
 from tuner.hardware import Hardware, hardware_from_dict
 from tuner.topology import Topology
 
@@ -319,8 +319,8 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
     budgets = request.budgets or (int(hardware.memory_bytes.value),)
     table: list[Candidate] = []
     strategies = []
-    for fraction in placeable_fractions(world, job.scaling):
-        strategy = plan(
+    built = [
+        plan(
             list(job.layers),
             world,
             fraction,
@@ -328,6 +328,13 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
             scaling=job.scaling,
             parallel=request.parallel,
         )
+        for fraction in placeable_fractions(world, job.scaling)
+    ]
+    if sharded:  # what a step gathers depends on the strategy (docs/fsdp.md)
+        by_fraction = tuple((s.grad_worker_fraction, sharded_transient(job, s)) for s in built)
+        profile = dataclasses.replace(profile, kfac_transient_by_fraction=by_fraction)
+    for strategy in built:
+        fraction = strategy.grad_worker_fraction
         worst = strategy.most_memory()
         candidates = []
         for candidate in prices(profile, strategy, request.intervals):  # as choose() prices

@@ -204,7 +204,8 @@ def test_a_sharded_job_is_planned_with_its_gather_and_its_shards(tmp_path: Path)
     every rank's gradient rows every step (COMM-OPT all-gathers them, the others gather them
     to the layers' workers and add up the KL clip's sums; priced, and said in the text),
     a GPU holds 1/W of the parameters, gradients and optimizer state, and the step's
-    temporaries grow by the gathered and the whole gradients (``tuner.forecast.memory_basis``)."""
+    temporaries grow by the gathered and the whole gradients (``tuner.forecast.memory_basis``),
+    under MEM-OPT and HYBRID-OPT only those of the busiest worker's layers."""
     args = ["--model", "resnet50", "--workers", "8", "--batch", "32", "--intervals", "10/100"]
     ddp, fsdp = plan_json(*args), plan_json(*args, "--parallel", "fsdp")
     assert "parallel" not in ddp["inputs"]  # as before FSDP2 (the pinned figures' reports)
@@ -228,6 +229,13 @@ def test_a_sharded_job_is_planned_with_its_gather_and_its_shards(tmp_path: Path)
     base, sharded_base = ddp["basis"], fsdp["basis"]
     assert sharded_base["base_memory_bytes"] < base["base_memory_bytes"]
     assert sharded_base["kfac_transient_bytes"] > base["kfac_transient_bytes"]
+    for sharded in fsdp["strategies"]:  # only a layer's workers gather it, but in COMM-OPT
+        (c,) = sharded["candidates"]
+        step = c["memory_bytes"] - c["kfac_state_bytes"] - sharded_base["base_memory_bytes"]
+        if sharded["grad_workers"] == 8:
+            assert step == sharded_base["kfac_transient_bytes"]
+        else:
+            assert base["kfac_transient_bytes"] < step < sharded_base["kfac_transient_bytes"]
     text = kaisa_ray("plan", *args, "--parallel", "fsdp").output
     assert "sharded by FSDP2: each rank's gradient rows gathered to the layers' workers" in text
     job = tmp_path / "job.yaml"
