@@ -48,6 +48,18 @@ class Parallel(enum.StrEnum):
     FSDP = "fsdp"
 
 
+class ShardUnits(enum.StrEnum):
+    """What a sharded job (``parallel: fsdp``) applies FSDP2's ``fully_shard`` to before the
+    whole model: each ``nn.Linear`` and ``nn.Conv2d`` (``layers``: a layer's parameters
+    gathered around its own forward and backward), each child module of the model that holds
+    parameters (``blocks``: a transformer's blocks), or nothing (``model``: one unit, every
+    parameter gathered for the whole forward and backward)."""
+
+    LAYERS = "layers"
+    BLOCKS = "blocks"
+    MODEL = "model"
+
+
 class KFACApprox(enum.StrEnum):
     """How Conv2d factors treat spatial positions (Eschenhagen et al., NeurIPS 2023).
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kaisa_ray.comm import torch_dtype
+from kaisa_ray.enums import ShardUnits
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.layers import LayerHelper
 from kaisa_ray.plan import Bucket
@@ -96,16 +97,23 @@ def sharded_layers(modules: Iterable[tuple[str, nn.Module]], world_size: int) ->
     return True
 
 
-def shard_layers(model: nn.Module) -> None:
-    """FSDP2 as a K-FAC job applies it: ``fully_shard`` on each ``nn.Linear`` and ``nn.Conv2d``
-    with parameters (a unit of its own: its gathers and frees around its own forward and
-    backward), then on the whole model (the rest of the parameters)."""
+def shard_layers(model: nn.Module, units: ShardUnits | str = ShardUnits.LAYERS) -> None:
+    """FSDP2 as a K-FAC job applies it: ``fully_shard`` on each unit (``ShardUnits``: by
+    default each ``nn.Linear`` and ``nn.Conv2d`` with parameters, a unit of its own: its
+    gathers and frees around its own forward and backward), then on the whole model (the
+    rest of the parameters)."""
     from torch.distributed.fsdp import fully_shard
 
-    for module in model.modules():
-        own = next(module.parameters(recurse=False), None)
-        if isinstance(module, (nn.Linear, nn.Conv2d)) and own is not None:
-            fully_shard(module)
+    units = ShardUnits(units)
+    if units is ShardUnits.LAYERS:
+        for module in model.modules():
+            own = next(module.parameters(recurse=False), None)
+            if isinstance(module, (nn.Linear, nn.Conv2d)) and own is not None:
+                fully_shard(module)
+    elif units is ShardUnits.BLOCKS:
+        for child in model.children():
+            if next(child.parameters(), None) is not None:
+                fully_shard(child)
     fully_shard(model)
 
 

@@ -81,7 +81,7 @@ class Training:
         net: nn.Module = model
         if distributed() and world > 1:
             if spec.scaling.parallel is Parallel.FSDP:
-                shard_layers(model)  # the model is its own wrapper
+                shard_layers(model, spec.scaling.shard_units)  # the model is its own wrapper
             else:
                 net = DistributedDataParallel(
                     model, device_ids=[device.index] if device.type == "cuda" else None

@@ -14,6 +14,7 @@ import torch
 from support.fsdp_workers import (
     accumulated,
     bf16_parameters,
+    by_units,
     checkpoint_round_trip,
     hybrid_sharded,
     partly_sharded,
@@ -179,3 +180,14 @@ def test_kfac_auto_profiles_a_sharded_model_and_prices_its_gradient_rows() -> No
     for fraction, ops in ((0.5, {"gather", "scatter"}), (1.0, {"all_gather"})):
         strategy = plan(list(profile.layers), 2, fraction, parallel=profile.parallel)
         assert ops <= {c.op for c in strategy.ranks[0].calls[StepType.PLAIN]}
+
+
+def test_every_sharding_unit_trains_as_ddp_does() -> None:
+    """``scaling.shard_units`` (``sharding.shard_layers``): each Linear (``layers``: two units
+    and the model), each child block (``blocks``: two and the model) or the model alone
+    (``model``): FSDP2 gathers differently, K-FAC sees the same whole layers, and the
+    parameters after 4 steps equal DDP's."""
+    for said in run_distributed(by_units, 2):
+        assert (said["layers_units"], said["blocks_units"], said["model_units"]) == (3, 3, 1)
+        for units in ("layers", "blocks", "model"):
+            assert said[f"{units}_difference"] <= 1e-6, (units, said)

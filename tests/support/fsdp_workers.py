@@ -241,3 +241,40 @@ def profiled(rank: int, world_size: int) -> object:
     after = [p.full_tensor() for p in model.parameters()]  # type: ignore[operator]
     restored = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     return result.profile, restored
+
+
+def by_units(rank: int, world_size: int) -> dict[str, object]:
+    """A model of two blocks (a Linear and a ReLU, a Linear) sharded as a job shards it under
+    each ``ShardUnits``, K-FAC under MEM-OPT: how many units FSDP2 made, and the largest
+    relative difference of the parameters from DDP's after 4 steps."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    from kaisa_ray.sharding import shard_layers
+
+    def built() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Sequential(nn.Linear(5, 7), nn.ReLU()), nn.Linear(7, 3))
+
+    def trained(model: nn.Module, net: nn.Module) -> list[torch.Tensor]:
+        preconditioner = KFACPreconditioner(
+            net, factor_update_steps=1, inv_update_steps=2, grad_worker_fraction="mem-opt"
+        )
+        _train(net, torch.optim.SGD(model.parameters(), lr=0.1), rank, range(4), preconditioner)
+        return [
+            getattr(p, "full_tensor", lambda p=p: p)().detach().clone() for p in model.parameters()
+        ]
+
+    plain = built()
+    expected = trained(plain, DistributedDataParallel(plain))
+    said: dict[str, object] = {}
+    for units in ("layers", "blocks", "model"):
+        model = built()
+        shard_layers(model, units)
+        said[f"{units}_units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
+        ended = trained(model, model)
+        said[f"{units}_difference"] = max(
+            ((a - b).abs().max() / b.abs().max()).item()
+            for a, b in zip(ended, expected, strict=True)
+        )
+    return said

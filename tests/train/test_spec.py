@@ -115,6 +115,11 @@ def test_what_a_sharded_job_does_not_run_yet_is_refused_with_the_fix(
     sharded = {"workers": 2, "parallel": "fsdp"}
     assert parse_job_spec(with_(scaling=sharded)).scaling.parallel == "fsdp"
     auto = parse_job_spec(with_(scaling=sharded, kfac="auto")).kfac  # profiled sharded
+    assert parse_job_spec(with_(scaling=sharded)).scaling.shard_units == "layers"
+    blocks = parse_job_spec(with_(scaling=sharded | {"shard_units": "blocks"})).scaling
+    assert blocks.shard_units == "blocks"
+    with pytest.raises(JobSpecError, match="shard_units: model says how FSDP2 shards"):
+        parse_job_spec(with_(scaling={"workers": 2, "shard_units": "model"}))
     assert isinstance(auto, KFACSpec)
     assert auto.auto
     assert parse_job_spec(GOOD).scaling.parallel == "ddp"

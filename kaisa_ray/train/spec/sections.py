@@ -18,6 +18,7 @@ from kaisa_ray.enums import (
     EvalMetric,
     OptimizerName,
     Parallel,
+    ShardUnits,
 )
 from kaisa_ray.train.data_roots import check_root, check_uri
 from kaisa_ray.train.registry import dataset_entry, dataset_names
@@ -304,7 +305,10 @@ class ScalingSpec(StrictModel):
     and after losing a node, before the job fails saying so; unset, it waits as long as it
     takes (an autoscaling cluster adds nodes), except in a sweep's trials (120 s).
     ``parallel``: ``ddp`` (every worker holds the whole model) or ``fsdp`` (FSDP2 shards the
-    parameters, gradients and optimizer state by rows over the workers; docs/fsdp.md)."""
+    parameters, gradients and optimizer state by rows over the workers; docs/fsdp.md).
+    ``shard_units`` (``fsdp`` only): what FSDP2 wraps before the whole model, each gathered
+    around its own forward and backward: ``layers`` (each Linear and Conv2d), ``blocks`` (each
+    child module of the model with parameters) or ``model`` (nothing: one unit)."""
 
     workers: Annotated[int, Field(gt=0, le=MAX_WORKERS)] = 1
     gpus_per_worker: Annotated[float, Field(ge=0, le=MAX_GPUS_PER_WORKER)] = 0
@@ -312,6 +316,16 @@ class ScalingSpec(StrictModel):
     placement: Literal["pack", "spread", "strict-pack", "strict-spread"] = "pack"
     resource_timeout_s: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None
     parallel: Parallel = Parallel.DDP
+    shard_units: ShardUnits = ShardUnits.LAYERS
+
+    @model_validator(mode="after")
+    def _units_shard(self) -> ScalingSpec:
+        if self.shard_units is not ShardUnits.LAYERS and self.parallel is not Parallel.FSDP:
+            raise ValueError(
+                f"shard_units: {self.shard_units} says how FSDP2 shards the model, but parallel "
+                "is ddp: set parallel: fsdp, or leave shard_units out"
+            )
+        return self
 
     @property
     def placement_strategy(self) -> str:
