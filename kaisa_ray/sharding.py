@@ -97,24 +97,34 @@ def sharded_layers(modules: Iterable[tuple[str, nn.Module]], world_size: int) ->
     return True
 
 
-def shard_layers(model: nn.Module, units: ShardUnits | str = ShardUnits.LAYERS) -> None:
+def shard_layers(
+    model: nn.Module, units: ShardUnits | str = ShardUnits.LAYERS, *, bf16: bool = False
+) -> None:
     """FSDP2 as a K-FAC job applies it: ``fully_shard`` on each unit (``ShardUnits``: by
     default each ``nn.Linear`` and ``nn.Conv2d`` with parameters, a unit of its own: its
     gathers and frees around its own forward and backward), then on the whole model (the
-    rest of the parameters)."""
-    from torch.distributed.fsdp import fully_shard
+    rest of the parameters). With ``bf16``, FSDP2's mixed precision as its users run it
+    (``MixedPrecisionPolicy``): parameters gathered and computed in bfloat16, gradients
+    reduced in float32, the shards, the optimizer and the model's output in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = root = MixedPrecisionPolicy()
+    if bf16:  # the units' outputs stay bfloat16 between them; the model's is float32
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        root = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+        )
     units = ShardUnits(units)
     if units is ShardUnits.LAYERS:
         for module in model.modules():
             own = next(module.parameters(recurse=False), None)
             if isinstance(module, (nn.Linear, nn.Conv2d)) and own is not None:
-                fully_shard(module)
+                fully_shard(module, mp_policy=policy)
     elif units is ShardUnits.BLOCKS:
         for child in model.children():
             if next(child.parameters(), None) is not None:
-                fully_shard(child)
-    fully_shard(model)
+                fully_shard(child, mp_policy=policy)
+    fully_shard(model, mp_policy=root)
 
 
 def all_gather_rows(

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray.amp import MixedPrecision, optimizer_step
-from kaisa_ray.enums import Parallel
+from kaisa_ray.enums import Parallel, Precision
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.quadratic import QuadraticModelStep
 from kaisa_ray.sharding import shard_layers
@@ -81,7 +81,9 @@ class Training:
         net: nn.Module = model
         if distributed() and world > 1:
             if spec.scaling.parallel is Parallel.FSDP:
-                shard_layers(model, spec.scaling.shard_units)  # the model is its own wrapper
+                # the model is its own wrapper; bf16 as FSDP2 runs it (and autocast, as DDP's)
+                bf16 = spec.precision is Precision.BF16
+                shard_layers(model, spec.scaling.shard_units, bf16=bf16)
             else:
                 net = DistributedDataParallel(
                     model, device_ids=[device.index] if device.type == "cuda" else None

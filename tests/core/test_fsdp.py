@@ -7,6 +7,7 @@ K-FAC cannot take is refused naming the layers and the fix."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from support.fsdp_workers import (
     by_units,
     checkpoint_round_trip,
     hybrid_sharded,
+    job_in_bf16,
     partly_sharded,
     profiled,
     sharded_after_build,
@@ -191,3 +193,14 @@ def test_every_sharding_unit_trains_as_ddp_does() -> None:
         assert (said["layers_units"], said["blocks_units"], said["model_units"]) == (3, 3, 1)
         for units in ("layers", "blocks", "model"):
             assert said[f"{units}_difference"] <= 1e-6, (units, said)
+
+
+def test_a_sharded_job_in_bf16_runs_fsdp2_s_mixed_precision() -> None:
+    """``precision: bf16`` in a sharded job: FSDP2's ``MixedPrecisionPolicy`` as its users run
+    it (the layers compute with bfloat16 parameters, the shards and their gradients stay
+    float32), K-FAC's factors float32, MEM-OPT's rows exchanged, and the loss finite."""
+    for said in run_distributed(job_in_bf16, 2):
+        assert said["computed"] == ["torch.bfloat16"], said
+        assert said["shard"] == said["grad"] == said["factor"] == "torch.float32", said
+        assert said["rows_mode"] == "RowExchange"
+        assert all(math.isfinite(loss) for loss in said["losses"])  # type: ignore[attr-defined]

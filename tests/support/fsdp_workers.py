@@ -278,3 +278,44 @@ def by_units(rank: int, world_size: int) -> dict[str, object]:
             for a, b in zip(ended, expected, strict=True)
         )
     return said
+
+
+def job_in_bf16(rank: int, world_size: int) -> dict[str, object]:
+    """A sharded job's worker (``Training.build``, ``scaling.parallel: fsdp``) with
+    ``precision: bf16`` and MEM-OPT: three of its training steps (``worker._train_step``).
+    What dtype the layers computed in, the dtypes of the shards, their gradients and K-FAC's
+    factors, and the losses."""
+    from kaisa_ray.train.spec import parse_job_spec
+    from kaisa_ray.train.training import Training
+    from kaisa_ray.train.worker import Window, _train_step
+
+    spec = parse_job_spec(
+        {
+            "name": "bf16",
+            "model": {"name": "lenet"},
+            "dataset": {"name": "fashion-mnist", "batch_size": 16, "limit": 256},
+            "optimizer": {"name": "adamw", "lr": 0.001},
+            "kfac": {"strategy": "mem-opt", "factor_update_steps": 1, "inv_update_steps": 2},
+            "scaling": {"workers": 2, "parallel": "fsdp"},
+            "precision": "bf16",
+            "stop": {"max_steps": 3},
+        }
+    )
+    training = Training.build(spec, rank=rank, world=world_size, device=torch.device("cpu"))
+    seen: set[str] = set()
+    layer = training.model.fc1  # type: ignore[union-attr]
+    layer.register_forward_hook(lambda m, i, o: seen.add(str(o.dtype)))  # what it computed in
+    window = Window()
+    losses = []
+    for step in range(1, 4):  # a job's steps count from 1
+        _train_step(training, nn.CrossEntropyLoss(), step, window)
+        losses.append(window.loss)
+    assert training.preconditioner is not None
+    return {
+        "computed": sorted(seen),
+        "shard": str(layer.weight.dtype),
+        "grad": str(layer.weight.grad.dtype),
+        "factor": str(training.preconditioner.layers[2].a_factor.dtype),  # type: ignore[union-attr]
+        "rows_mode": type(training.preconditioner._sharding[1]).__name__,  # type: ignore[index]
+        "losses": losses,
+    }
