@@ -394,21 +394,28 @@ def _rows_each(layer: PlannedLayer, world_size: int) -> int:
 def _gradient_row(
     layers: Sequence[PlannedLayer], assignment: Assignment, options: Options
 ) -> list[Bucket]:
-    """The first row's gradient broadcasts: each layer's from the row's worker of its column
-    (the row's rank in that column: the column's index, in the first row). FSDP2's
-    ``rows_mode``: scatters of each rank's rows of the preconditioned gradient instead."""
+    """The first row's gradient broadcasts: each layer's from the row's worker of its column.
+    FSDP2's ``rows_mode``: scatters of each rank's rows of the preconditioned gradient
+    instead."""
     if not assignment.broadcasts_gradients:
         return []
     rows = rows_mode(assignment, options)
+    return _first_row(layers, assignment, options, "scatter" if rows else "broadcast")
+
+
+def _first_row(
+    layers: Sequence[PlannedLayer], assignment: Assignment, options: Options, op: str
+) -> list[Bucket]:
+    """The first row's calls of ``op``, each layer's from (or to) the row's worker of its
+    column (the row's rank in that column: the column's index, in the first row): its whole
+    gradient (``broadcast``) or each rank's rows of it (FSDP2's ``gather`` and ``scatter``)."""
     world = assignment.world_size
     items = [
         (
             (0, assignment.column_of(layer.name), layer.grad_dtype),
-            Piece(layer=layer.name, part="grad_rows", numel=_rows_each(layer, world))
-            if rows
-            else Piece(
-                layer=layer.name, part="grad", numel=layer.groups * layer.g_dim * layer.a_dim
-            ),
+            Piece(layer=layer.name, part="grad", numel=layer.groups * layer.g_dim * layer.a_dim)
+            if op == "broadcast"
+            else Piece(layer=layer.name, part="grad_rows", numel=_rows_each(layer, world)),
         )
         for layer in layers
     ]
@@ -416,7 +423,7 @@ def _gradient_row(
         items,
         groups={0: assignment.receiver_group_of(0)},
         purpose=Purpose.GRADIENTS,
-        op="scatter" if rows else "broadcast",
+        op=op,
         cap_bytes=options.bucket_cap_bytes,
     )
 
@@ -455,21 +462,7 @@ def _gather_row(
     row's worker of the layer's column (one call per column and dtype, up to the cap)."""
     if not rows_mode(assignment, options):
         return []
-    world = assignment.world_size
-    items = [
-        (
-            (0, assignment.column_of(layer.name), layer.grad_dtype),
-            Piece(layer=layer.name, part="grad_rows", numel=_rows_each(layer, world)),
-        )
-        for layer in layers
-    ]
-    return _fill(
-        items,
-        groups={0: assignment.receiver_group_of(0)},
-        purpose=Purpose.GRADIENTS,
-        op="gather",
-        cap_bytes=options.bucket_cap_bytes,
-    )
+    return _first_row(layers, assignment, options, "gather")
 
 
 def _gather_columns(

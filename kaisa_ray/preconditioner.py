@@ -718,7 +718,7 @@ class KFACPreconditioner:
         some rows of each layer) and whether every one of ``factors`` is finite."""
         if self._rows is not None:
             factors_finite = all(finite_flags(factors))
-            return self._rows.grads_finite(lambda grads: all(finite_flags(grads))), factors_finite
+            return self._rows.grads_finite(), factors_finite
         grads = param_grads(active)
         flags = finite_flags(grads + factors)
         return all(flags[: len(grads)]), all(flags[len(grads) :])

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kaisa_ray.apply import finite_flags
 from kaisa_ray.comm import torch_dtype
 from kaisa_ray.enums import ShardUnits
 from kaisa_ray.errors import ConfigurationError
@@ -343,8 +344,8 @@ class RowExchange:
             assert bucket.src is not None
             gather_rows(mine, parts, bucket.src, self.group(bucket.group))
             del mine
-            if received is not None:
-                self._take(bucket, received, shares)
+            if received is not None:  # kept for the column's all-gather (HYBRID-OPT)
+                self._take(bucket, received, shares if self.column_gathers else None)
             del received, parts
         for bucket in self.column_gathers:
             mine = torch.cat([shares.pop(p.layer).reshape(-1) for p in bucket.pieces])
@@ -358,23 +359,23 @@ class RowExchange:
         self, bucket: Bucket, received: torch.Tensor, shares: dict[str, torch.Tensor] | None
     ) -> None:
         """The pieces of a gathered bucket ``(members, numel)``: every rank's rows (lent as
-        whole gradients), or, where a column's all-gather is still to come, a row's (kept in
-        ``shares``, a copy)."""
+        whole gradients), or, given ``shares``, a row's (kept there for the column's
+        all-gather, a copy)."""
         offset = 0
         for piece in bucket.pieces:
             rows = self.layers[piece.layer]
             part = received[:, offset : offset + piece.numel]
-            if shares is not None and self.column_gathers:
+            if shares is not None:
                 shares[piece.layer] = part.contiguous()
             else:
                 rows.lend_whole(part.reshape(self.world_size, rows.each, rows.width))
             offset += piece.numel
 
-    def grads_finite(self, local: Callable[[list[torch.Tensor]], bool]) -> bool:
-        """Whether every rank's gradient rows are finite (``local`` says of this rank's)."""
+    def grads_finite(self) -> bool:
+        """Whether every rank's gradient rows are finite."""
         grads = [t for rows in self.layers.values() for t in rows.local() if t is not None]
-        flag = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
-        if not local(grads):
+        flag = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if not all(finite_flags(grads)):
             flag += 1
         for bucket in self.finites:
             dist.all_reduce(flag, group=self.group(bucket.group))
