@@ -22,7 +22,7 @@ from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.records import AdaptiveChoice, CandidateRow, KFACChoice, TunerRecord
 from kaisa_ray.train.shard import AnyShard, distributed
 from kaisa_ray.train.spec import JobSpec, KFACSpec
-from kaisa_ray.train.streaming import StreamShard
+from kaisa_ray.train.stream_shard import StreamShard
 from tuner.actor import profile_key, tuner_actor
 from tuner.cost import DEFAULT_INTERVALS, Candidate, Decision, Profile
 from tuner.profile import profile_job

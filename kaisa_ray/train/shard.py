@@ -23,7 +23,8 @@ from kaisa_ray.amp import MixedPrecision
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.registry import DatasetRequest, dataset_entry
 from kaisa_ray.train.spec import DatasetSpec
-from kaisa_ray.train.streaming import StreamCounts, StreamShard
+from kaisa_ray.train.stream_shard import StreamShard
+from kaisa_ray.train.streaming import StreamCounts
 
 if TYPE_CHECKING:
     from ray.data import DataIterator

@@ -7,7 +7,9 @@ the rows, and builds one Ray Data pipeline per split, read with the files in a n
 order each epoch and preprocessed by ``map_batches`` tasks into ``{"x": float32, "y": int64}``
 batches (a language model's: ``{"window": (n, context + 1)}``, input and target in one).
 Ray Train splits both pipelines over the workers (``streaming_split``, every worker as many
-rows); a worker reads its share through ``StreamShard``, which keeps the in-memory
+rows); a worker reads its share through ``StreamShard`` (``stream_shard.py``, so that Ray
+Data's tasks and actors, which import this module for the pipelines' functions, need no
+torch), which keeps the in-memory
 ``Shard``'s contract: step ``s`` is batch ``(s-1) % steps_per_epoch`` of epoch
 ``(s-1) // steps_per_epoch``, and within an epoch the rows come through a shuffle window of
 ``dataset.shuffle_buffer`` rows.
@@ -23,14 +25,14 @@ split are left out of an epoch so that every worker reads as many (Ray Train's e
 from __future__ import annotations
 
 import io
+import math
 import os
-import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.ray_logs import quiet_here
@@ -43,7 +45,7 @@ from kaisa_ray.train.stream_sources import (
 )
 
 if TYPE_CHECKING:
-    from ray.data import DataIterator, Dataset
+    from ray.data import Dataset
 
     from kaisa_ray.train.spec import DatasetSpec
 
@@ -53,7 +55,6 @@ __all__ = [
     "VALIDATION",
     "SkipLedger",
     "StreamCounts",
-    "StreamShard",
     "open_stream",
     "spare_cpus_message",
 ]
@@ -443,14 +444,37 @@ class _TokenWindows:
         return {"window": np.concatenate(windows)}
 
 
+FOOTER_ACTORS = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
+FOOTER_BATCH = 10  # the files a footer reader reads in one call (Ray Data's default)
+
+
+@contextmanager
+def footer_readers(files: int) -> Iterator[None]:
+    """Ray Data (2.60) reads Parquet footers on a pool of 32 new actor processes for every
+    listing of a ``read_parquet``: its row count, and every execution (each epoch). More
+    readers than batches of files is only process start-ups (seconds of CPU each, where a
+    small cluster's cores are the training's too), so the read made inside this block asks
+    for one a batch of ``files``, up to Ray's 32 (the reader takes the number when it is
+    made). A number the user set in the environment is kept."""
+    if FOOTER_ACTORS in os.environ:
+        yield
+        return
+    os.environ[FOOTER_ACTORS] = str(max(1, min(32, math.ceil(files / FOOTER_BATCH))))
+    try:
+        yield
+    finally:
+        del os.environ[FOOTER_ACTORS]
+
+
 def _parquet_pipeline(
-    dataset: DatasetSpec, paths: str | list[str], first: str, shuffle: bool, ledger: Any
+    dataset: DatasetSpec, paths: str | list[str], files: list[str], shuffle: bool, ledger: Any
 ) -> tuple[Dataset, int]:
-    """A Parquet split's pipeline and its rows (windows, for a token column); ``first``: its
-    first file, whose schema (and first row's tokens) are checked here."""
+    """A Parquet split's pipeline and its rows (windows, for a token column); ``files``: its
+    files, the first of which has its schema (and first row's tokens) checked here."""
     import pyarrow.parquet as pq
     import ray.data
 
+    first = files[0]
     split = TRAIN if shuffle else VALIDATION
     columns = dataset.columns
     wanted = [columns.tokens] if columns.tokens is not None else [columns.input, columns.label]
@@ -479,9 +503,10 @@ def _parquet_pipeline(
             f"dataset.{split}: {first} has no column {missing[0]!r} (it has "
             f"{', '.join(sorted(names))}). {hint}"
         )
-    ds = ray.data.read_parquet(
-        paths, columns=wanted, include_paths=True, shuffle="files" if shuffle else None
-    )
+    with footer_readers(len(files)):
+        ds = ray.data.read_parquet(
+            paths, columns=wanted, include_paths=True, shuffle="files" if shuffle else None
+        )
     rows = ds.count()
     if columns.tokens is not None:
         length = 0 if first_row is None else len(first_row.column(0)[0])
@@ -530,15 +555,13 @@ def _parquet_source(dataset: DatasetSpec, ledger: Any) -> tuple[dict[str, Datase
     train = _parquet_files(dataset.train, TRAIN)
     if dataset.validation_every is not None:
         kept, held = _held_out(train, dataset.validation_every, dataset.train)
-        train_ds, train_rows = _parquet_pipeline(dataset, kept, kept[0], True, ledger)
-        val_ds, val_rows = _parquet_pipeline(dataset, held, held[0], False, ledger)
+        train_ds, train_rows = _parquet_pipeline(dataset, kept, kept, True, ledger)
+        val_ds, val_rows = _parquet_pipeline(dataset, held, held, False, ledger)
     else:
         assert dataset.validation is not None
         validation = _parquet_files(dataset.validation, VALIDATION)
-        train_ds, train_rows = _parquet_pipeline(dataset, dataset.train, train[0], True, ledger)
-        val_ds, val_rows = _parquet_pipeline(
-            dataset, dataset.validation, validation[0], False, ledger
-        )
+        train_ds, train_rows = _parquet_pipeline(dataset, dataset.train, train, True, ledger)
+        val_ds, val_rows = _parquet_pipeline(dataset, dataset.validation, validation, False, ledger)
     return {TRAIN: train_ds, VALIDATION: val_ds}, StreamCounts(train_rows, val_rows)
 
 
@@ -732,136 +755,3 @@ def spare_cpus_message(cluster_cpus: float, workers: int, cpus_per_worker: float
         f"{cpus_per_worker:g} CPUs. Lower scaling.cpus_per_worker (e.g. to "
         f"{max((cluster_cpus - 1) / workers, 0.1):.2g}), use fewer workers, or add CPUs"
     )
-
-
-# -- a worker's share ------------------------------------------------------------------------
-
-
-@dataclass
-class StreamShard:
-    """One worker's share of a streamed dataset, with ``Shard``'s step-to-batch contract."""
-
-    train: DataIterator
-    validation: DataIterator
-    batch_size: int
-    steps_per_epoch: int
-    seed: int
-    rank: int
-    world: int
-    shuffle_buffer: int
-    ledger: Any = None  # bad_records: skip's count; an epoch that comes up short is refilled
-    waited_s: float = 0.0  # in ``batch``: seconds this worker waited for its data
-    _next: tuple[int, int] | None = None  # (epoch, batch) the open iteration reads next
-    _batches: Iterator[dict[str, torch.Tensor]] | None = field(default=None, repr=False)
-
-    @classmethod
-    def open(
-        cls,
-        train: DataIterator,
-        validation: DataIterator,
-        counts: StreamCounts,
-        *,
-        batch_size: int,
-        seed: int,
-        rank: int,
-        world: int,
-        shuffle_buffer: int,
-    ) -> StreamShard:
-        steps_per_epoch = (counts.train_rows // world) // batch_size
-        if steps_per_epoch == 0:
-            raise ConfigurationError(
-                f"dataset.batch_size={batch_size} is larger than each worker's share of the "
-                f"training set ({counts.train_rows // world} rows over {world} workers); lower "
-                "batch_size or add data"
-            )
-        return cls(
-            train=train,
-            validation=validation,
-            batch_size=batch_size,
-            steps_per_epoch=steps_per_epoch,
-            seed=seed,
-            rank=rank,
-            world=world,
-            shuffle_buffer=shuffle_buffer,
-            ledger=counts.ledger,
-        )
-
-    def window_bytes(self, row_bytes: int) -> int:
-        """What this worker's stream holds, estimated: its shuffle window and a batch being
-        read beside the one it hands out (Ray Data's prefetch), at ``row_bytes`` a row."""
-        return (self.shuffle_buffer + 2 * self.batch_size) * row_bytes
-
-    def skipped(self) -> int | None:
-        """Records the job's pipelines skipped so far (``bad_records: skip``), or None."""
-        if self.ledger is None:
-            return None
-        import ray
-
-        count, _ = ray.get(self.ledger.total.remote())
-        return int(count)
-
-    def position(self, step: int) -> tuple[int, int]:
-        """(epoch, batch within the epoch) that step ``step`` (1-based) reads."""
-        return divmod(step - 1, self.steps_per_epoch)
-
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        epoch, index = self.position(step)
-        started = time.perf_counter()
-        if self._batches is None or self._next != (epoch, index):
-            # A new epoch, or a jump (a resume, the tuner's profile before training): a new
-            # iteration of the split (every worker starts one at the same step).
-            self._batches = self._iteration(epoch)
-        try:
-            batch = next(self._batches)
-        except StopIteration:
-            if self.ledger is None:
-                raise ConfigurationError(
-                    f"the training split ran out at batch {index} of epoch {epoch} on worker "
-                    f"{self.rank}, before the {self.steps_per_epoch} batches its rows counted "
-                    "for: the files changed while the job ran, or rows were unreadable "
-                    "(dataset.bad_records: skip leaves those out)"
-                ) from None
-            # Rows skipped as unreadable left the epoch short (every worker as short: the
-            # split is equal): its last batches come from its start, read again.
-            self._batches = self._iteration(epoch)
-            refill = next(self._batches, None)
-            if refill is None:
-                raise ConfigurationError(
-                    f"every record of the training split was skipped as unreadable (worker "
-                    f"{self.rank}, epoch {epoch}): see the job's skipped records' reasons"
-                ) from None
-            batch = refill
-        self.waited_s += time.perf_counter() - started
-        following = index + 1
-        if following == self.steps_per_epoch:  # the epoch's rest (under a batch) is left
-            self._batches, self._next = None, None
-        else:
-            self._next = (epoch, following)
-        return _pair(batch)
-
-    def _iteration(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
-        return iter(
-            self.train.iter_torch_batches(
-                batch_size=self.batch_size,
-                drop_last=True,
-                device="cpu",
-                local_shuffle_buffer_size=self.shuffle_buffer or None,
-                local_shuffle_seed=(self.seed * 1_000_003 + epoch) * self.world + self.rank
-                if self.shuffle_buffer
-                else None,
-            )
-        )
-
-    def validation_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This worker's share of the validation split, in batches (every worker as many)."""
-        for batch in self.validation.iter_torch_batches(batch_size=batch_size, device="cpu"):
-            yield _pair(batch)
-
-
-def _pair(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input, target) of a pipeline's batch: a classifier's ``x`` and ``y``, or a language
-    model's windows as (their first ``context`` tokens, the same shifted by one), int64."""
-    if "window" in batch:
-        window = batch["window"].long()
-        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
-    return batch["x"], batch["y"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,10 +32,10 @@ from kaisa_ray.train.job import run_job
 from kaisa_ray.train.records import TrialState
 from kaisa_ray.train.spec import DatasetSpec, parse_job_spec
 from kaisa_ray.train.state import load_checkpoint_file
+from kaisa_ray.train.stream_shard import StreamShard
 from kaisa_ray.train.streaming import (
     TEXT_RUN,
     StreamCounts,
-    StreamShard,
     _held_windows,
     _windows,
     open_stream,
@@ -202,6 +204,23 @@ def test_a_service_reads_streamed_data_only_under_its_roots(tmp_path: Path) -> N
     assert DatasetSpec(name="parquet", train="s3://b/t", validation="gs://b/v").streamed
 
 
+def test_the_pipelines_functions_load_without_torch() -> None:
+    """Ray Data's tasks and actors (its readers, the split coordinator, the skipped-records
+    ledger) import this module to run the pipelines' functions: without torch, whose import
+    is seconds of CPU and hundreds of MB a process."""
+    code = (
+        "import sys\n"
+        "import kaisa_ray.train.streaming as streaming\n"
+        "streaming.SkipLedger, streaming._TableBatches, streaming._TokenWindows\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "False"
+
+
 def test_a_streamed_job_leaves_ray_data_a_cpu() -> None:
     assert spare_cpus_message(4, 2, 1) is None
     refused = spare_cpus_message(2, 2, 1)
@@ -285,12 +304,30 @@ def test_parquet_rows_become_images_from_bytes_or_numbers(
         image={"size": [8, 6], "mean": [0.0], "std": [1.0]},
         limit=10,
     )
+    readers = footer_readers(ray_head)
     pipelines, counts = open_stream(spec)
     assert counts == StreamCounts(10, 10)
     x, y = every_row(pipelines["validation"])  # in file order (the training split: shuffled)
     assert x.shape == (10, 1, 8, 6)
     np.testing.assert_allclose(x[:, 0, 3, 2] * 255, np.arange(10), atol=1e-4)
     assert y.tolist() == [v % 3 for v in range(10)]
+    # Each listing of these two files (a split's schema, its count, an execution) took one
+    # footer reader, where Ray Data makes 32 new actor processes a listing by default.
+    made = footer_readers(ray_head) - readers
+    assert 0 < len(made) <= 8, len(made)
+
+
+def footer_readers(head: RayHead) -> set[str]:
+    """The ids of every Parquet footer reader the head has had, alive or ended."""
+    from ray.util.state import list_actors
+
+    found = list_actors(
+        address=head.dashboard_url,
+        filters=[("class_name", "=", "FooterReader")],
+        limit=10_000,
+        timeout=30,
+    )
+    return {actor.actor_id for actor in found}
 
 
 @pytest.mark.ray
