@@ -1,7 +1,9 @@
 """Multi-node: a head and two worker nodes on this machine (``ray.cluster_utils.Cluster``, in
 the child ``multinode_cluster.py``), a 2-worker K-FAC job placed one worker per node,
-checkpoints on shared storage, and the loss of a node mid-run: the job resumes from its
-checkpoint when a node comes back, and fails naming its latest checkpoint when none does."""
+checkpoints on shared storage, and the loss of a node mid-run, twice: the job resumes from its
+checkpoint when a node comes back, and, the second time, fails naming its latest checkpoint
+when none does. (That a resumed job runs to its end, bit for bit as one that was not
+interrupted: ``test_ray_train.py``.)"""
 
 from __future__ import annotations
 
@@ -50,13 +52,12 @@ def kinds(run: dict[str, Any], kind: str) -> list[dict[str, Any]]:
 
 
 def test_workers_spread_one_per_node_and_resume_on_a_new_node(cluster_run: dict[str, Any]) -> None:
-    run = cluster_run["returns"]
-    assert run["succeeded"], run["error"]
+    run = cluster_run["run"]
     workers = kinds(run, "worker")
-    first, second = workers[:2], workers[2:]
+    first, second = workers[:2], workers[2:4]
     # strict-spread: one worker on each worker node, none on the head (it has no CPUs).
     assert sorted(w["node"] for w in first) == cluster_run["first_nodes"]
-    removed = run["removed"]
+    removed = run["removed"][0]
     assert removed["node"] in {w["node"] for w in first if w["rank"] == 1}
     # The worker group came back after the loss, one worker per node again, one on the new node.
     assert len(second) == 2
@@ -73,29 +74,30 @@ def test_workers_spread_one_per_node_and_resume_on_a_new_node(cluster_run: dict[
     assert before[-1] >= removed["after_checkpoint"] >= 20
     assert [s["from_step"] for s in starts] == [0, before[-1]]
     assert "resumed_from" in starts[1]
-    assert kinds(run, "end")[-1]["step"] == 60
-    assert run["metrics"]["step"] == 60
+    # ... and trained on: the second loss came after a checkpoint of the resumed workers.
+    assert run["removed"][1]["after_checkpoint"] >= 40
+    assert run["removed"][1]["node"] in {w["node"] for w in second if w["rank"] == 1}
 
 
 def test_checkpoints_are_on_the_shared_storage(cluster_run: dict[str, Any]) -> None:
-    run = cluster_run["returns"]
+    run = cluster_run["run"]
     storage = Path(cluster_run["shared"]) / run["run"]
-    assert Path(run["checkpoint"]).parent == storage
     states = sorted(storage.glob("checkpoint_*/state.pt"))
-    assert len(states) >= 4  # steps 10, 20 before the loss, then 30...60 after it
-    final = load_checkpoint_file(Path(run["checkpoint"]))
-    assert final["step"] == 60
-    assert final["world_size"] == 2
-    assert all(torch.isfinite(p).all() for p in final["model"].values())
+    assert len(states) >= 4  # steps 10, 20 before the first loss, then 30, 40 after it
+    for path in states:
+        state = load_checkpoint_file(path.parent)
+        assert state["world_size"] == 2
+        assert state["step"] % 10 == 0
+        assert all(torch.isfinite(p).all() for p in state["model"].values())
 
 
 def test_a_node_that_never_comes_back_fails_the_job_naming_the_checkpoint(
     cluster_run: dict[str, Any],
 ) -> None:
-    run = cluster_run["lost"]
+    run = cluster_run["run"]
     assert not run["succeeded"]
     error = run["error"]
-    assert "did not get their resources within scaling.resource_timeout_s=5 s" in error
+    assert "did not get their resources within scaling.resource_timeout_s=45 s" in error
     assert "placement strict-spread" in error
     assert "a node left and none came back" in error
     checkpoint = error.split("kaisa-ray train --resume-from ")[1].rstrip("`.")
@@ -104,6 +106,6 @@ def test_a_node_that_never_comes_back_fails_the_job_naming_the_checkpoint(
     # newer still that rank 0 had written when the node left, which the controller never
     # took in (a whole checkpoint all the same: it resumes).
     held = kinds(run, "checkpoint")[-1]["step"]
-    assert state["step"] >= held >= run["removed"]["after_checkpoint"]
+    assert state["step"] >= held >= run["removed"][1]["after_checkpoint"]
     assert state["step"] % 10 == 0  # a checkpoint of the job's every_steps
-    assert [s["from_step"] for s in kinds(run, "start")] == [0]  # it never trained again
+    assert len(kinds(run, "start")) == 2  # it never trained after the second loss
