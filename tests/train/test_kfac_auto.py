@@ -136,7 +136,8 @@ def test_kfac_auto_with_a_budget_below_the_model_fails_saying_so(
     """The job fails before training, saying by how much the budget is short. (The CLI's
     ``kaisa-ray tune`` raises the same ``ConfigurationError`` as a usage error: exit code 1
     with the message, as for the fixed job above.)"""
-    spec = job(kfac="auto", memory_budget="100KiB", stop={"max_steps": 5})
+    # One worker: what fails is the profile's base memory, whatever the fraction.
+    spec = job(kfac="auto", memory_budget="100KiB", stop={"max_steps": 5}, scaling={"workers": 1})
     handler = signal.getsignal(signal.SIGINT)
     result = run_job(parse_job_spec(spec), storage_path=tmp_path, progress=False)
     assert not result.succeeded

@@ -1,22 +1,19 @@
 """The peers a user would try instead of K-FAC (SOAP, Muon with AdamW, PSGD Kron, from
 heavyball) as a job's ``optimizer.name``: refused with K-FAC and without heavyball, each one
-trains LeNet on Fashion-MNIST with the job's lr schedule reaching it, and a 2-worker job
-with SOAP on a real Ray head."""
+trains LeNet on Fashion-MNIST with the job's lr schedule reaching it. (A 2-worker SOAP job on
+a real Ray head, submitted with ``ray job submit``: ``test_ray_train.py``.)"""
 
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 from typing import Any
 
 import heavyball
 import pytest
 import torch
-from support.ray_head import RayHead
 from torch import nn
 
 from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset
-from kaisa_ray.train.job import run_job
 from kaisa_ray.train.models import LeNetCNN
 from kaisa_ray.train.optimizers import build_optimizer
 from kaisa_ray.train.spec import PEER_OPTIMIZERS, OptimizerSpec, parse_job_spec
@@ -94,13 +91,3 @@ def test_each_peer_trains_lenet_and_follows_the_job_s_lr(name: str) -> None:
         group["lr"] = 0.0
     step(0)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-
-
-@pytest.mark.slow
-@pytest.mark.ray
-@needs_data
-def test_a_two_worker_soap_job_on_ray(ray_head: RayHead, tmp_path: Path) -> None:
-    result = run_job(parse_job_spec(job()), storage_path=tmp_path, progress=False)
-    assert result.succeeded, result.error
-    assert result.metrics["step"] == 30
-    assert result.metrics["test_accuracy"] > 0.5

@@ -1,6 +1,6 @@
 """End to end on a real Ray head: 2-worker K-FAC jobs on Fashion-MNIST, a killed worker
-resumed bit for bit, `ray job submit` of a job that stops at its target (``kfac: auto``:
-``test_kfac_auto.py``)."""
+resumed bit for bit, `ray job submit` of a 2-worker SOAP job that stops at its target
+(``kfac: auto``: ``test_kfac_auto.py``)."""
 
 from __future__ import annotations
 
@@ -253,9 +253,12 @@ def test_ray_job_submit_runs_the_train_command_which_stops_at_its_target(
     ray_head: RayHead, tmp_path: Path
 ) -> None:
     """``kaisa-ray train`` as a Ray Job's entrypoint; the job stops as soon as its target
-    accuracy is met (evaluations every 5 steps, far below its 5 epochs)."""
+    accuracy is met (evaluations every 5 steps, far below its 5 epochs). Its optimizer is a
+    peer's, SOAP (heavyball), on 2 workers: DDP averages the gradients, each worker runs
+    SOAP's own step on them."""
     spec = job(
         name="submitted",
+        optimizer={"name": "soap", "lr": 3e-3},
         kfac="off",
         stop={"max_epochs": 5, "target": {"metric": "test_accuracy", "value": 0.5}},
         eval_every=5,
