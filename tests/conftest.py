@@ -1,7 +1,9 @@
 """Shared pytest configuration: ``gpu`` tests skip where CUDA is absent; the tiers (``ray``:
 a Ray cluster, Ray Train workers or a real service; ``slow``: real data or many processes;
-``make test-fast`` runs neither); the longest modules first, so that ``make test``'s two
-workers (pytest-xdist, a module to a worker) end together; and one real Ray head per worker.
+``make test-fast`` runs neither); the order of the modules (those on the shared Ray head
+first, then the other long ones, so that ``make test``'s two workers, pytest-xdist with a
+module to a worker, end together); and one real Ray head per worker, up only while the tests
+that use it run.
 """
 
 from __future__ import annotations
@@ -27,41 +29,54 @@ MANY_PROCESSES = {
     "test_tuner_measured.py",
     "test_tuner_profile.py",
 }
-# The longest modules (minutes of Ray and services), run first: with a module to a worker,
-# the last module to start decides when the run ends. (Tried 2026-11-29: test_streaming.py and
-# test_fsdp.py moved up among these, by their seconds, made the run 3182 s, its tests 6273 s of
-# worker time, against 2679 s and 4949 s in a run of 2026-11-28 with them where file order
-# puts them: two Ray-heavy modules at once cost more than their sum. One run each.)
-LONGEST_FIRST = [  # by their seconds in a full run (2026-11-27), longest first
+# The longest modules (minutes of Ray and services), run first within their group (those on
+# the worker's head, then the others): with a module to a worker, the last module to start
+# decides when the run ends.
+LONGEST_FIRST = [  # by their seconds in a full run (2026-12-01), longest first
     "test_shared_machine.py",
     "test_ray_train.py",
-    "test_service_e2e.py",
-    "test_kfac_auto.py",
     "test_service_ops.py",
-    "test_multinode.py",
-    "test_service_quickstart.py",
-    "test_distributed.py",
+    "test_streaming.py",
+    "test_kfac_auto.py",
+    "test_service_e2e.py",
     "test_dashboard_e2e.py",
-    "test_sweep.py",
-    "test_service_plan_burst.py",
+    "test_multinode.py",
+    "test_fsdp.py",
+    "test_service_quickstart.py",
     "test_peers.py",
+    "test_sweep.py",
+    "test_distributed.py",
+    "test_batching.py",
+    "test_service_plan_burst.py",
 ]
+ON_HEAD = pytest.StashKey[set[object]]()  # the modules (paths) with a test on the head
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if "ray_head" in getattr(item, "fixturenames", ()):
+        if uses_head(item):
             item.add_marker(pytest.mark.ray)
         if item.path.name in MANY_PROCESSES:
             item.add_marker(pytest.mark.slow)
+    # The modules on the shared head first: each worker's head then stops once its last such
+    # module ends (``pytest_runtest_teardown``), instead of idling through the rest of the
+    # run (an idle head costs about 5 CPU-s a minute: benchmarks/README.md).
+    on_head = config.stash[ON_HEAD] = {item.path for item in items if uses_head(item)}
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
+    items.sort(  # stable: file order kept within each rank
+        key=lambda item: (item.path not in on_head, rank.get(item.path.name, len(rank)))
+    )
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (gpu marker); none on this machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def uses_head(item: pytest.Item) -> bool:
+    """Whether ``item`` uses the worker's Ray head (``ray_head``, itself or by a fixture)."""
+    return "ray_head" in getattr(item, "fixturenames", ())
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -75,23 +90,45 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.pop("RAY_ADDRESS", None)
 
 
-@pytest.fixture(scope="session")
-def ray_head(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RayHead]:
-    """One real Ray head (job server, token auth) for the run; this process is connected."""
+@pytest.fixture(scope="module")
+def ray_head(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> RayHead:
+    """The worker's real Ray head (job server, token auth), started by the first module that
+    asks and kept for the next ones; this process is connected to it."""
+    head = request.config.stash.get(HEAD, None)
+    if head is not None:
+        return head
     import ray
     from support.ray_head import start_head
 
     head = start_head(tmp_path_factory.mktemp("ray"), token=os.environ["RAY_AUTH_TOKEN"])
     request.config.stash[HEAD] = head
+    ray.init(address=head.gcs_address, include_dashboard=False, log_to_driver=False)
+    return head
+
+
+def _stop_head(config: pytest.Config) -> None:
+    head = config.stash.get(HEAD, None)
+    if head is None:
+        return
+    import ray
+
+    del config.stash[HEAD]
     try:
-        ray.init(address=head.gcs_address, include_dashboard=False, log_to_driver=False)
-        yield head
-    finally:
         ray.shutdown()
+    finally:
         head.stop()
-        del request.config.stash[HEAD]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Once the worker's next module has no test on the head (xdist's worker knows its next
+    test before it runs this one), the head stops, after this module's fixtures have ended;
+    a later module that asks for it starts it again."""
+    try:
+        yield
+    finally:
+        if nextitem is None or nextitem.path not in item.config.stash.get(ON_HEAD, set()):
+            _stop_head(item.config)
 
 
 @pytest.fixture(autouse=True, scope="module")
