@@ -142,14 +142,13 @@ def test_killed_worker_of_a_sharded_job_resumes_from_its_checkpoint(
     assert evaluate(model, test_x, test_y) == pytest.approx(result.metrics["test_accuracy"])
 
 
-def test_two_worker_kfac_job_end_to_end_resumes_bit_for_bit(
-    ray_head: RayHead, tmp_path: Path
-) -> None:
+def test_two_worker_quadratic_model_job_end_to_end(ray_head: RayHead, tmp_path: Path) -> None:
     """A 2-worker K-FAC job with ``kfac.update: quadratic-model``: the records (both workers,
     every 10th step, the evaluations, followed by the driver), a checkpoint that reproduces
     the reported accuracy and restores K-FAC; K-FAC takes each step itself (its α in the step
-    records), the loss falls, and a resume from the step-20 checkpoint (λ and δ₀ in it) ends
-    where the uninterrupted run did. (A job of the default update: the killed worker's.)"""
+    records), the loss falls, and the step-20 checkpoint holds λ and δ₀. (A resume from it,
+    bit for bit, through the worker's loop: ``test_train_loop.py``; a Ray Train job resumed,
+    bit for bit, the killed worker's above.)"""
     kfac = {"factor_update_steps": 1, "inv_update_steps": 5, "update": "quadratic-model"}
     spec = parse_job_spec(job(kfac={**kfac, "factor_samples": 16}))
     result = run_job(spec, storage_path=tmp_path / "a", run_name="qm", progress=False)
@@ -192,12 +191,6 @@ def test_two_worker_kfac_job_end_to_end_resumes_bit_for_bit(
     (record_20,) = [r for r in steps if r["step"] == 20]
     assert record_20["damping"] == state["damping"]
     assert all(isinstance(r["momentum"], float) for r in steps), steps
-
-    again = run_job(spec, storage_path=tmp_path / "b", resume_from=at_20["path"], progress=False)
-    assert again.succeeded, again.error
-    ours, theirs = _final_model(result), _final_model(again)
-    for name in ours:
-        assert torch.equal(ours[name], theirs[name]), name
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""The train loop's parts that need no Ray workers: schedules, sampler positions, the sink store."""
+"""The train loop's parts that need no Ray workers: schedules, sampler positions, the sink store,
+and a quadratic-model job's resume through the worker's loop in this process."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ from typing import Any
 
 import pytest
 import torch
+from support.capturing_session import CapturingSession
 
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.train.job import run_job
 from kaisa_ray.train.optimizers import build_optimizer, lr_factor
 from kaisa_ray.train.progress import ProgressStore
+from kaisa_ray.train.records import StepRecord
 from kaisa_ray.train.session import LocalSession
 from kaisa_ray.train.shard import load_shard
 from kaisa_ray.train.spec import OptimizerSpec, ScheduleSpec, parse_job_spec
@@ -218,3 +221,40 @@ def test_a_checkpoint_loads_with_torch_s_weights_only_loader(tmp_path: Path) -> 
     state = load_checkpoint_file(session.saved[-1])
     assert set(state["best"]) == {"test_accuracy"}
     assert type(next(iter(state["best"]))) is str
+
+
+def test_a_quadratic_model_job_resumed_from_its_checkpoint_ends_bit_for_bit() -> None:
+    """``kfac.update: quadratic-model`` through the worker's loop in this process: the
+    checkpoint at step 20 holds the step's state (λ moved by Levenberg-Marquardt, the last
+    direction δ₀), the step records carry λ as it was then, and a job resumed from it ends
+    with the parameters of the run that was not stopped. (On Ray Train's 2 workers, the
+    records and the checkpoint: ``test_ray_train.py``.)"""
+    job = spec(
+        model={"name": "lenet"},
+        dataset={"name": "synthetic", "batch_size": 32, "limit": 512},
+        kfac={
+            "factor_update_steps": 1,
+            "inv_update_steps": 5,
+            "update": "quadratic-model",
+            "factor_samples": 16,
+        },
+        stop={"max_steps": 40},
+        eval_every=20,
+        checkpoint={"every_steps": 20},
+    )
+    whole = CapturingSession()
+    train(TrainConfig(spec=job, run="qm", progress_every=10), whole)
+    state = whole.saved[20]["quadratic_model"]
+    assert state["steps"] == 20
+    assert state["previous"] is not None
+    assert state["damping"] != job.kfac.damping  # type: ignore[union-attr]
+    steps = [r for r in whole.records if isinstance(r, StepRecord)]
+    (record_20,) = [r for r in steps if r.step == 20]
+    assert record_20.damping == state["damping"]
+    assert all(r.lr > 0 for r in steps)  # the model's α
+
+    resumed = CapturingSession(whole.saved[20])
+    train(TrainConfig(spec=job, run="qm", progress_every=10), resumed)
+    final = whole.saved[40]["model"]
+    for name, tensor in resumed.saved[40]["model"].items():
+        assert torch.equal(tensor, final[name]), name
