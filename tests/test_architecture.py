@@ -214,9 +214,16 @@ def test_the_check_sees_a_violation(tmp_path: Path) -> None:
 
 # -- processes that must not pay for torch ---------------------------------------------------
 
-# Modules that a Ray actor of every job imports in its own process (the progress sink, one per
-# cluster, created by each driver): importing torch there costs seconds of CPU a process.
-TORCH_FREE = ["kaisa_ray.train.progress", "tuner.singleton"]
+# Modules that Ray actors and tasks import in processes of their own (the progress sink and the
+# tuner, one per cluster, created by each driver; a streamed dataset's functions, which Ray
+# Data's readers, split coordinator and skipped-records ledger run): importing torch there
+# costs seconds of CPU and hundreds of MB a process.
+TORCH_FREE = [
+    "kaisa_ray.train.progress",
+    "tuner.singleton",
+    "tuner.actor",
+    "kaisa_ray.train.streaming",
+]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

@@ -4,27 +4,20 @@
 named, detached Ray actor, created on first use by ``tuner_actor()``. Profiles are cached by
 ``profile_key``: the model's structure, the batch each worker trains on, the job's K-FAC
 options and the shape of the cluster that ran it (workers, nodes, devices, threads), so a
-second identical job skips profiling and gets its decision at once. The cache is bounded and
+second identical job skips profiling and gets its decision at once (the key is computed on the
+job's ranks: ``keys.py``; the actor's process imports no torch). The cache is bounded and
 lives as long as the actor (that is, the Ray cluster); a head started by a standalone command
 loads and saves it through the local store (``kaisa_ray.train.local_store``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import platform
-import socket
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import ray
-import torch
-import torch.distributed as dist
-from torch import nn
 
 from tuner.cost import DEFAULT_INTERVALS, Decision, Profile, choose
 from tuner.singleton import cluster_singleton
@@ -32,52 +25,6 @@ from tuner.singleton import cluster_singleton
 TUNER_NAME = "kaisa-ray-tuner"
 TUNER_NAMESPACE = "kaisa-ray"
 MAX_PROFILES = 256
-
-
-def _device_description(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    return f"cpu:{platform.machine()}:{os.cpu_count()}:{torch.get_num_threads()} threads"
-
-
-def profile_key(
-    model: nn.Module,
-    sample: torch.Tensor,
-    device: torch.device,
-    options: dict[str, Any],
-) -> str:
-    """What a profile depends on, hashed; the same on every rank (collective when distributed).
-
-    Args:
-        model: the model as trained (its class, parameter and buffer shapes and dtypes).
-        sample: one training batch's input on this rank (its shape and dtype).
-        device: where training runs (its kind, name and the threads it uses).
-        options: K-FAC options that change the work (compute method, approximation, ...).
-    """
-    shapes = [
-        (name, list(tensor.shape), str(tensor.dtype))
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
-    ]
-    here = {"host": socket.gethostname(), "device": _device_description(device)}
-    world = [here]
-    if dist.is_available() and dist.is_initialized():
-        world = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(world, here)
-    hosts: dict[str, int] = {}
-    for entry in world:
-        hosts[entry["host"]] = hosts.get(entry["host"], 0) + 1
-    described = {
-        "model": type(model).__name__,
-        "shapes": shapes,
-        "batch": [list(sample.shape), str(sample.dtype)],
-        "options": {k: options[k] for k in sorted(options)},
-        "workers": len(world),
-        "workers_per_node": sorted(hosts.values()),
-        "devices": sorted({entry["device"] for entry in world}),
-        "torch": torch.__version__,
-    }
-    text = json.dumps(described, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 class TunerState:

@@ -23,8 +23,9 @@ from kaisa_ray.train.records import AdaptiveChoice, CandidateRow, KFACChoice, Tu
 from kaisa_ray.train.shard import AnyShard, distributed
 from kaisa_ray.train.spec import JobSpec, KFACSpec
 from kaisa_ray.train.stream_shard import StreamShard
-from tuner.actor import profile_key, tuner_actor
+from tuner.actor import tuner_actor
 from tuner.cost import DEFAULT_INTERVALS, Candidate, Decision, Profile
+from tuner.keys import profile_key
 from tuner.profile import profile_job
 
 __all__ = ["adaptive_choice", "candidate_rows", "choose_in_workers", "kfac_choice"]

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import io
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -202,23 +200,6 @@ def test_a_service_reads_streamed_data_only_under_its_roots(tmp_path: Path) -> N
         spec = DatasetSpec(name="image-folder", train=f"file://{train}", validation=str(train))
     assert spec.train == f"file://{train}"
     assert DatasetSpec(name="parquet", train="s3://b/t", validation="gs://b/v").streamed
-
-
-def test_the_pipelines_functions_load_without_torch() -> None:
-    """Ray Data's tasks and actors (its readers, the split coordinator, the skipped-records
-    ledger) import this module to run the pipelines' functions: without torch, whose import
-    is seconds of CPU and hundreds of MB a process."""
-    code = (
-        "import sys\n"
-        "import kaisa_ray.train.streaming as streaming\n"
-        "streaming.SkipLedger, streaming._TableBatches, streaming._TokenWindows\n"
-        "print('torch' in sys.modules)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "False"
 
 
 def test_a_streamed_job_leaves_ray_data_a_cpu() -> None:

@@ -11,8 +11,9 @@ from kaisa_ray.train.auto_choice import candidate_rows, data_note
 from kaisa_ray.train.models import MLP, LeNetCNN
 from kaisa_ray.train.records import KFACChoice, TunerRecord
 from kaisa_ray.train.tables import decision_line, tuning_table
-from tuner.actor import TunerState, profile_key
+from tuner.actor import TunerState
 from tuner.cost import NoFeasibleCandidateError, choose
+from tuner.keys import profile_key
 
 
 def test_a_cached_profile_is_reused_and_the_cache_is_bounded() -> None:
