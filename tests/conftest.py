@@ -1,9 +1,8 @@
 """Shared pytest configuration: ``gpu`` tests skip where CUDA is absent; the tiers (``ray``:
 a Ray cluster, Ray Train workers or a real service; ``slow``: real data or many processes;
-``make test-fast`` runs neither); the order of the modules (those on the shared Ray head
-first, then the other long ones, so that ``make test``'s two workers, pytest-xdist with a
-module to a worker, end together); and one real Ray head per worker, up only while the tests
-that use it run.
+``make test-fast`` runs neither); which pytest worker runs what (the Ray modules one after
+another on one worker, the rest a module at a time on the other) and in what order; and one
+real Ray head per worker, up only while the tests that use it run.
 """
 
 from __future__ import annotations
@@ -29,43 +28,52 @@ MANY_PROCESSES = {
     "test_tuner_measured.py",
     "test_tuner_profile.py",
 }
-# The longest modules (minutes of Ray and services), run first within their group (those on
-# the worker's head, then the others): with a module to a worker, the last module to start
-# decides when the run ends.
-LONGEST_FIRST = [  # by their seconds in a full run (2026-12-01), longest first
+# The Ray modules (a test marked ``ray``: Ray Train fits, Ray heads, real services) run one
+# after another on one pytest worker (xdist's ``loadgroup``, one group), while the other worker
+# runs the rest, a module at a time. Measured 2026-12-01 (benchmarks/README.md): two Ray
+# modules at once cost far more than their sum (their heads, controllers and log monitors poll
+# on through the longer walls), so that a module to each worker took as long as one worker.
+# Ray modules that start services but no training go last among the rest instead, so that
+# both workers end together. Within the group: the modules on the worker's head first (it
+# stops after the last: ``pytest_runtest_teardown``), then by their seconds, longest first.
+RAY_GROUP = "ray"
+LATE = ["test_service_plan_burst.py", "test_dashboard_start.py"]
+LONGEST_FIRST = [  # the Ray modules by their seconds alone (2026-12-01), longest first
     "test_shared_machine.py",
-    "test_ray_train.py",
-    "test_service_ops.py",
     "test_streaming.py",
-    "test_kfac_auto.py",
     "test_service_e2e.py",
-    "test_dashboard_e2e.py",
+    "test_ray_train.py",
+    "test_kfac_auto.py",
+    "test_service_ops.py",
     "test_multinode.py",
-    "test_fsdp.py",
+    "test_dashboard_e2e.py",
     "test_service_quickstart.py",
-    "test_peers.py",
     "test_sweep.py",
-    "test_distributed.py",
-    "test_batching.py",
-    "test_service_plan_burst.py",
 ]
 ON_HEAD = pytest.StashKey[set[object]]()  # the modules (paths) with a test on the head
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if uses_head(item):
             item.add_marker(pytest.mark.ray)
         if item.path.name in MANY_PROCESSES:
             item.add_marker(pytest.mark.slow)
-    # The modules on the shared head first: each worker's head then stops once its last such
-    # module ends (``pytest_runtest_teardown``), instead of idling through the rest of the
-    # run (an idle head costs about 5 CPU-s a minute: benchmarks/README.md).
     on_head = config.stash[ON_HEAD] = {item.path for item in items if uses_head(item)}
+    ray = {item.path for item in items if "ray" in item.keywords} - {
+        item.path for item in items if item.path.name in LATE
+    }
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(RAY_GROUP if item.path in ray else str(item.path)))
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(  # stable: file order kept within each rank
-        key=lambda item: (item.path not in on_head, rank.get(item.path.name, len(rank)))
-    )
+
+    def order(item: pytest.Item) -> tuple[int, int, int]:
+        if item.path in ray:
+            return (0, item.path not in on_head, rank.get(item.path.name, len(rank)))
+        return (1, item.path.name in LATE, 0)
+
+    items.sort(key=order)  # stable: file order kept within each place
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (gpu marker); none on this machine")

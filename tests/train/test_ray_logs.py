@@ -73,3 +73,14 @@ def test_a_head_on_one_machine_has_no_preemption_watcher_unless_asked() -> None:
     asked = {PREEMPTION_WATCHER: "1"}
     quiet_environment(asked)
     assert asked[PREEMPTION_WATCHER] == "1"
+
+
+def test_a_head_on_one_machine_lists_its_log_folder_at_ray_s_slower_pace() -> None:
+    from kaisa_ray.train.ray_logs import LOG_LISTING, quiet_environment
+
+    fresh: dict[str, str] = {}
+    quiet_environment(fresh)
+    assert fresh[LOG_LISTING] == "0"
+    asked = {LOG_LISTING: "1000"}
+    quiet_environment(asked)
+    assert asked[LOG_LISTING] == "1000"
