@@ -19,15 +19,16 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy --strict $(PACKAGES)
 
-# Two workers (pytest-xdist), a module to each at a time: most of the suite waits on Ray.
+# Two workers (pytest-xdist): the Ray modules one after another on one, the rest (a module at
+# a time) on the other (tests/conftest.py says why).
 PYTEST_WORKERS ?= 2
 
 pytest: setup
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # The inner loop: everything but Ray, real services and many processes (under 2 minutes).
 test-fast: setup
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow and not ray"
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not slow and not ray"
 
 test: lint typecheck pytest
 
