@@ -19,8 +19,8 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy --strict $(PACKAGES)
 
-# Two workers (pytest-xdist): the Ray modules one after another on one, the rest (a module at
-# a time) on the other (tests/conftest.py says why).
+# Two workers (pytest-xdist): a test at a time to the free one, the Ray tests first; a module
+# whose tests share a fixture of its own runs on one worker (tests/conftest.py says why).
 PYTEST_WORKERS ?= 2
 
 pytest: setup

@@ -1,8 +1,8 @@
 """Shared pytest configuration: ``gpu`` tests skip where CUDA is absent; the tiers (``ray``:
 a Ray cluster, Ray Train workers or a real service; ``slow``: real data or many processes;
-``make test-fast`` runs neither); which pytest worker runs what (the Ray modules one after
-another on one worker, the rest a module at a time on the other) and in what order; and one
-real Ray head per worker, up only while the tests that use it run.
+``make test-fast`` runs neither); which pytest worker runs what (a test at a time to the
+worker that is free, a module at a time where its tests share a fixture) and in what order;
+and one real Ray head per worker, up only while the tests that use it run.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -28,15 +28,14 @@ MANY_PROCESSES = {
     "test_tuner_measured.py",
     "test_tuner_profile.py",
 }
-# The Ray modules (a test marked ``ray``: Ray Train fits, Ray heads, real services) run one
-# after another on one pytest worker (xdist's ``loadgroup``, one group), while the other worker
-# runs the rest, a module at a time. Measured 2026-12-01 (benchmarks/README.md): two Ray
-# modules at once cost far more than their sum (their heads, controllers and log monitors poll
-# on through the longer walls), so that a module to each worker took as long as one worker.
-# Ray modules that start services but no training go last among the rest instead, so that
-# both workers end together. Within the group: the modules on the worker's head first (it
-# stops after the last: ``pytest_runtest_teardown``), then by their seconds, longest first.
-RAY_GROUP = "ray"
+# Where each test runs (xdist's ``loadgroup``): a test at a time to whichever worker is free,
+# in this order: the tests on the worker's Ray head first (so that each worker starts its head
+# once, and stops it after the last: ``pytest_runtest_teardown``), then the other Ray tests,
+# modules longest first, then the rest in file order, two service-only modules last so that
+# the workers end together. A module whose tests share a module fixture of its own (a service,
+# a cluster run, the neighbours' Ray on the default ports) is one group, run on one worker, so
+# that the fixture is made once, and not twice at once. Measured 2026-12-02
+# (benchmarks/README.md): a test at a time took half the wall and CPU of a module at a time.
 LATE = ["test_service_plan_burst.py", "test_dashboard_start.py"]
 LONGEST_FIRST = [  # the Ray modules by their seconds alone (2026-12-01), longest first
     "test_shared_machine.py",
@@ -53,25 +52,68 @@ LONGEST_FIRST = [  # the Ray modules by their seconds alone (2026-12-01), longes
 ON_HEAD = pytest.StashKey[set[object]]()  # the modules (paths) with a test on the head
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
+# The modules whose tests share a module fixture of their own (``shares_a_module_fixture``):
+# one worker each. Listed here because xdist's controller, which schedules, collects nothing.
+ONE_WORKER = {
+    "tests/core/test_precision.py",
+    "tests/service/test_plan_dashboard.py",
+    "tests/service/test_service_cli.py",
+    "tests/service/test_service_e2e.py",
+    "tests/service/test_service_fuzz.py",
+    "tests/service/test_service_ops.py",
+    "tests/service/test_service_plan_burst.py",
+    "tests/train/test_multinode.py",
+    "tests/train/test_plan_api.py",
+    "tests/train/test_plan_cli.py",
+    "tests/train/test_shared_machine.py",
+    "tests/tuner/test_plan_figures.py",
+    "tests/tuner/test_tuner_measured.py",
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` (the Makefile's): a test at a time, except the ``ONE_WORKER``
+    modules, a module at a time. (xdist 3.8's own groups do nothing under pytest 9.2, whose
+    node ids no longer come from the ``_nodeid`` that xdist suffixes with the group.)"""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path in ONE_WORKER else nodeid
+
+    return Scheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if uses_head(item):
             item.add_marker(pytest.mark.ray)
         if item.path.name in MANY_PROCESSES:
             item.add_marker(pytest.mark.slow)
+    unlisted = sorted(
+        {item.nodeid.split("::", 1)[0] for item in items if shares_a_module_fixture(item)}
+        - ONE_WORKER
+    )
+    if unlisted:
+        raise pytest.UsageError(
+            f"{', '.join(unlisted)}: its tests share a module fixture of its own; add it to "
+            "ONE_WORKER in tests/conftest.py, so that one pytest worker runs all of them"
+        )
     on_head = config.stash[ON_HEAD] = {item.path for item in items if uses_head(item)}
-    ray = {item.path for item in items if "ray" in item.keywords} - {
-        item.path for item in items if item.path.name in LATE
-    }
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(RAY_GROUP if item.path in ray else str(item.path)))
+    ray = {item.path for item in items if "ray" in item.keywords}
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
 
     def order(item: pytest.Item) -> tuple[int, int, int]:
+        if item.path.name in LATE:
+            return (2, 0, 0)
         if item.path in ray:
             return (0, item.path not in on_head, rank.get(item.path.name, len(rank)))
-        return (1, item.path.name in LATE, 0)
+        return (1, 0, 0)
 
     items.sort(key=order)  # stable: file order kept within each place
     if torch.cuda.is_available():
@@ -80,6 +122,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def shares_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module- or session-scoped fixture its own module defines (the
+    worker's Ray head, defined here, is one a worker, and cheap to share across modules)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    module = item.path.name
+    for definitions in info.name2fixturedefs.values():
+        last = definitions[-1]
+        if last.scope in ("module", "session") and last.baseid.split("::")[0].endswith(module):
+            return True
+    return False
 
 
 def uses_head(item: pytest.Item) -> bool:
