@@ -61,13 +61,7 @@ from kaisa_ray.hyperparams import (
     resolve,
     resolve_int,
 )
-from kaisa_ray.intervals import (
-    NOT_MEASURED,
-    AdaptiveIntervals,
-    IntervalChange,
-    IntervalSchedule,
-    Measurement,
-)
+from kaisa_ray.intervals import AdaptiveIntervals, IntervalChange, IntervalSchedule
 from kaisa_ray.kfac_layer import KFACLayer, fold_all
 from kaisa_ray.layers import describe_shapes
 from kaisa_ray.options import (
@@ -81,9 +75,10 @@ from kaisa_ray.options import (
 from kaisa_ray.plan import Options, Plan, build_plan, rows_mode
 from kaisa_ray.registration import discover
 from kaisa_ray.sharding import RowExchange, ShardedGradients, sharded_layers
-from kaisa_ray.staleness import PROBES, VALUES_PER_LAYER, LayerStaleness, angle_degrees
+from kaisa_ray.staleness import PROBES, LayerStaleness
 from kaisa_ray.strategy import resolve_grad_worker_fraction
 from kaisa_ray.timing import PhaseTimes
+from kaisa_ray.tracking import StalenessTracker
 
 logger = logging.getLogger(__name__)
 
@@ -384,12 +379,14 @@ class KFACPreconditioner:
                 names, options.factor_update_steps, options.inv_update_steps
             )
         )
-        # What staleness measured: per layer, the latest factor change (0-dim tensors, read
-        # when asked) and the latest decomposition step's measurement; interval changes not
-        # yet read.
-        self._changes_now: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._measured: dict[str, Measurement] = {}
-        self._interval_changes: list[IntervalChange] = []
+        self._tracker = StalenessTracker(
+            self._layers,
+            self.assignment,
+            self.rank,
+            self.world_size,
+            loglevel=options.loglevel,
+            times=self.times,
+        )
 
         # The layers this rank preconditions, grouped by shape for batched products.
         self._groups = batching.shape_groups(
@@ -659,7 +656,9 @@ class KFACPreconditioner:
             if grads_finite is None:
                 grads_finite = self._grads_finite(active, [])[0]
             with times.phase("staleness"):
-                stale = self._before_decompositions(decompose, grads_finite, damping)
+                stale = self._tracker.before_decompositions(
+                    self._factor_now, decompose, grads_finite, damping, self._products
+                )
         if decompose:
             self._update_decompositions(damping, decompose)
 
@@ -669,7 +668,9 @@ class KFACPreconditioner:
 
         if self.measures_staleness and decompose:
             with times.phase("staleness"):
-                self._after_decompositions(step, decompose, stale, preconditioned)
+                self._tracker.after_decompositions(
+                    step, decompose, stale, preconditioned, self._comm, self.schedule
+                )
         if self._factor_step or decompose:  # the step waited for the device anyway
             self._setter.warn_skipped(self._steps)
 
@@ -725,126 +726,17 @@ class KFACPreconditioner:
 
     # -- staleness --------------------------------------------------------------------------
 
-    def _owns(self, name: str) -> bool:
-        """Whether this rank measures the layer's staleness (it computes its A decomposition)."""
-        return self.assignment.placements[name].a_rank == self.rank
-
-    def _before_decompositions(
-        self, decompose: frozenset[str], grads_finite: bool, damping: float
-    ) -> dict[str, torch.Tensor]:
-        """Every rank: each updated layer's factor change since its last decomposition (the
-        factors are the same on every rank) and, for the layers decomposing now, the sketches
-        of the factors about to be decomposed. The owner of each decomposing layer: its
-        gradient preconditioned with the previous decomposition (returned)."""
-        for layer in self._layers:
-            if layer.name in self._factor_now or layer.name in decompose:
-                change = layer.factor_change()
-                if change is not None:
-                    self._changes_now[layer.name] = change
-        stale = {}
-        for name in decompose:
-            layer = self._by_name[name]
-            if (
-                grads_finite
-                and layer.helper.has_grad()
-                and self._owns(name)
-                and layer.decomposition.ready
-                and layer.sketch_a is not None
-            ):
-                with self._products():
-                    stale[name] = layer.decomposition.precondition(layer.helper.grad(), damping)
-            layer.take_sketches()
-        return stale
-
-    def _after_decompositions(
-        self,
-        step: int,
-        decompose: frozenset[str],
-        stale: dict[str, torch.Tensor],
-        preconditioned: Mapping[str, torch.Tensor],
-    ) -> None:
-        """The decomposing layers' measurements, each from its owner, summed over the ranks
-        (one all-reduce: the same numbers everywhere), then the interval rule on them."""
-        device = self._layers[0].helper.weight().device
-        values = torch.zeros(
-            len(self._layers), VALUES_PER_LAYER, dtype=torch.float64, device=device
-        )
-        missing = torch.tensor(NOT_MEASURED, dtype=torch.float64, device=device)
-        rows = []
-        for index, layer in enumerate(self._layers):
-            name = layer.name
-            if name not in decompose or not self._owns(name):
-                continue
-            moved = self._changes_now.get(name)
-            angle = (
-                angle_degrees(stale[name], preconditioned[name])
-                if name in stale and name in preconditioned
-                else missing
-            )
-            a, g = moved if moved is not None else (missing, missing)
-            rows.append((index, torch.stack([a, g, angle])))
-        for index, row in rows:
-            values[index] = row
-        if self.world_size > 1:
-            with self.times.phase("communication"):
-                self._comm.reduce_staleness(values.view(-1))
-        numbers = values.tolist()
-        measured = []
-        for index, layer in enumerate(self._layers):
-            if layer.name not in decompose:
-                continue
-            a, g, angle = numbers[index]
-            measurement = Measurement(
-                layer=layer.name, step=step, change_a=a, change_g=g, angle=angle
-            )
-            measured.append(measurement)
-            self._measured[layer.name] = measurement
-            self._changes_now.pop(layer.name, None)  # measured against the new sketches next
-        changes = self.schedule.decide(step, measured)
-        for change in changes:
-            logger.log(
-                self.loglevel,
-                "K-FAC step %d: layer %s intervals %d/%d -> %d/%d: %s",
-                step,
-                change.layer,
-                *change.before,
-                *change.after,
-                change.reason,
-            )
-        self._interval_changes += changes
-
     def staleness(self) -> list[LayerStaleness]:
         """Each layer's intervals now, why, and how stale its curvature was: the latest factor
         change since its last decomposition and what its last decomposition step measured
         (``kaisa_ray.staleness``). Empty unless staleness is measured."""
         if not self.measures_staleness:
             return []
-        readings = []
-        for layer in self._layers:
-            name = layer.name
-            rung = self.schedule.rung_of(name, self._steps)
-            now = self._changes_now.get(name)
-            at = self._measured.get(name)
-            readings.append(
-                LayerStaleness(
-                    layer=name,
-                    factor_update_steps=rung[0],
-                    inv_update_steps=rung[1],
-                    change_a=float(now[0]) if now is not None else NOT_MEASURED,
-                    change_g=float(now[1]) if now is not None else NOT_MEASURED,
-                    measured_step=None if at is None else at.step,
-                    measured_change_a=NOT_MEASURED if at is None else at.change_a,
-                    measured_change_g=NOT_MEASURED if at is None else at.change_g,
-                    angle=NOT_MEASURED if at is None else at.angle,
-                    reason=self.schedule.reason(name),
-                )
-            )
-        return readings
+        return self._tracker.readings(self.schedule, self._steps)
 
     def interval_changes(self) -> list[IntervalChange]:
         """The layers' moves between rungs since the last call (adaptive intervals)."""
-        changes, self._interval_changes = self._interval_changes, []
-        return changes
+        return self._tracker.interval_changes()
 
     def _update_decompositions(self, damping: float, decompose: frozenset[str]) -> None:
         """Each layer's A and G on their assigned ranks (batched by shape), then broadcast in
@@ -1091,8 +983,7 @@ class KFACPreconditioner:
             logger.log(
                 self.loglevel, "checkpoint's adaptive intervals: %s; starting rung kept", problem
             )
-        self._changes_now.clear()
-        self._measured.clear()
+        self._tracker.clear()
         self._plan_step(self._steps)
         for layer in rebuild:  # every worker of the layer computes the same thing locally
             layer.update_decomposition(self.damping)
