@@ -26,7 +26,7 @@ PYTEST_WORKERS ?= 2
 pytest: setup
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-# The inner loop: everything but Ray, real services and many processes (under 2 minutes).
+# The inner loop: everything but Ray, real services and many processes (about 4 minutes).
 test-fast: setup
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not slow and not ray"
 
