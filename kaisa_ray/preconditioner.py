@@ -72,9 +72,9 @@ from kaisa_ray.options import (
     GradScalerLike,
     PreconditionerOptions,
 )
-from kaisa_ray.plan import Options, Plan, build_plan, rows_mode
+from kaisa_ray.plan import Options, Plan, build_plan
 from kaisa_ray.registration import discover
-from kaisa_ray.sharding import RowExchange, ShardedGradients, sharded_layers
+from kaisa_ray.sharding import RowExchange, ShardedGradients, gradient_keeper, sharded_layers
 from kaisa_ray.staleness import PROBES, LayerStaleness
 from kaisa_ray.strategy import resolve_grad_worker_fraction
 from kaisa_ray.timing import PhaseTimes
@@ -614,24 +614,8 @@ class KFACPreconditioner:
             self.plan = build_plan(
                 self.plan.layers, self.world_size, self.grad_worker_fraction, options
             )
-        keeper: ShardedGradients | RowExchange
-        if rows_mode(self.assignment, self.plan.options):
-            sched, comm = self.plan.schedule, self._comm
-            row = self.rank // self.assignment.columns
-            buckets = (
-                comm.mine(sched.gather_buckets_of_row(row)),
-                comm.mine(sched.gather_columns),
-                comm.mine(sched.gradient_buckets_of_row(row)),
-                comm.mine(sched.finite_buckets),
-                comm.mine(sched.clip_buckets),
-            )
-            helpers = {layer.name: layer.helper for layer in self._layers}
-            keeper = RowExchange(
-                helpers, buckets, comm.group, self.rank, self.world_size, self.assignment.columns
-            )
-        else:
-            helpers_list = [layer.helper for layer in self._layers]
-            keeper = ShardedGradients(helpers_list, self.rank, self.world_size)
+        helpers = {layer.name: layer.helper for layer in self._layers}
+        keeper = gradient_keeper(helpers, self.plan, self._comm, self.rank, self.world_size)
         self._sharding = (type(weight), keeper)
         return keeper
 

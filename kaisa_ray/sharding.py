@@ -31,11 +31,11 @@ import torch.distributed as dist
 from torch import nn
 
 from kaisa_ray.apply import finite_flags
-from kaisa_ray.comm import torch_dtype
+from kaisa_ray.comm import Communicator, torch_dtype
 from kaisa_ray.enums import ShardUnits
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.layers import LayerHelper
-from kaisa_ray.plan import Bucket
+from kaisa_ray.plan import Bucket, Plan, rows_mode
 
 FIX = "Train this model with DistributedDataParallel, or leave these layers out with skip_layers."
 
@@ -433,3 +433,30 @@ class RowExchange:
         """The helpers read their parameters' own gradients again."""
         for rows in self.layers.values():
             rows.helper.whole = None
+
+
+def gradient_keeper(
+    helpers: Mapping[str, LayerHelper],
+    plan: Plan,
+    comm: Communicator,
+    rank: int,
+    world_size: int,
+) -> ShardedGradients | RowExchange:
+    """What brings a sharded model's whole gradients to the ranks that precondition them under
+    ``plan``: with fewer gradient workers than ranks (``rows_mode``) the rows' exchange with the
+    layers' workers, else every rank's all-gather of every layer. ``helpers``: the registered
+    layers by name, in the preconditioner's order."""
+    if rows_mode(plan.assignment, plan.options):
+        sched = plan.schedule
+        row = rank // plan.assignment.columns
+        buckets = (
+            comm.mine(sched.gather_buckets_of_row(row)),
+            comm.mine(sched.gather_columns),
+            comm.mine(sched.gradient_buckets_of_row(row)),
+            comm.mine(sched.finite_buckets),
+            comm.mine(sched.clip_buckets),
+        )
+        return RowExchange(
+            dict(helpers), buckets, comm.group, rank, world_size, plan.assignment.columns
+        )
+    return ShardedGradients(list(helpers.values()), rank, world_size)
