@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from kaisa_ray.comm import Communicator
     from kaisa_ray.kfac_layer import KFACLayer
 
-logger = logging.getLogger(__name__)
+# The preconditioner's logger: its interval changes are among its log lines, as they were.
+logger = logging.getLogger("kaisa_ray.preconditioner")
 
 
 class StalenessTracker:

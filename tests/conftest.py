@@ -130,12 +130,11 @@ def shares_a_module_fixture(item: pytest.Item) -> bool:
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return False
-    module = item.path.name
-    for definitions in info.name2fixturedefs.values():
-        last = definitions[-1]
-        if last.scope in ("module", "session") and last.baseid.split("::")[0].endswith(module):
-            return True
-    return False
+    module = item.nodeid.split("::", 1)[0]
+    return any(
+        defs[-1].scope in ("module", "session") and defs[-1].baseid == module
+        for defs in info.name2fixturedefs.values()
+    )
 
 
 def uses_head(item: pytest.Item) -> bool:

@@ -44,16 +44,3 @@ def test_another_dist_mode_gets_xdist_s_own_scheduler(
 ) -> None:
     monkeypatch.setattr(pytestconfig.option, "dist", "loadfile", raising=False)
     assert conftest.pytest_xdist_make_scheduler(pytestconfig, None) is None
-
-
-def test_a_module_that_shares_a_fixture_of_its_own_is_listed(
-    conftest: ModuleType, request: pytest.FixtureRequest
-) -> None:
-    """What collection enforces (it refuses a run otherwise), checked on the modules here."""
-    session = request.session
-    shared = {
-        item.nodeid.split("::", 1)[0]
-        for item in session.items
-        if conftest.shares_a_module_fixture(item)
-    }
-    assert shared <= conftest.ONE_WORKER
