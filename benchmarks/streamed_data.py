@@ -5,7 +5,8 @@ by Ray Data), to 88%; then a training worker's peak memory as the Parquet datase
     .venv/bin/python benchmarks/streamed_data.py --write
 
 Part one runs ``examples/fashion_mnist.yaml`` (2 Ray Train workers, global batch 128) with its
-dataset swapped, the three sources interleaved seed by seed: steps to 88% test accuracy (on the
+dataset swapped, the sources interleaved seed by seed (Parquet read from its PNG bytes and
+from its raw pixels): steps to 88% test accuracy (on the
 whole test split), the mean step (``ms_per_step``, the batch's wait included) and the wait for
 the batch (``data_wait_ms``). Part two runs the same job on the Parquet files and on the PNG
 folder, each written 1, 4 and 16 times over (``scripts/fashion_mnist_files.py --copies``), for
@@ -57,24 +58,36 @@ def write_files(root: Path, copies: int, formats: list[str]) -> Path:
     return out
 
 
+# Each source of part one: its dataset name and the Parquet column read (None: not Parquet).
+SOURCES = {
+    "in memory (IDX)": (None, None),
+    "parquet": ("parquet", "image"),  # PNG bytes, decoded by Ray Data's tasks
+    "parquet (pixels)": ("parquet", "pixels"),  # the 784 raw bytes, a list column
+    "image folder": ("image-folder", None),
+}
+
+
 def job(source: str, files: Path | None, seed: int) -> dict[str, Any]:
     spec = yaml.safe_load(EXAMPLE.read_text())
     spec["seed"] = seed
     spec["scaling"]["cpus_per_worker"] = 0.5
     spec["checkpoint"] = {"every_steps": 100_000, "keep": 1}
     batch = spec["dataset"]["batch_size"]
-    if source in ("parquet", "image folder"):
+    name, column = SOURCES[source]
+    if name is not None:
         assert files is not None
-        folder = files / ("parquet" if source == "parquet" else "png")
+        folder = files / ("parquet" if name == "parquet" else "png")
         spec["dataset"] = {
-            "name": "parquet" if source == "parquet" else "image-folder",
+            "name": name,
             "train": str(folder / "train"),
             "validation": str(folder / "test"),
             "image": STATS,
             "batch_size": batch,
         }
-        if source == "parquet":
-            spec["dataset"]["columns"] = {"input": "image", "label": "label"}
+        if column is not None:
+            spec["dataset"]["columns"] = {"input": column, "label": "label"}
+        if column == "pixels":  # a flat list of numbers: the image's shape is the spec's
+            spec["dataset"]["image"] = {**STATS, "size": [28, 28]}
     return spec
 
 
@@ -135,6 +148,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--copies", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--memory-steps", type=int, default=150)
+    parser.add_argument(
+        "--sources",
+        nargs="+",
+        choices=list(SOURCES),
+        default=["in memory (IDX)", "parquet", "image folder"],
+        help="part one's (parquet (pixels): the raw-pixel column, no decoding)",
+    )
     parser.add_argument("--skip-target", action="store_true", help="part two only")
     parser.add_argument("--write", action="store_true", help="store the tables")
     parser.add_argument("--out", type=Path, default=RESULTS / "streamed_data.json")
@@ -154,8 +174,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kaisa-streamed-") as storage:
         if not args.skip_target:
             for seed in args.seeds:
-                for source in ("in memory (IDX)", "parquet", "image folder"):
-                    spec = job(source.split(" (")[0], files.get(1), seed)
+                for source in args.sources:
+                    spec = job(source, files.get(1), seed)
                     results.append({"part": "target", **measure(source, spec, Path(storage))})
         for source, copies in itertools.product(("parquet", "image folder"), args.copies):
             spec = job(source, files[copies], 0)
@@ -163,7 +183,7 @@ def main() -> None:
             spec["eval_every"] = args.memory_steps
             entry = measure(f"{source} x{copies}", spec, Path(storage))
             results.append({"part": "memory", "copies": copies, **entry})
-        spec = job("in memory", None, 0)
+        spec = job("in memory (IDX)", None, 0)
         spec["stop"] = {"max_steps": args.memory_steps, "target": UNREACHED}
         spec["eval_every"] = args.memory_steps
         results.append(

@@ -27,7 +27,7 @@ from __future__ import annotations
 import io
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -114,6 +114,19 @@ def _filesystem(path: str) -> tuple[Any, str]:
     return pyarrow.fs.LocalFileSystem(), os.path.abspath(local_path(path))
 
 
+def _addresser(origin: str) -> Callable[[str], str]:
+    """Turns a path listed on ``origin``'s filesystem into what Ray Data and this module read
+    it by: a local path as it is; on another system (``s3://bucket/data``, whose filesystem
+    lists ``bucket/data/part-0.parquet``) the URI, ``s3://bucket/data/part-0.parquet``."""
+    if not is_uri(origin):
+        return lambda path: path
+    _, root = _filesystem(origin)
+    given, listed = origin.rstrip("/"), root.rstrip("/")
+    scheme = origin.split("://", 1)[0] + "://"
+    prefix = given[: len(given) - len(listed)] if listed and given.endswith(listed) else scheme
+    return lambda path: path if "://" in path else prefix + path
+
+
 def _listing(path: str, split: str) -> tuple[list[str], list[str]]:
     """(subfolders, files below) of ``path``, each sorted; refused where nothing is there."""
     import pyarrow.fs
@@ -136,6 +149,7 @@ def _listing(path: str, split: str) -> tuple[list[str], list[str]]:
 def _image_classes(path: str, split: str) -> dict[str, list[str]]:
     """An image folder's classes (its subfolders, sorted) and each one's images, sorted."""
     _, root = _filesystem(path)
+    address = _addresser(path)
     folders, files = _listing(path, split)
     classes: dict[str, list[str]] = {
         os.path.relpath(f, root): [] for f in folders if os.path.dirname(f) == root.rstrip("/")
@@ -148,7 +162,7 @@ def _image_classes(path: str, split: str) -> dict[str, list[str]]:
         if len(parts) < 2:
             stray.append(name)
             continue
-        classes.setdefault(parts[0], []).append(name)
+        classes.setdefault(parts[0], []).append(address(name))
     if stray:
         raise ConfigurationError(
             f"dataset.{split}: {stray[0]} (and {len(stray) - 1} more) is not in a class "
@@ -541,7 +555,8 @@ def _parquet_pipeline(
 
 def _parquet_files(path: str, split: str) -> list[str]:
     _, files = _listing(path, split)
-    parquet = [f for f in files if f.endswith(".parquet")]
+    address = _addresser(path)
+    parquet = [address(f) for f in files if f.endswith(".parquet")]
     if not parquet:
         raise ConfigurationError(
             f"dataset.{split}: {path} holds no .parquet files. Point it at a Parquet file or "
@@ -663,7 +678,8 @@ def _text_split(dataset: DatasetSpec, path: str, split: str, held: bool) -> _Tex
             + ". Add text, lower dataset.context"
             + (", or lower validation_every" if every else "")
         )
-    return _TextSplit([name for name, _ in files], root, first, rows)
+    address = _addresser(path)
+    return _TextSplit([address(name) for name, _ in files], root, first, rows)
 
 
 def _text_pipeline(dataset: DatasetSpec, text: _TextSplit, held: bool, shuffle: bool) -> Dataset:

@@ -6,7 +6,10 @@ checkpoints and resumes in place, and a language model's job and a sweep on stre
 from __future__ import annotations
 
 import io
+import json
 import re
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -681,3 +684,143 @@ def test_a_sweep_with_kfac_auto_trains_a_language_model_on_streamed_text(
     profiled = [t for t in tuners if t["cache"] == "miss"]
     assert profiled
     assert all(t["data_ms_per_batch"] >= 0 for t in profiled)
+
+
+def _fashion_mnist_parquet(root: Path, split: str, rows: int) -> Path:
+    """The split's first ``rows`` images as one Parquet file: ``pixels`` (784 raw bytes) and
+    ``label``, as ``scripts/fashion_mnist_files.py`` writes them."""
+    images, labels = load_idx_dataset(None, split, limit=rows, standardize=False)
+    pixels = (images.squeeze(1) * 255).round().numpy().astype(np.uint8).reshape(rows, -1)
+    folder = root / split
+    folder.mkdir(parents=True)
+    table = pa.table(
+        {
+            "pixels": pa.array(list(pixels), type=pa.list_(pa.uint8())),
+            "label": pa.array(labels.numpy(), type=pa.int64()),
+        }
+    )
+    pq.write_table(table, folder / "part-0000.parquet")
+    return folder
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"
+)
+def test_every_source_reads_from_s3_as_from_local_files_and_a_job_trains_from_s3(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    """The same files on a real S3 server (moto's, on this machine) and on local disk: every
+    source, with a named validation split or one held out by ``validation_every``, gives the
+    same rows, counts and classes from ``s3://`` URIs as from the local paths, and an unreadable
+    Parquet file is refused naming its ``s3://`` URI. Then ``kaisa-ray train`` as a Ray Job
+    trains LeNet from Fashion-MNIST Parquet files on S3. The S3 settings reach the job as a
+    user's would: the AWS variables in the job's runtime environment."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+    from support.s3 import s3_server
+    from support.stream_rows import stream_rows
+
+    data = tmp_path / "data"
+    image_folder(data / "images" / "train")
+    image_folder(data / "images" / "test", per_class=2)
+    parquet_files(data / "parquet" / "train")
+    parquet_files(data / "parquet" / "held", rows=16, files=4)
+    text_folder(data / "text")
+    (data / "broken").mkdir()
+    (data / "broken" / "part-0.parquet").write_bytes(b"PAR1 cut short")
+    pixels = {"input": "pixels", "label": "target"}
+    cases: dict[str, dict[str, Any]] = {
+        "images": {"name": "image-folder", "train": "images/train", "validation": "images/test"},
+        "images held out": {"name": "image-folder", "train": "images/train", "validation_every": 3},
+        "parquet": {
+            "name": "parquet",
+            "train": "parquet/train",
+            "validation": "parquet/train/part-1.parquet",
+            "columns": pixels,
+            "image": {"size": [8, 6], "mean": [0.0], "std": [1.0]},
+        },
+        "parquet held out": {
+            "name": "parquet",
+            "train": "parquet/held",
+            "validation_every": 2,
+            "columns": {"input": "png", "label": "target"},
+        },
+        "text held out": {"name": "text", "train": "text", "validation_every": 2, "context": 16},
+        "text files": {"name": "text", "train": "text/2.txt", "validation": "text/0.txt"},
+        "unreadable": {
+            "name": "parquet",
+            "train": "broken",
+            "validation": "broken",
+            "columns": pixels,
+        },
+    }
+
+    def located(base: str) -> dict[str, dict[str, Any]]:
+        """The cases with their splits under ``base`` (a local folder or an ``s3://`` URI)."""
+        splits = ("train", "validation")
+        return {
+            name: {
+                **fields,
+                "batch_size": 4,
+                **{key: f"{base}/{fields[key]}" for key in splits if key in fields},
+            }
+            for name, fields in cases.items()
+        }
+
+    local = {name: stream_rows(fields) for name, fields in located(str(data)).items()}
+    assert "is not a readable Parquet file" in local["unreadable"]["error"]
+    assert local["images"]["classes"] == list(CLASSES)
+    assert local["text held out"]["counts"][1] > 0
+
+    with s3_server() as s3:
+        base = s3.upload(data, "data")
+        (tmp_path / "cases.json").write_text(json.dumps(located(base)))
+        fmnist = tmp_path / "fmnist"
+        train_uri = s3.upload(_fashion_mnist_parquet(fmnist, "train", 2048), "fmnist/train")
+        test_uri = s3.upload(_fashion_mnist_parquet(fmnist, "test", 512), "fmnist/test")
+        spec = {
+            "name": "from-s3",
+            "model": {"name": "lenet"},
+            "dataset": {
+                "name": "parquet",
+                "train": train_uri,
+                "validation": test_uri,
+                "columns": {"input": "pixels", "label": "label"},
+                "image": {"size": [28, 28], "mean": [0.286], "std": [0.353]},
+                "batch_size": 64,
+            },
+            "optimizer": {"name": "adamw", "lr": 0.008, "weight_decay": 0.0},
+            "kfac": {"strategy": "comm-opt", "factor_update_steps": 5, "inv_update_steps": 20},
+            "scaling": {"workers": 1, "cpus_per_worker": 1},
+            "stop": {"max_steps": 40},
+            "eval_every": 40,
+            "seed": 1,
+        }
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+        run_name = f"from-s3-{tmp_path.name}"
+        script = Path(__file__).resolve().parents[1] / "support" / "stream_rows.py"
+        entrypoint = (
+            f"{sys.executable} {script} {tmp_path / 'cases.json'} {tmp_path / 'rows.json'} && "
+            f"{KAISA_RAY} train --config={tmp_path / 'job.yaml'} "
+            f"--storage-path={tmp_path / 'runs'} --run-name={run_name}"
+        )
+        client = JobSubmissionClient(ray_head.dashboard_url)
+        submission = client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": s3.env})
+        deadline = time.monotonic() + 480
+        while not (status := client.get_job_status(submission)).is_terminal():
+            assert time.monotonic() < deadline, client.get_job_logs(submission)[-4000:]
+            time.sleep(1)
+        logs = client.get_job_logs(submission)
+        assert status == JobStatus.SUCCEEDED, logs[-4000:]
+
+    remote = json.loads((tmp_path / "rows.json").read_text())
+    broken = remote.pop("unreadable")["error"]
+    assert "s3://kaisa/data/broken/part-0.parquet is not a readable Parquet file" in broken
+    local.pop("unreadable")
+    for name, answer in local.items():
+        assert remote[name] == answer, name
+    (ended,) = records(run_name, "eval")
+    assert ended["step"] == 40
+    assert ended["test_accuracy"] > 0.5  # 10 classes: chance is 0.1
+    assert all(r["data_wait_ms"] is not None for r in records(run_name, "step"))
