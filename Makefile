@@ -1,7 +1,7 @@
 # The two commands (see README): `make run` and `make test`. Both set up what they need.
 VENV ?= .venv
 BIN := $(VENV)/bin
-PACKAGES := kaisa_ray tuner service
+PACKAGES := kaisa_ray kaisa_train tuner service
 
 .PHONY: setup run test test-fast lint typecheck pytest bench
 

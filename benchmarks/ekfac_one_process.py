@@ -23,11 +23,11 @@ from typing import Any
 from batch_size_study import ADAMW_EKFAC, RESULTS, spec
 from report import git_commit, machine, table, write_block
 
-from kaisa_ray.train.records import Record
-from kaisa_ray.train.session import LocalSession
-from kaisa_ray.train.spec import parse_job_spec
-from kaisa_ray.train.worker import train
-from kaisa_ray.train.worker_config import TrainConfig
+from kaisa_train.records import Record
+from kaisa_train.session import LocalSession
+from kaisa_train.spec import parse_job_spec
+from kaisa_train.worker import train
+from kaisa_train.worker_config import TrainConfig
 
 BATCH = 2048
 MAX_STEPS = 200

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from kaisa_ray import KFACPreconditioner
-from kaisa_ray.train.datasets import load_idx_dataset
-from kaisa_ray.train.models import LeNetCNN
+from kaisa_train.datasets import load_idx_dataset
+from kaisa_train.models import LeNetCNN
 
 
 def main(argv: list[str] | None = None) -> int:

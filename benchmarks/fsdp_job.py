@@ -32,10 +32,10 @@ import torch
 import yaml
 from report import git_commit, machine, table, write_block
 
-from kaisa_ray.train.job import run_job
-from kaisa_ray.train.spec import parse_job_spec
-from kaisa_ray.train.state import load_checkpoint_file
-from kaisa_ray.train.trainer import unique_run_name
+from kaisa_train.job import run_job
+from kaisa_train.spec import parse_job_spec
+from kaisa_train.state import load_checkpoint_file
+from kaisa_train.trainer import unique_run_name
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "fashion_mnist.yaml"
@@ -47,7 +47,7 @@ RUNS = [
 
 def _kill_a_worker(run_name: str, after_step: int, said: dict[str, Any]) -> None:
     """SIGKILL rank 1's worker once the run has a checkpoint at ``after_step`` or later."""
-    from kaisa_ray.train.progress import read_progress
+    from kaisa_train.progress import read_progress
 
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:

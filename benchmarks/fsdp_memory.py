@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray import KFACPreconditioner, sharding
-from kaisa_ray.train.models import WideMLP
+from kaisa_train.models import WideMLP
 from tuner.memory import TensorMemory
 
 HERE = Path(__file__).resolve().parent

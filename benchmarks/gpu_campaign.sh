@@ -49,8 +49,8 @@ for stage in "$@"; do
             --rounds 2 --only "transformer" --json "$OUT/gpu_step_lm.json")
         run 150 measure_node python3 -c "
 import yaml
-from kaisa_ray.train.models_large import ResNet50
-from kaisa_ray.train.planning import hardware_file
+from kaisa_train.models_large import ResNet50
+from kaisa_train.planning import hardware_file
 from tuner.node import measure
 base = yaml.safe_load(hardware_file('a100-80gb-hdr').read_text())
 profile = measure(base, name='h100-measured', device='cuda', resnet50=ResNet50)
@@ -66,8 +66,8 @@ open('$OUT/h100-measured.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=Fal
             --only ": " --skip "b32 fp32" --json "$OUT/gpu_step_rest.json")
         run 120 measure_node python3 -c "
 import yaml
-from kaisa_ray.train.models_large import ResNet50
-from kaisa_ray.train.planning import hardware_file
+from kaisa_train.models_large import ResNet50
+from kaisa_train.planning import hardware_file
 from tuner.node import measure
 base = yaml.safe_load(hardware_file('a100-80gb-hdr').read_text())
 profile = measure(base, name='h200-measured-2', device='cuda', resnet50=ResNet50)

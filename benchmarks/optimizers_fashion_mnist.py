@@ -30,8 +30,8 @@ from report import machine, table, write_block
 from torch import nn
 
 from kaisa_ray import KFACPreconditioner
-from kaisa_ray.train.datasets import load_idx_dataset
-from kaisa_ray.train.models import LeNetCNN
+from kaisa_train.datasets import load_idx_dataset
+from kaisa_train.models import LeNetCNN
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,26 +75,26 @@ def _tokens(context: int) -> Callable[[int, torch.device], Batch]:
 
 
 def _lenet() -> nn.Module:
-    from kaisa_ray.train.models import LeNetCNN
+    from kaisa_train.models import LeNetCNN
 
     return LeNetCNN()
 
 
 def _resnet20() -> nn.Module:
-    from kaisa_ray.train.models import ResNet20
+    from kaisa_train.models import ResNet20
 
     return ResNet20()
 
 
 def _resnet50() -> nn.Module:
-    from kaisa_ray.train.models_large import ResNet50
+    from kaisa_train.models_large import ResNet50
 
     return ResNet50()
 
 
 def _char_transformer(**params: int) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
-        from kaisa_ray.train.transformer import CharTransformer
+        from kaisa_train.transformer import CharTransformer
 
         return CharTransformer(**params)
 
@@ -115,7 +115,7 @@ WORKLOADS: dict[str, Workload] = {
     ),
 }
 
-# The JobSpec's curvature (kaisa_ray.train.spec.KFACSpec's defaults), no KL clip.
+# The JobSpec's curvature (kaisa_train.spec.KFACSpec's defaults), no KL clip.
 JOBSPEC_CURVATURE: dict[str, Any] = {
     "compute_method": "inverse",
     "kfac_approx": "reduce",

@@ -48,7 +48,7 @@ from phases import phases as phase_split
 from report import git_commit, machine, table, write_block
 
 from kaisa_ray.plan import plan
-from kaisa_ray.train.shapes import workload
+from kaisa_train.shapes import workload
 from tuner.cost import price
 from tuner.forecast import Workload, factor_work_seconds, forecast_profile, group_products
 from tuner.hardware import Hardware, hardware_from_dict
@@ -196,8 +196,8 @@ def live(
 ) -> dict[str, Any]:
     """Measure this machine's profile (``measure-node`` with ``models``), then each case's
     terms (operations timed alone) and phases (whole steps), against the forecast from it."""
-    from kaisa_ray.train.plan_cli import _model_to_time
-    from kaisa_ray.train.planning import hardware_file
+    from kaisa_train.plan_cli import _model_to_time
+    from kaisa_train.planning import hardware_file
     from tuner.node import measure
 
     base = yaml.safe_load(hardware_file("a100-80gb-hdr").read_text())

@@ -2,7 +2,7 @@
 A100 preset, by ``kaisa-ray plan`` (shapes + hardware profile, nothing trained).
 
 Three outputs, all predictions of the cost model (no GPU was used; the preset's compute rates
-are estimates, its network figures cited benchmarks, see kaisa_ray/train/hardware/):
+are estimates, its network figures cited benchmarks, see kaisa_train/hardware/):
 
 1. memory: fp32 K-FAC factors per rank and the worst rank's decompositions at f = 1, 1/2,
    1/8 and 1/W for W = 8, 64, 256 (exact: ``kaisa_ray.plan``);
@@ -34,8 +34,8 @@ import torch
 from report import git_commit, machine, table, write_block
 
 from kaisa_ray.plan import plan
-from kaisa_ray.train.planning import PlanRequest, load_hardware, plan_job
-from kaisa_ray.train.shapes import workload
+from kaisa_train.planning import PlanRequest, load_hardware, plan_job
+from kaisa_train.shapes import workload
 from tuner.cost import price
 from tuner.forecast import Workload, forecast_profile
 from tuner.hardware import Hardware, SizeTable, Sourced

@@ -5,7 +5,7 @@ Two figures per model and world size, each measured in a fresh process of the tr
 (its own ``kaisa_ray``, ``tuner`` and ``service`` on ``PYTHONPATH``, this venv's packages):
 
 - **the planner**: ``plan_job`` for the model on the ``a100-80gb-hdr`` preset at the default
-  intervals and budget, with the model's shapes already built (``kaisa_ray.train.shapes``: one
+  intervals and budget, with the model's shapes already built (``kaisa_train.shapes``: one
   meta forward pass, the same for any world size): every strategy's assignment, schedule,
   memory, collectives and priced candidates, the tuner's choice. The median of ``--repeats``
   runs (one for the old code where it is slow);
@@ -50,8 +50,8 @@ WORLDS = (8, 64, 1024, 4096, 65536)
 # Run in the tree measured: its planner, the model's shapes built once, then plan_job timed.
 CHILD = """
 import json, statistics, sys, time
-from kaisa_ray.train import planning
-from kaisa_ray.train.shapes import workload
+from kaisa_train import planning
+from kaisa_train.shapes import workload
 model, batch, world, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 began = time.process_time()
 job = workload(model, batch_size=batch)

@@ -44,9 +44,9 @@ from targets import median_or_none
 from torch import nn
 from torch.func import functional_call, jvp
 
-from kaisa_ray.train.shard import evaluate
-from kaisa_ray.train.spec import parse_job_spec
-from kaisa_ray.train.training import Training
+from kaisa_train.shard import evaluate
+from kaisa_train.spec import parse_job_spec
+from kaisa_train.training import Training
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "fashion_mnist_large_batch.yaml"

@@ -48,9 +48,9 @@ import ray
 from report import git_commit, machine, table, write_block
 
 from kaisa_ray.timing import PHASES
-from kaisa_ray.train.job import run_job
-from kaisa_ray.train.progress import read_progress
-from kaisa_ray.train.spec import parse_job_spec
+from kaisa_train.job import run_job
+from kaisa_train.progress import read_progress
+from kaisa_train.spec import parse_job_spec
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

@@ -66,7 +66,7 @@ import httpx
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
-from kaisa_ray.train.head import free_port
+from kaisa_train.head import free_port
 from service.head import RayHead, venv_path
 from service.settings import Settings
 

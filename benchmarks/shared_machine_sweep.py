@@ -47,7 +47,7 @@ from report import machine, write_block  # noqa: E402
 from support.cli_process import ANY_OTHER, connected_to, own_heads_left, user_env  # noqa: E402
 from support.neighbours import neighbours  # noqa: E402
 
-from kaisa_ray.train.records import TrialState  # noqa: E402
+from kaisa_train.records import TrialState  # noqa: E402
 
 RESULTS = HERE / "results"
 COMMAND = ".venv/bin/kaisa-ray sweep --config examples/fashion_mnist_sweep.yaml --output best.yaml"

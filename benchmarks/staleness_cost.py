@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from report import git_commit, machine, table, write_block
 
 from kaisa_ray.preconditioner import KFACPreconditioner
-from kaisa_ray.train.registry import model_factory
-from kaisa_ray.train.shard import load_shard
-from kaisa_ray.train.spec import KFACSpec, load_job_spec
+from kaisa_train.registry import model_factory
+from kaisa_train.shard import load_shard
+from kaisa_train.spec import KFACSpec, load_job_spec
 from tuner.profile import measure_candidate
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fashion_mnist.yaml"

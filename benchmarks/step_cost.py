@@ -44,8 +44,8 @@ from report import git_commit, machine, table, write_block
 from targets import Entry, Study, median_or_none
 from torch import nn
 
-from kaisa_ray.train.spec import parse_job_spec
-from kaisa_ray.train.training import Training
+from kaisa_train.spec import parse_job_spec
+from kaisa_train.training import Training
 
 WORKERS = 2
 

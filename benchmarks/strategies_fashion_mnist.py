@@ -35,8 +35,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray import KFACPreconditioner
 from kaisa_ray.plan import StepType
-from kaisa_ray.train.datasets import load_idx_dataset
-from kaisa_ray.train.models import LeNetCNN
+from kaisa_train.datasets import load_idx_dataset
+from kaisa_train.models import LeNetCNN
 
 STRATEGIES = ("comm-opt", "hybrid-opt", "mem-opt")
 INTERVALS = ((1, 10), (5, 50))

@@ -38,8 +38,8 @@ import ray
 from ray_time_to_accuracy import CONFIGS, TARGET, Run, job, median_or_none, run_to_target
 from report import git_commit, machine, table, write_block
 
-from kaisa_ray.train.spec import parse_job_spec
-from kaisa_ray.train.sweep import run_sweep
+from kaisa_train.spec import parse_job_spec
+from kaisa_train.sweep import run_sweep
 
 HERE = Path(__file__).resolve().parent
 if not {"SGD (Nesterov 0.9, lr 0.05)", "SGD + K-FAC, COMM-OPT (f=1)"} <= set(CONFIGS):

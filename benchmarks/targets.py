@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from kaisa_ray.timing import PHASES
-from kaisa_ray.train.job import run_job
-from kaisa_ray.train.progress import read_progress
-from kaisa_ray.train.spec import parse_job_spec
+from kaisa_train.job import run_job
+from kaisa_train.progress import read_progress
+from kaisa_train.spec import parse_job_spec
 
 
 @dataclasses.dataclass

@@ -42,8 +42,8 @@ import ray
 import yaml
 from report import git_commit, machine, table, write_block
 
-from kaisa_ray.train.spec import parse_job_spec
-from kaisa_ray.train.tuning import measure_candidates, tune_job
+from kaisa_train.spec import parse_job_spec
+from kaisa_train.tuning import measure_candidates, tune_job
 from tuner.actor import tuner_actor
 from tuner.cost import NoFeasibleCandidateError
 

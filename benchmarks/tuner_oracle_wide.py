@@ -62,8 +62,8 @@ from tuner_oracle import (
     world_result,
 )
 
-from kaisa_ray.train.spec import parse_job_spec
-from kaisa_ray.train.tuning import tune_job
+from kaisa_train.spec import parse_job_spec
+from kaisa_train.tuning import tune_job
 from tuner.actor import tuner_actor
 from tuner.cost import DEFAULT_INTERVALS, NoFeasibleCandidateError, Profile, choose
 

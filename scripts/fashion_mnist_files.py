@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset
+from kaisa_train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset
 
 CLASSES = (
     "0-t-shirt",

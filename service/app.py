@@ -32,8 +32,8 @@ from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kaisa_ray.train.records import Record
-from kaisa_ray.train.spec import field_problems
+from kaisa_train.records import Record
+from kaisa_train.spec import field_problems
 from service.domain import readiness
 from service.domain.follower import RayJobFollower
 from service.domain.hub import Hub

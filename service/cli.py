@@ -1,7 +1,7 @@
 """The ``kaisa-ray`` command line, one group defined here: ``serve`` runs the service;
 ``submit``, ``jobs`` and ``cancel`` talk to a running one over REST; the training commands
-(``train``, ``validate``, ``tune``, ``sweep``, ``example`` from ``kaisa_ray.train.cli``, and
-``plan`` and ``measure-node`` from ``kaisa_ray.train.plan_cli``) are loaded only when one of
+(``train``, ``validate``, ``tune``, ``sweep``, ``example`` from ``kaisa_train.cli``, and
+``plan`` and ``measure-node`` from ``kaisa_train.plan_cli``) are loaded only when one of
 them runs, so that the client commands start in a fraction of a second: they import neither
 torch nor Ray."""
 
@@ -35,14 +35,14 @@ token_option = click.option(
 )
 
 TRAINING_COMMANDS = {
-    "example": "kaisa_ray.train.cli:example",
-    "validate": "kaisa_ray.train.cli:validate",
-    "train": "kaisa_ray.train.cli:train",
-    "tune": "kaisa_ray.train.cli:tune",
-    "sweep": "kaisa_ray.train.cli:sweep",
-    "plan": "kaisa_ray.train.plan_cli:plan",
-    "measure-node": "kaisa_ray.train.plan_cli:measure_node",
-    "head": "kaisa_ray.train.head_cli:head",
+    "example": "kaisa_train.cli:example",
+    "validate": "kaisa_train.cli:validate",
+    "train": "kaisa_train.cli:train",
+    "tune": "kaisa_train.cli:tune",
+    "sweep": "kaisa_train.cli:sweep",
+    "plan": "kaisa_train.plan_cli:plan",
+    "measure-node": "kaisa_train.plan_cli:measure_node",
+    "head": "kaisa_train.head_cli:head",
 }
 """The training commands, by where they are defined: they import torch (and Ray), so they
 are imported only when they run."""
@@ -445,8 +445,8 @@ def _follow(client: ServiceClient, job_id: str) -> dict[str, Any]:
     one progress bar redrawn in place (it ends at 100% for a job that met its target, with
     no time left to guess); elsewhere (a log, a pipe), a line per change of state and per
     evaluation, so that nothing is printed twice."""
-    from kaisa_ray.train.follow import Follower
-    from kaisa_ray.train.records import StartRecord, try_record
+    from kaisa_train.follow import Follower
+    from kaisa_train.records import StartRecord, try_record
 
     follower = Follower(job_id, out=sys.stderr, bar_file=sys.stderr)
     job: dict[str, Any] = {}

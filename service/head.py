@@ -34,8 +34,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kaisa_ray.train.head import RAY as RAY  # re-exported: the tests start heads with it
-from kaisa_ray.train.head import (
+from kaisa_train.head import RAY as RAY  # re-exported: the tests start heads with it
+from kaisa_train.head import (
     descendants,
     free_port,
     listening,
@@ -43,7 +43,7 @@ from kaisa_ray.train.head import (
     ray_start_command,
     running,
 )
-from kaisa_ray.train.ray_logs import quiet_environment
+from kaisa_train.ray_logs import quiet_environment
 
 logger = logging.getLogger(__name__)
 

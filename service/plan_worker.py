@@ -1,8 +1,8 @@
 """A worker process of the service's ``WorkerPool``: ``python -m service.plan_worker``.
 
 It does the service's CPU-bound pricing away from the process that answers requests: a
-plan (``kaisa_ray.train.planning.plan_job``: minutes of pure Python for BERT-Large on 4096
-GPUs) or a model's memory footprint (``kaisa_ray.train.footprint``: building a model, maybe
+plan (``kaisa_train.planning.plan_job``: minutes of pure Python for BERT-Large on 4096
+GPUs) or a model's memory footprint (``kaisa_train.footprint``: building a model, maybe
 a plugin's, on the meta device), one task at a time. The pool kills it when a task runs past
 its time limit, when the client that asked has gone, and when the service stops.
 
@@ -44,8 +44,8 @@ def _die_with_parent() -> None:
 
 
 def _plan(task: dict[str, Any]) -> dict[str, Any]:
-    from kaisa_ray.train.planning import PlanRequest, plan_job
-    from kaisa_ray.train.shapes import build_on_meta
+    from kaisa_train.planning import PlanRequest, plan_job
+    from kaisa_train.shapes import build_on_meta
 
     fields = dict(task["request"])
     fields["budgets"] = tuple(fields.get("budgets", ()))
@@ -64,7 +64,7 @@ def _plan(task: dict[str, Any]) -> dict[str, Any]:
 
 
 def _footprint(task: dict[str, Any]) -> dict[str, Any]:
-    from kaisa_ray.train.footprint import footprint
+    from kaisa_train.footprint import footprint
 
     return footprint(task["model"], task["params"], **task["options"]).as_json()
 
@@ -108,8 +108,8 @@ def main() -> None:
     # The protocol gets stdout's descriptor to itself; print() and libraries write to stderr.
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    import kaisa_ray.train.footprint  # the slow imports, before "ready"
-    import kaisa_ray.train.planning  # noqa: F401
+    import kaisa_train.footprint  # the slow imports, before "ready"
+    import kaisa_train.planning  # noqa: F401
 
     protocol.write(json.dumps({"ready": os.getpid()}) + "\n")
     protocol.flush()

@@ -233,7 +233,7 @@ class RayRunner:
         return list(page["records"]), int(page["next"])
 
     def _progress_sink(self) -> Any:
-        from kaisa_ray.train.progress import progress_sink
+        from kaisa_train.progress import progress_sink
 
         if self._sink is None:
             self._sink = progress_sink()

@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.errors import InsecureBindError
 
-MAX_WORKERS = 4096  # the JobSpec's own bound (kaisa_ray.train.spec.MAX_WORKERS)
+MAX_WORKERS = 4096  # the JobSpec's own bound (kaisa_train.spec.MAX_WORKERS)
 
 
 class Settings(BaseSettings):
@@ -171,7 +171,7 @@ class Settings(BaseSettings):
     @field_validator("storage_path")
     @classmethod
     def _storage(cls, storage: str | None) -> str | None:
-        from kaisa_ray.train.storage import resolve_storage
+        from kaisa_train.storage import resolve_storage
 
         return None if not storage else resolve_storage(storage, create=False)
 
@@ -179,7 +179,7 @@ class Settings(BaseSettings):
     @classmethod
     def _roots(cls, roots: object) -> object:
         """A folder as a ``Path``; a URI (``s3://bucket/prefix``) as its checked string."""
-        from kaisa_ray.train.data_roots import root_of
+        from kaisa_train.data_roots import root_of
 
         if not isinstance(roots, (list, tuple)):
             return roots

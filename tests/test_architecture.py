@@ -14,7 +14,7 @@ ALLOWED = {
     "core": {"torch", "kaisa_ray"},
     "tuner": {"torch", "kaisa_ray", "tuner", "ray", "numpy"},
 }
-FORBIDDEN_IN_CORE_PACKAGES = ("kaisa_ray.train", "tuner", "service")
+FORBIDDEN_IN_CORE_PACKAGES = ("kaisa_train", "tuner", "service")
 
 
 def imported_roots(path: Path) -> set[str]:
@@ -45,18 +45,24 @@ def test_core_imports_torch_only(path: Path) -> None:
 
 # -- the layers and their directions ---------------------------------------------------------
 
-PACKAGES = ("kaisa_ray", "tuner", "service")
+# Each layer is one top-level package, so the folders show the layers: the core
+# (``kaisa_ray``: the preconditioner, torch only), the tuner, the training jobs
+# (``kaisa_train``: Ray Train, the JobSpec, the commands; not ``train``, which a user's own
+# ``train.py`` in a job's working directory would shadow) and the service.
+LAYER_OF_PACKAGE = {
+    "kaisa_ray": "core",
+    "tuner": "tuner",
+    "kaisa_train": "train",
+    "service": "service",
+}
+PACKAGES = tuple(LAYER_OF_PACKAGE)
 # Inner to outer: a module may import its own layer and the layers before it, never after.
 LAYERS = ("core", "tuner", "train", "service")
 
 
 def layer_of(module: str) -> str:
-    """``kaisa_ray.train.*`` is the training-jobs layer; the rest of ``kaisa_ray`` the core."""
-    if module == "kaisa_ray.train" or module.startswith("kaisa_ray.train."):
-        return "train"
-    if module.split(".")[0] == "kaisa_ray":
-        return "core"
-    return module.split(".")[0]
+    """The layer of ``module``: its top-level package's."""
+    return LAYER_OF_PACKAGE[module.split(".")[0]]
 
 
 def project_graph(root: Path) -> dict[str, set[str]]:
@@ -130,6 +136,21 @@ def test_every_import_points_inward_core_tuner_train_service() -> None:
     assert layer_violations(graph) == []
 
 
+def test_each_package_of_the_project_is_one_layer() -> None:
+    """The folders show the layers: every package at the project's top is a layer of its own
+    (a new one must be given its place), and no layer sits inside another's package."""
+    packages = {path.parent.name for path in ROOT.glob("*/__init__.py")}
+    assert packages == set(PACKAGES)
+    assert sorted(LAYER_OF_PACKAGE.values()) == sorted(LAYERS)
+    nested = [
+        str(path.parent.relative_to(ROOT))
+        for package in PACKAGES
+        for path in (ROOT / package).glob("*/__init__.py")
+        if package in ("kaisa_ray", "tuner")  # the inner layers: modules, no subpackages
+    ]
+    assert nested == [], f"a package inside an inner layer: {nested}"
+
+
 # The service's rooms, inner to outer; its other modules (the app, settings, the Ray adapter,
 # the CLI...) are its infrastructure, free to use them.
 SERVICE_ROOMS = ("model", "store", "domain", "routes")
@@ -187,22 +208,22 @@ def test_the_checks_find_a_planted_circle_and_a_planted_outward_import(tmp_path:
             "kaisa_ray/__init__.py": "",
             "kaisa_ray/plan.py": "def f():\n    from kaisa_ray import registration\n",
             "kaisa_ray/registration.py": "from kaisa_ray.plan import f\n",
-            "kaisa_ray/train/__init__.py": "",
-            "kaisa_ray/train/job.py": "from typing import TYPE_CHECKING\n"
+            "kaisa_train/__init__.py": "",
+            "kaisa_train/job.py": "from typing import TYPE_CHECKING\n"
             "if TYPE_CHECKING:\n    from service.app import App\n",
-            "kaisa_ray/train/spec.py": "from . import job\n",
+            "kaisa_train/spec.py": "from . import job\n",
             "tuner/__init__.py": "",
-            "tuner/cost.py": "import kaisa_ray.train.spec\n",
+            "tuner/cost.py": "import kaisa_train.spec\n",
             "service/__init__.py": "",
             "service/app.py": "from kaisa_ray import plan\n",
         },
     )
     graph = project_graph(root)
-    assert graph["kaisa_ray.train.spec"] == {"kaisa_ray.train.job"}  # relative, resolved
+    assert graph["kaisa_train.spec"] == {"kaisa_train.job"}  # relative, resolved
     assert import_cycles(graph) == ["kaisa_ray.plan", "kaisa_ray.registration"]
     assert layer_violations(graph) == [
-        "kaisa_ray.train.job (train) -> service.app (service)",
-        "tuner.cost (tuner) -> kaisa_ray.train.spec (train)",
+        "kaisa_train.job (train) -> service.app (service)",
+        "tuner.cost (tuner) -> kaisa_train.spec (train)",
     ]
 
 
@@ -219,10 +240,10 @@ def test_the_check_sees_a_violation(tmp_path: Path) -> None:
 # Data's readers, split coordinator and skipped-records ledger run): importing torch there
 # costs seconds of CPU and hundreds of MB a process.
 TORCH_FREE = [
-    "kaisa_ray.train.progress",
+    "kaisa_train.progress",
     "tuner.singleton",
     "tuner.actor",
-    "kaisa_ray.train.streaming",
+    "kaisa_train.streaming",
 ]
 
 

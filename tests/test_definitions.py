@@ -3,7 +3,7 @@
 - Each member of a closed set (job and trial states, strategies, compute methods, Conv2d
   approximations, precisions, directions) is written as a string in one Python module only:
   the one that defines its enum. Everyone else uses the enum.
-- A record kind is written only in ``kaisa_ray/train/records.py``: no other module builds a
+- A record kind is written only in ``kaisa_train/records.py``: no other module builds a
   record as ``{"kind": "..."}`` or compares a kind with a string.
 - The dashboard's scripts hold no copy of those sets (they read ``GET /v1/registry``).
 - ``RecordKind``, the record classes and the ``Record`` union agree.
@@ -28,8 +28,8 @@ from kaisa_ray.enums import (
     UpdateMode,
 )
 from kaisa_ray.timing import PHASES
-from kaisa_ray.train import records
-from kaisa_ray.train.records import (
+from kaisa_train import records
+from kaisa_train.records import (
     PHASE_FIELDS,
     Direction,
     EvalMetric,
@@ -40,13 +40,13 @@ from kaisa_ray.train.records import (
     TrialState,
     Unit,
 )
-from kaisa_ray.train.stream_sources import ImageMode, StreamSource
+from kaisa_train.stream_sources import ImageMode, StreamSource
 from service.model.lifecycle import JobState
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(
     path
-    for package in ("kaisa_ray", "tuner", "service")
+    for package in ("kaisa_ray", "kaisa_train", "tuner", "service")
     for path in (ROOT / package).rglob("*.py")
     if "migrations" not in path.parts
 )
@@ -65,7 +65,7 @@ CLOSED_SETS: list[type[enum.Enum]] = [
     StreamSource,
     ImageMode,
 ]
-RECORDS = ROOT / "kaisa_ray" / "train" / "records.py"
+RECORDS = ROOT / "kaisa_train" / "records.py"
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -177,7 +177,7 @@ def kind_literals(path: Path) -> list[str]:
 
 # Other vocabularies that happen to share a word with a record kind, and say "kind" too.
 NOT_RECORDS = {
-    "kaisa_ray/train/optimizers.py": "schedule.kind == 'step'",  # ScheduleSpec.kind
+    "kaisa_train/optimizers.py": "schedule.kind == 'step'",  # ScheduleSpec.kind
     "tuner/node.py": "{'kind': 'measured'}",  # a hardware number's kind (tuner.hardware.KINDS)
 }
 
@@ -296,8 +296,8 @@ def test_the_check_sees_a_default_written_in_the_form() -> None:
 
 
 def test_the_registry_states_the_job_spec_s_defaults() -> None:
-    from kaisa_ray.train.reference import STARTER, field_defaults
-    from kaisa_ray.train.spec import KFACSpec, OptimizerSpec, parse_job_spec
+    from kaisa_train.reference import STARTER, field_defaults
+    from kaisa_train.spec import KFACSpec, OptimizerSpec, parse_job_spec
 
     defaults = field_defaults()
     assert defaults["optimizer.lr"] == OptimizerSpec().lr

@@ -17,11 +17,11 @@ import tuner
 from kaisa_ray import ComputeMethod, KFACPreconditioner
 from kaisa_ray.enums import parse_enum
 from kaisa_ray.errors import ConfigurationError, KaisaRayError, StateDictError
-from kaisa_ray.train.datasets import DatasetNotFoundError, IDXFormatError
-from kaisa_ray.train.head import HeadStartError
-from kaisa_ray.train.spec import JobSpecError
-from kaisa_ray.train.sweep import WorkersNotPlacedError
-from kaisa_ray.train.worker import TrainingDivergedError
+from kaisa_train.datasets import DatasetNotFoundError, IDXFormatError
+from kaisa_train.head import HeadStartError
+from kaisa_train.spec import JobSpecError
+from kaisa_train.sweep import WorkersNotPlacedError
+from kaisa_train.worker import TrainingDivergedError
 from service.client import ServiceClientError
 from service.errors import (
     DatabaseInUseError,

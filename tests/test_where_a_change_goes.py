@@ -15,8 +15,8 @@ from support.fake_runner import FakeRunner
 from support.service_app import TOKEN, make_client
 from torch import nn
 
-from kaisa_ray.train import registry, shapes
-from kaisa_ray.train.spec import JobSpecError, constructor_params, parse_job_spec
+from kaisa_train import registry, shapes
+from kaisa_train.spec import JobSpecError, constructor_params, parse_job_spec
 from service.app import API_VERSION, create_app
 from service.settings import Settings
 

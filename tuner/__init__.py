@@ -4,5 +4,5 @@
 ``tuner.memory`` (measured tensor memory), ``tuner.profile`` (``profile_job`` and
 ``measure_candidate``, collective on the job's ranks) and ``tuner.actor`` (the tuner actor
 with its profile cache). ``kfac: auto`` uses them in the train loop; ``tune_job`` in
-``kaisa_ray.train.job`` adds verification trials on Ray Tune.
+``kaisa_train.job`` adds verification trials on Ray Tune.
 """

@@ -7,7 +7,7 @@ options and the shape of the cluster that ran it (workers, nodes, devices, threa
 second identical job skips profiling and gets its decision at once (the key is computed on the
 job's ranks: ``keys.py``; the actor's process imports no torch). The cache is bounded and
 lives as long as the actor (that is, the Ray cluster); a head started by a standalone command
-loads and saves it through the local store (``kaisa_ray.train.local_store``).
+loads and saves it through the local store (``kaisa_train.local_store``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 which one wins once measured.
 
 The K fastest predicted candidates that fit are measured (each in a short trial on the job's
-workers, run by ``kaisa_ray.train.tuning``); the fastest measured one that fits the budget as
+workers, run by ``kaisa_train.tuning``); the fastest measured one that fits the budget as
 measured wins. A trial that failed, or whose measured peak is over the budget, rules its
 candidate out with the reason; if none is left, ``NoFeasibleCandidateError`` says why each
 lost.

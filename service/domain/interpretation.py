@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kaisa_ray.enums import EvalMetric
-from kaisa_ray.train.records import (
+from kaisa_train.records import (
     CheckpointRecord,
     EvalRecord,
     IntervalsRecord,

@@ -10,7 +10,7 @@ of them at their largest at once. Each is held to:
 - ``--min-cpus-per-worker``: below it Ray packs any number of workers on a node (0.0001 CPU
   each put 8 train workers, 2.4 GB, on a 3-CPU head while admission counted a quarter CPU);
 - ``--max-model-bytes``: the model's float32 parameters and its activations at the trial's
-  batch, computed on the meta device (``kaisa_ray.train.footprint``), so that a model of 34 GB
+  batch, computed on the meta device (``kaisa_train.footprint``), so that a model of 34 GB
   is refused by name, not found out by the kernel's OOM killer;
 - the cluster's memory: the job's workers' predicted memory (all of its concurrent trials'),
   within Ray's ``memory`` resource.
@@ -33,8 +33,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ByteSize
 from starlette.concurrency import run_in_threadpool
 
-from kaisa_ray.train.footprint import Footprint, footprint
-from kaisa_ray.train.spec import JobSpec, JobSpecError, KFACSpec, trial_spec
+from kaisa_train.footprint import Footprint, footprint
+from kaisa_train.spec import JobSpec, JobSpecError, KFACSpec, trial_spec
 from service.domain.admission import PROCESS_BYTES, Need
 from service.settings import Settings
 from service.worker_pool import PoolTimeoutError, WorkerPool, WorkRefusedError

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from kaisa_ray.enums import EvalMetric
-from kaisa_ray.train.records import EvalRecord, RecordKind, StepRecord, TrialRecord, Unit
+from kaisa_train.records import EvalRecord, RecordKind, StepRecord, TrialRecord, Unit
 
 __all__ = ["CHARTS", "COLUMNS", "METRICS", "ChartView", "ColumnView", "MetricView"]
 

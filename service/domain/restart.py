@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from kaisa_ray.train.head import descendants
+from kaisa_train.head import descendants
 from service.domain.follower import RayJobFollower
 from service.domain.jobs import Jobs
 from service.errors import TookTooLongError

@@ -1,6 +1,6 @@
 """The service's data sandbox: the JobSpecs it reads name ``dataset.data_dir`` only under
 its data roots (``kaisa-ray serve --data-root``, repeatable; by default the built-in
-datasets' own folders), checked by the JobSpec itself (``kaisa_ray.train.data_roots``) while
+datasets' own folders), checked by the JobSpec itself (``kaisa_train.data_roots``) while
 this middleware holds the roots for the request being validated."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kaisa_ray.train.data_roots import within
-from kaisa_ray.train.registry import BUILTIN_DATASETS
+from kaisa_train.data_roots import within
+from kaisa_train.registry import BUILTIN_DATASETS
 
 __all__ = ["DataRoots", "default_data_roots"]
 

@@ -1,6 +1,6 @@
 """A sweep job's view: its plan, its trials and the best one, built from the sweep's
 progress-sink records (``SweepStartRecord``, ``TrialRecord`` and ``SweepRecord`` of
-``kaisa_ray.train.records``; ``kaisa_ray.train.sweep`` pushes them under the job's id).
+``kaisa_train.records``; ``kaisa_train.sweep`` pushes them under the job's id).
 
 The store keeps the view as one JSON value on the job (``jobs.sweep``)::
 
@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kaisa_ray.train.records import (
+from kaisa_train.records import (
     TRIAL_METRICS,
     SweepMetric,
     SweepRecord,

@@ -3,7 +3,7 @@
 A record comes from a job's own process (its rank 0, through the progress sink), so the service
 treats it as input: ``clean`` returns a copy that the store can always hold and the API can
 always serve, and says what it had to change; ``service.domain.interpretation`` then reads it as its
-class (``kaisa_ray.train.records``, where every kind is defined), and drops one that does not
+class (``kaisa_train.records``, where every kind is defined), and drops one that does not
 read, saying why. Integers outside what SQLite's 64-bit columns and JSON's exact range hold
 become None (a ``total_steps`` of 2**63 once made every follower pass fail); non-finite floats
 become None (JSON has no NaN); the fields the follower reads as counters (``step``,

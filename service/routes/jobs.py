@@ -21,10 +21,10 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from kaisa_ray.enums import ComputeMethod, DistributedStrategy, KFACApprox, OptimizerName, Precision
-from kaisa_ray.train.records import TRIAL_METRICS, RecordKind, SweepMetric, TrialState, Unit
-from kaisa_ray.train.reference import STARTER, field_defaults
-from kaisa_ray.train.registry import dataset_names, model_names
-from kaisa_ray.train.spec import AUTO, JobSpec
+from kaisa_train.records import TRIAL_METRICS, RecordKind, SweepMetric, TrialState, Unit
+from kaisa_train.reference import STARTER, field_defaults
+from kaisa_train.registry import dataset_names, model_names
+from kaisa_train.spec import AUTO, JobSpec
 from service.domain import limits
 from service.domain.hub import EVERY_JOB
 from service.domain.interpretation import EVENT_OF

@@ -23,13 +23,13 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
 from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Precision
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.planning import (
+from kaisa_train.planning import (
     PlanRequest,
     hardware_names,
     load_hardware,
     request_from_spec,
 )
-from kaisa_ray.train.spec import JobSpec, ModelSpec
+from kaisa_train.spec import JobSpec, ModelSpec
 from service.routes.schemas import ErrorBody, ValidationErrorBody
 from service.runtime import RuntimeDep
 from service.worker_pool import PoolTimeoutError, WorkRefusedError

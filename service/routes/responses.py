@@ -37,7 +37,7 @@ PLAIN_ROUTE_ERRORS = {
 }
 
 # One server-sent event, as OpenAPI tools read a stream: each event's fields. The data of a
-# record's event is the record (``kaisa_ray.train.records``: its schema is ``Record``).
+# record's event is the record (``kaisa_train.records``: its schema is ``Record``).
 SSE_EVENT: dict[str, Any] = {
     "type": "object",
     "properties": {

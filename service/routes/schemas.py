@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError
 
 from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
-from kaisa_ray.train.records import (
+from kaisa_train.records import (
     TRIAL_METRICS,
     Direction,
     KFACChoice,

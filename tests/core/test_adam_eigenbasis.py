@@ -15,14 +15,14 @@ from torch import nn
 from kaisa_ray import KFACPreconditioner
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import plan
-from kaisa_ray.train.footprint import footprint
-from kaisa_ray.train.optimizers import EigenbasisAdam, build_optimizer
-from kaisa_ray.train.records import Record
-from kaisa_ray.train.session import LocalSession
-from kaisa_ray.train.spec import KFACSpec, OptimizerSpec, parse_job_spec
-from kaisa_ray.train.training import Training
-from kaisa_ray.train.worker import train
-from kaisa_ray.train.worker_config import TrainConfig
+from kaisa_train.footprint import footprint
+from kaisa_train.optimizers import EigenbasisAdam, build_optimizer
+from kaisa_train.records import Record
+from kaisa_train.session import LocalSession
+from kaisa_train.spec import KFACSpec, OptimizerSpec, parse_job_spec
+from kaisa_train.training import Training
+from kaisa_train.worker import train
+from kaisa_train.worker_config import TrainConfig
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8

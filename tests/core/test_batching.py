@@ -393,7 +393,7 @@ def test_importing_kaisa_ray_does_not_load_dynamo() -> None:
         "import sys\n"
         "import torch\n"
         "from kaisa_ray import KFACPreconditioner\n"
-        "import kaisa_ray.train.cli\n"
+        "import kaisa_train.cli\n"
         "model = torch.nn.Sequential(torch.nn.Linear(4, 3))\n"
         "pre = KFACPreconditioner(model)\n"
         "model(torch.randn(8, 4)).sum().backward()\n"

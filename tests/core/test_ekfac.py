@@ -24,14 +24,14 @@ from kaisa_ray.enums import KFACApprox
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.layers import Conv2dHelper, LinearHelper
 from kaisa_ray.plan import plan
-from kaisa_ray.train.footprint import footprint
-from kaisa_ray.train.planning import PlanRequest, plan_job
-from kaisa_ray.train.records import Record
-from kaisa_ray.train.session import LocalSession
-from kaisa_ray.train.spec import KFACSpec, parse_job_spec
-from kaisa_ray.train.training import Training
-from kaisa_ray.train.worker import train
-from kaisa_ray.train.worker_config import TrainConfig
+from kaisa_train.footprint import footprint
+from kaisa_train.planning import PlanRequest, plan_job
+from kaisa_train.records import Record
+from kaisa_train.session import LocalSession
+from kaisa_train.spec import KFACSpec, parse_job_spec
+from kaisa_train.training import Training
+from kaisa_train.worker import train
+from kaisa_train.worker_config import TrainConfig
 
 N = 6
 

@@ -121,7 +121,7 @@ def test_a_layer_left_unsharded_beside_sharded_ones_is_refused_with_the_fix() ->
 
 
 def test_a_sharded_checkpoint_is_whole_and_resumes_a_sharded_model_exactly() -> None:
-    """A job's checkpoint of a sharded model and Adam (``kaisa_ray.train.state``): saved as
+    """A job's checkpoint of a sharded model and Adam (``kaisa_train.state``): saved as
     whole tensors that a plain model and Adam load; loaded back into a sharded model, the
     next steps equal those of the model that never stopped."""
     for said in run_distributed(checkpoint_round_trip, 2):

@@ -20,7 +20,7 @@ from torch import nn
 from kaisa_ray import KFACPreconditioner
 from kaisa_ray.amp import MixedPrecision
 from kaisa_ray.plan import plan
-from kaisa_ray.train.models import LeNetCNN
+from kaisa_train.models import LeNetCNN
 from tuner.cost import choose
 from tuner.memory import TensorMemory, tensor_bytes
 from tuner.profile import profile_job

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kaisa_ray.plan import STEP_SCALAR_BYTES, plan
-from kaisa_ray.train.registry import model_names
-from kaisa_ray.train.shapes import build_on_meta, workload
+from kaisa_train.registry import model_names
+from kaisa_train.shapes import build_on_meta, workload
 
 FLOAT32 = 4
 
@@ -167,7 +167,7 @@ def test_bert_refuses_images_saying_what_it_takes() -> None:
 
 def test_a_model_without_an_input_shape_cannot_be_planned(monkeypatch: pytest.MonkeyPatch) -> None:
     from kaisa_ray.errors import ConfigurationError
-    from kaisa_ray.train import registry
+    from kaisa_train import registry
 
     monkeypatch.setitem(registry.BUILTIN_MODELS, "bare", lambda: torch.nn.Linear(4, 2))
     with pytest.raises(ConfigurationError, match="example_input"):

@@ -18,11 +18,11 @@ from torch import nn
 from kaisa_ray import KFACPreconditioner
 from kaisa_ray.amp import MixedPrecision, Precision, optimizer_step
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
-from kaisa_ray.train.progress import read_progress
-from kaisa_ray.train.spec import parse_job_spec
-from kaisa_ray.train.worker import train_worker
-from kaisa_ray.train.worker_config import TrainConfig
+from kaisa_train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_train.progress import read_progress
+from kaisa_train.spec import parse_job_spec
+from kaisa_train.worker import train_worker
+from kaisa_train.worker_config import TrainConfig
 
 
 def test_modes_and_their_scalers() -> None:

@@ -25,13 +25,13 @@ from torch.func import functional_call
 from kaisa_ray import KFACPreconditioner, QuadraticModelStep
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.quadratic import StepInfo
-from kaisa_ray.train.records import Record
-from kaisa_ray.train.session import LocalSession
-from kaisa_ray.train.spec import parse_job_spec
-from kaisa_ray.train.training import Training
-from kaisa_ray.train.transformer import CharTransformer
-from kaisa_ray.train.worker import TrainingDivergedError, train
-from kaisa_ray.train.worker_config import TrainConfig
+from kaisa_train.records import Record
+from kaisa_train.session import LocalSession
+from kaisa_train.spec import parse_job_spec
+from kaisa_train.training import Training
+from kaisa_train.transformer import CharTransformer
+from kaisa_train.worker import TrainingDivergedError, train
+from kaisa_train.worker_config import TrainConfig
 
 
 @pytest.fixture

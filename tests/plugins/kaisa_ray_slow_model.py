@@ -11,7 +11,7 @@ import time
 import torch
 from torch import nn
 
-from kaisa_ray.train.models import MLP
+from kaisa_train.models import MLP
 
 
 class SlowMLP(MLP):

@@ -30,8 +30,8 @@ import pytest
 from support.browser import NEEDS_BROWSER, points, text_of, wait
 from support.service_process import ServiceProcess, start_service
 
-from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
-from kaisa_ray.train.head import free_port
+from kaisa_train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_train.head import free_port
 from service.head import RayHead
 
 TOKEN = "dashboard-e2e-token"

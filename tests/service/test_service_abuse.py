@@ -23,7 +23,7 @@ from support.fake_runner import FakeRunner
 from support.polling import wait_for
 from support.service_app import Service, spec, start
 
-from kaisa_ray.train.reference import DOC, render
+from kaisa_train.reference import DOC, render
 from service.cli import main
 from service.domain.admission import Capacity, admit
 from service.errors import DatabaseInUseError
@@ -465,7 +465,7 @@ def test_client_commands_do_not_import_torch(command: str, tmp_path: Path) -> No
 
 def test_the_jobspec_reference_is_current() -> None:
     """docs/jobspec.md is generated from the schema: regenerate it with
-    ``python -m kaisa_ray.train.reference --write`` when this fails."""
+    ``python -m kaisa_train.reference --write`` when this fails."""
     assert DOC.read_text() == render()
     text = DOC.read_text()
     for field in ("scaling.workers", "stop.max_steps", "kfac.damping", "sweep.concurrent"):

@@ -29,7 +29,7 @@ from support.fake_runner import FakeRunner
 from support.polling import wait_for, wait_for_job
 from support.served import serve
 
-from kaisa_ray.train.records import KFACChoice, TunerRecord
+from kaisa_train.records import KFACChoice, TunerRecord
 from service.app import create_app
 from service.cli import main
 from service.runner import RayJobStatus, submission_id

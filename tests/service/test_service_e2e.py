@@ -22,9 +22,9 @@ from ray.util.state import list_actors
 from support.ray_head import RayHead
 from support.service_process import ServiceProcess, start_service
 
-from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
-from kaisa_ray.train.job import run_job
-from kaisa_ray.train.spec import parse_job_spec
+from kaisa_train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_train.job import run_job
+from kaisa_train.spec import parse_job_spec
 from service.client import ServiceClient
 
 pytestmark = [

@@ -48,7 +48,7 @@ from schemathesis.specs.openapi.checks import (
 from support import sweep_data as sweeps
 from support.fake_runner import FakeRunner
 
-from kaisa_ray.train.records import CandidateRow, KFACChoice, TunerRecord
+from kaisa_train.records import CandidateRow, KFACChoice, TunerRecord
 from service.app import create_app
 from service.domain.hub import EVERY_JOB
 from service.runner import RayJobStatus

@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from support.fake_runner import FakeRunner
 from support.service_app import TOKEN, Service, make_client, spec, start
 
-from kaisa_ray.train.corpus import DEFAULT_FORTUNES_DIR
-from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
-from kaisa_ray.train.spec import parse_job_spec
+from kaisa_train.corpus import DEFAULT_FORTUNES_DIR
+from kaisa_train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_train.spec import parse_job_spec
 from service.app import create_app
 from service.runner import RayJobStatus
 from service.settings import Settings

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from support.service_app import TUNER, Service, events, spec
 
-from kaisa_ray.train.records import (
+from kaisa_train.records import (
     TunerRecord,
 )
 from service.runner import RayJobStatus, submission_id

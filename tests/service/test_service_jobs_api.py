@@ -19,7 +19,7 @@ from support.fake_runner import FakeRunner
 from support.polling import wait_for
 from support.service_app import CANDIDATES, CHOSEN, TUNER, Service, spec, start
 
-from kaisa_ray.train.records import (
+from kaisa_train.records import (
     TunerRecord,
 )
 from service.model.job_data import Job

@@ -16,7 +16,7 @@ from support.fake_runner import FakeRunner
 from support.service_app import Service, anonymous, spec, start
 
 from kaisa_ray.enums import ComputeMethod, DistributedStrategy, KFACApprox, Precision
-from kaisa_ray.train.records import (
+from kaisa_train.records import (
     RecordKind,
     SweepMetric,
     TrialState,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from support.ray_head import TEST_ENV
 
-from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
-from kaisa_ray.train.head import free_port
+from kaisa_train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_train.head import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ROOT = Path(__file__).resolve().parents[2]

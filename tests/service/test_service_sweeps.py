@@ -35,8 +35,8 @@ from support.sweep_data import (
     sweep_spec,
 )
 
-import kaisa_ray.train.cli as train_cli
-from kaisa_ray.train.records import TrialRecord, TrialState, parse_record
+import kaisa_train.cli as train_cli
+from kaisa_train.records import TrialRecord, TrialState, parse_record
 from service.cli import main as kaisa_ray_cli
 from service.domain.interpretation import interpret
 from service.domain.sweeps import ended, merge, plan

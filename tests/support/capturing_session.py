@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kaisa_ray.train.records import IntervalsRecord, Record
+from kaisa_train.records import IntervalsRecord, Record
 
 
 class CapturingSession:

@@ -9,7 +9,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from kaisa_ray.train.head import HEAD_PREFIX
+from kaisa_train.head import HEAD_PREFIX
 from support.ray_head import TEST_ENV
 
 ROOT = Path(__file__).resolve().parents[2]

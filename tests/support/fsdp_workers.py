@@ -84,7 +84,7 @@ def checkpoint_round_trip(rank: int, world_size: int) -> dict[str, object]:
     from types import SimpleNamespace
 
     from kaisa_ray.sharding import shard_layers
-    from kaisa_ray.train.state import _load_whole_states, _whole_states
+    from kaisa_train.state import _load_whole_states, _whole_states
 
     def built() -> tuple[nn.Module, torch.optim.Optimizer, KFACPreconditioner]:
         model = _model()
@@ -222,7 +222,7 @@ def profiled(rank: int, world_size: int) -> object:
     """``kfac: auto``'s profile (``tuner.profile.profile_job``) of a LeNet sharded as a job
     shards it (``shard_layers``), with AdamW, on random batches."""
     from kaisa_ray.sharding import shard_layers
-    from kaisa_ray.train.models import LeNetCNN
+    from kaisa_train.models import LeNetCNN
     from tuner.profile import profile_job
 
     torch.manual_seed(0)
@@ -285,9 +285,9 @@ def job_in_bf16(rank: int, world_size: int) -> dict[str, object]:
     ``precision: bf16`` and MEM-OPT: three of its training steps (``worker._train_step``).
     What dtype the layers computed in, the dtypes of the shards, their gradients and K-FAC's
     factors, and the losses."""
-    from kaisa_ray.train.spec import parse_job_spec
-    from kaisa_ray.train.training import Training
-    from kaisa_ray.train.worker import Window, _train_step
+    from kaisa_train.spec import parse_job_spec
+    from kaisa_train.training import Training
+    from kaisa_train.worker import Window, _train_step
 
     spec = parse_job_spec(
         {

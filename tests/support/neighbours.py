@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kaisa_ray.train.head import free_port
+from kaisa_train.head import free_port
 from service.head import venv_path
 from support.ray_head import RAY, TEST_ENV
 from support.service_process import KAISA_RAY

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kaisa_ray.train.head import free_port
+from kaisa_train.head import free_port
 from service.head import RAY, RayHead
 from service.head import start_head as _start_head
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kaisa_ray.train.progress import read_progress
+from kaisa_train.progress import read_progress
 
 
 def job(**overrides: Any) -> dict[str, Any]:

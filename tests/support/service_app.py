@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from fastapi import FastAPI
 
-from kaisa_ray.train.records import CandidateRow, KFACChoice, TunerRecord
+from kaisa_train.records import CandidateRow, KFACChoice, TunerRecord
 from service.app import create_app
 from service.settings import Settings
 from service.store.repository import JobStore

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kaisa_ray.train import registry
+from kaisa_train import registry
 
 PLUGINS = Path(__file__).parents[1] / "plugins"
 

@@ -34,8 +34,8 @@ def rows_of(pipeline: Any) -> list[list[float]]:
 def stream_rows(fields: dict[str, Any]) -> dict[str, Any]:
     """The counts and rows of both splits of the streamed dataset ``fields``, or its error."""
     from kaisa_ray.errors import ConfigurationError
-    from kaisa_ray.train.spec import DatasetSpec
-    from kaisa_ray.train.streaming import open_stream
+    from kaisa_train.spec import DatasetSpec
+    from kaisa_train.streaming import open_stream
 
     try:
         pipelines, counts = open_stream(DatasetSpec(**fields))

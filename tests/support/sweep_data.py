@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from kaisa_ray.train.spec import parse_job_spec
+from kaisa_train.spec import parse_job_spec
 from service.domain.interpretation import Reading, interpret
 from service.model.job_data import Job
 from service.model.lifecycle import JobState, transition

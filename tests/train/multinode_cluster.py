@@ -38,9 +38,9 @@ os.environ.pop("RAY_ADDRESS", None)
 import ray
 from ray.cluster_utils import Cluster
 
-from kaisa_ray.train.job import JobResult, run_job
-from kaisa_ray.train.progress import read_progress
-from kaisa_ray.train.spec import parse_job_spec
+from kaisa_train.job import JobResult, run_job
+from kaisa_train.progress import read_progress
+from kaisa_train.spec import parse_job_spec
 
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
 

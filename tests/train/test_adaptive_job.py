@@ -12,15 +12,15 @@ from typing import Any
 import torch
 from support.capturing_session import CapturingSession
 
-from kaisa_ray.train.records import (
+from kaisa_train.records import (
     AdaptiveChoice,
     KFACChoice,
     StepRecord,
     TunerRecord,
 )
-from kaisa_ray.train.spec import parse_job_spec
-from kaisa_ray.train.worker import train
-from kaisa_ray.train.worker_config import TrainConfig
+from kaisa_train.spec import parse_job_spec
+from kaisa_train.worker import train
+from kaisa_train.worker_config import TrainConfig
 
 STEPS = 60
 SPLIT = 24  # a checkpoint mid-interval for some layers: the schedule comes from it

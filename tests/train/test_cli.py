@@ -1,4 +1,4 @@
-"""The kaisa-ray command line (service.cli) and its training commands (kaisa_ray.train.cli)."""
+"""The kaisa-ray command line (service.cli) and its training commands (kaisa_train.cli)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_train.datasets import DEFAULT_FASHION_MNIST_DIR
 from service.cli import main
 
 

@@ -1,4 +1,4 @@
-"""Tests for kaisa_ray.train.datasets: IDX parsing, standardisation, limits and errors."""
+"""Tests for kaisa_train.datasets: IDX parsing, standardisation, limits and errors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kaisa_ray.train.datasets import (
+from kaisa_train.datasets import (
     DEFAULT_FASHION_MNIST_DIR,
     DatasetNotFoundError,
     IDXFormatError,

@@ -33,9 +33,9 @@ import yaml
 from click.testing import CliRunner, Result
 
 import service.cli  # registers serve, submit, jobs and cancel on the group
-from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
-from kaisa_ray.train.spec import KFACSpec, load_job_spec
-from kaisa_ray.train.storage import is_uri, resolve_storage
+from kaisa_train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_train.spec import KFACSpec, load_job_spec
+from kaisa_train.storage import is_uri, resolve_storage
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -739,7 +739,7 @@ def test_the_image_holds_the_data_torch_and_the_project() -> None:
     for path in (".venv/bin/python", ".git/HEAD", "tests/train/test_deploy.py", "build/lib/x.py"):
         assert ignored_by_docker(path), f"{path} would be sent to the Docker daemon"
     assert ignored_by_docker("kaisa_ray/__pycache__/cli.cpython-311.pyc")
-    assert not ignored_by_docker("kaisa_ray/train/cli.py")
+    assert not ignored_by_docker("kaisa_train/cli.py")
     # The examples, at the path the manifests use.
     assert repo_path("/opt/kaisa-ray/examples/fashion_mnist_gpu.yaml") == GPU_EXAMPLE
 

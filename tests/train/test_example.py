@@ -1,4 +1,4 @@
-"""Tests for kaisa_ray.train.example.run_example on a tiny IDX data set."""
+"""Tests for kaisa_train.example.run_example on a tiny IDX data set."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kaisa_ray.train.example import evaluate, run_example
-from kaisa_ray.train.models import LeNetCNN
+from kaisa_train.example import evaluate, run_example
+from kaisa_train.models import LeNetCNN
 
 
 def write_idx(path: Path, tensor: torch.Tensor) -> None:

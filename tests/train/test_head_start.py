@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 import service.head
-from kaisa_ray.train import head
-from kaisa_ray.train.head import HeadStartError, listening
+from kaisa_train import head
+from kaisa_train.head import HeadStartError, listening
 
 NODE_INFO = (
     "RuntimeError: Timed out waiting for node info for node_id=fb7df810746e36abdd30d9df1437e9ed"

@@ -17,10 +17,10 @@ from click.testing import CliRunner
 from support.ray_head import RayHead, actors_alive
 from support.ray_jobs import job, records
 
-from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
-from kaisa_ray.train.job import run_job
-from kaisa_ray.train.spec import parse_job_spec
-from kaisa_ray.train.state import load_checkpoint_file
+from kaisa_train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_train.job import run_job
+from kaisa_train.spec import parse_job_spec
+from kaisa_train.state import load_checkpoint_file
 from service.cli import main
 from tuner.actor import tuner_actor
 

@@ -1,4 +1,4 @@
-"""What standalone commands leave for the next (``kaisa_ray.train.local_store``), and the
+"""What standalone commands leave for the next (``kaisa_train.local_store``), and the
 pieces of the connection that need no Ray: the store's files, the tuner's profiles through
 it, ``tune --history`` read from it, and how an address is judged."""
 
@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 from support.profiles import profile
 
-from kaisa_ray.train.connection import cluster_address
-from kaisa_ray.train.head import free_port, reachable
-from kaisa_ray.train.local_store import MAX_RUNS, LocalStore, cache_dir
-from kaisa_ray.train.records import IntervalChangeRow, IntervalsRecord, LayerIntervals, StepRecord
+from kaisa_train.connection import cluster_address
+from kaisa_train.head import free_port, reachable
+from kaisa_train.local_store import MAX_RUNS, LocalStore, cache_dir
+from kaisa_train.records import IntervalChangeRow, IntervalsRecord, LayerIntervals, StepRecord
 from service.cli import main
 from tuner.actor import TunerState
 
@@ -94,7 +94,7 @@ def test_tune_history_reads_a_stored_run_without_ray(
     def no_ray() -> None:
         raise AssertionError("tune --history started Ray")
 
-    monkeypatch.setattr("kaisa_ray.train.cli.ensure_ray", no_ray)
+    monkeypatch.setattr("kaisa_train.cli.ensure_ray", no_ray)
     result = CliRunner().invoke(main, ["tune", "--history", "stored-run"])
     assert result.exit_code == 0, result.output
     assert "fc1" in result.output
@@ -126,7 +126,7 @@ def test_a_stale_address_file_is_named_for_ray_address_auto(
     """RAY_ADDRESS=auto reads the address the last ``ray start`` left; a dead one is an error
     at once that names the file and the fix (Ray itself would retry for minutes)."""
     from kaisa_ray.errors import ConfigurationError
-    from kaisa_ray.train import connection
+    from kaisa_train import connection
 
     left = tmp_path / "ray_current_cluster"
     dead = f"127.0.0.1:{free_port()}"
@@ -142,7 +142,7 @@ def test_a_job_server_address_is_refused_naming_the_gcs_address_instead(address:
     """The address ``kaisa-ray head start`` prints first (for ``ray job submit``) is not one a
     driver can connect to: an error that says which one to use, not Ray's traceback."""
     from kaisa_ray.errors import ConfigurationError
-    from kaisa_ray.train import connection
+    from kaisa_train import connection
 
     with pytest.raises(ConfigurationError, match="is a job server") as e:
         connection._connect(address)

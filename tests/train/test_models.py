@@ -1,4 +1,4 @@
-"""Tests for kaisa_ray.train.models."""
+"""Tests for kaisa_train.models."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from kaisa_ray.train.models import MLP, LeNetCNN
+from kaisa_train.models import MLP, LeNetCNN
 
 
 def n_params(module: nn.Module) -> int:
@@ -67,7 +67,7 @@ def test_mlp_custom_sizes() -> None:
 
 def test_resnet20_shapes_parameters_and_kfac_registration() -> None:
     from kaisa_ray import KFACPreconditioner
-    from kaisa_ray.train.models import ResNet20
+    from kaisa_train.models import ResNet20
 
     model = ResNet20(in_channels=1)
     assert model(torch.randn(2, 1, 28, 28)).shape == (2, 10)

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
-from kaisa_ray.train.state import load_checkpoint_file
+from kaisa_train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_train.state import load_checkpoint_file
 
 pytestmark = [
     pytest.mark.slow,

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset
-from kaisa_ray.train.models import LeNetCNN
-from kaisa_ray.train.optimizers import build_optimizer
-from kaisa_ray.train.spec import PEER_OPTIMIZERS, OptimizerSpec, parse_job_spec
+from kaisa_train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset
+from kaisa_train.models import LeNetCNN
+from kaisa_train.optimizers import build_optimizer
+from kaisa_train.spec import PEER_OPTIMIZERS, OptimizerSpec, parse_job_spec
 
 needs_data = pytest.mark.skipif(
     not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist"

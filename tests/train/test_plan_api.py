@@ -11,7 +11,7 @@ import pytest
 from support.fake_runner import FakeRunner
 from support.service_app import TOKEN, anonymous, start
 
-from kaisa_ray.train.planning import PlanRequest, plan_job
+from kaisa_train.planning import PlanRequest, plan_job
 
 if TYPE_CHECKING:
     from starlette.testclient import TestClient

@@ -14,8 +14,8 @@ import yaml
 from click.testing import CliRunner, Result
 
 from kaisa_ray.plan import plan
-from kaisa_ray.train.planning import HARDWARE_DIR, hardware_names, load_hardware
-from kaisa_ray.train.shapes import workload
+from kaisa_train.planning import HARDWARE_DIR, hardware_names, load_hardware
+from kaisa_train.shapes import workload
 from service.cli import main
 from tuner.cost import NoFeasibleCandidateError, choose
 from tuner.forecast import forecast_profile

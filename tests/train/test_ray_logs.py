@@ -1,4 +1,4 @@
-"""Ray's consoles, quiet (``kaisa_ray.train.ray_logs``): what Ray Data and Ray Train print
+"""Ray's consoles, quiet (``kaisa_train.ray_logs``): what Ray Data and Ray Train print
 at INFO stays in their log files, out of a job's output."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def test_ray_data_s_console_takes_warnings_only_and_a_user_s_own_configuration_w
     file handler. A head's environment gets it unless the user named a configuration."""
     from ray.data._internal.logging import configure_logging
 
-    from kaisa_ray.train.ray_logs import CONFIG, VARIABLE, quiet_environment, quiet_here
+    from kaisa_train.ray_logs import CONFIG, VARIABLE, quiet_environment, quiet_here
 
     env = {VARIABLE: "/etc/my-ray-data-logging.yaml"}
     quiet_environment(env)
@@ -50,7 +50,7 @@ def test_ray_train_s_report_line_is_quiet_in_a_worker() -> None:
     (A job's output without Ray Train's lines: ``test_ray_train.py``'s ``ray job submit``.)"""
     from ray.train.v2._internal.execution import context
 
-    from kaisa_ray.train.ray_logs import quiet_train_reports
+    from kaisa_train.ray_logs import quiet_train_reports
 
     assert context.logger.name == context.__file__  # where Ray logs "Reporting training result"
     before = context.logger.level
@@ -65,7 +65,7 @@ def test_ray_train_s_report_line_is_quiet_in_a_worker() -> None:
 def test_a_head_on_one_machine_has_no_preemption_watcher_unless_asked() -> None:
     """No node of a one-machine head is ever drained: Ray Train's watcher (an actor a run, and
     a C++ error line in every job's output) is off there; a value the user set is kept."""
-    from kaisa_ray.train.ray_logs import PREEMPTION_WATCHER, quiet_environment
+    from kaisa_train.ray_logs import PREEMPTION_WATCHER, quiet_environment
 
     fresh: dict[str, str] = {}
     quiet_environment(fresh)
@@ -76,7 +76,7 @@ def test_a_head_on_one_machine_has_no_preemption_watcher_unless_asked() -> None:
 
 
 def test_a_head_on_one_machine_lists_its_log_folder_at_ray_s_slower_pace() -> None:
-    from kaisa_ray.train.ray_logs import LOG_LISTING, quiet_environment
+    from kaisa_train.ray_logs import LOG_LISTING, quiet_environment
 
     fresh: dict[str, str] = {}
     quiet_environment(fresh)

@@ -23,12 +23,12 @@ from support.ray_head import RAY, RayHead
 from support.ray_jobs import LIMIT, job, records
 
 from kaisa_ray import KFACPreconditioner
-from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset
-from kaisa_ray.train.example import evaluate
-from kaisa_ray.train.job import JobResult, run_job
-from kaisa_ray.train.models import LeNetCNN
-from kaisa_ray.train.spec import parse_job_spec
-from kaisa_ray.train.state import load_checkpoint_file
+from kaisa_train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset
+from kaisa_train.example import evaluate
+from kaisa_train.job import JobResult, run_job
+from kaisa_train.models import LeNetCNN
+from kaisa_train.spec import parse_job_spec
+from kaisa_train.state import load_checkpoint_file
 from service.cli import main
 
 pytestmark = [
@@ -334,7 +334,7 @@ def test_bad_specs_fail_before_anything_starts(
     def no_ray() -> None:
         raise AssertionError("a bad spec reached Ray")
 
-    monkeypatch.setattr("kaisa_ray.train.job.ensure_ray", no_ray)
+    monkeypatch.setattr("kaisa_train.job.ensure_ray", no_ray)
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump(job(**change)))
     done = CliRunner().invoke(main, ["train", f"--config={config}"])

@@ -1,4 +1,4 @@
-"""The stored shapes (``kaisa_ray/train/shape_table.json``) against the meta pass they stand in
+"""The stored shapes (``kaisa_train/shape_table.json``) against the meta pass they stand in
 for: the same workload at batch sizes they were not stored at, the file as the code writes it
 today, the same plan from either, and ``kaisa-ray plan`` answering without importing torch."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kaisa_ray.train import planning, shape_table
-from kaisa_ray.train.planning import PlanRequest, plan_job
-from kaisa_ray.train.shape_table import stored_workload
-from kaisa_ray.train.shapes import table, workload
+from kaisa_train import planning, shape_table
+from kaisa_train.planning import PlanRequest, plan_job
+from kaisa_train.shape_table import stored_workload
+from kaisa_train.shapes import table, workload
 from tuner.forecast import Workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,8 +56,8 @@ def test_the_stored_file_is_what_the_code_writes_today() -> None:
     """A model's code that changed its layers, rows or activations without the table being
     rewritten fails here, with the command that rewrites it."""
     assert json.loads(shape_table.TABLE.read_text()) == table(), (
-        "kaisa_ray/train/shape_table.json is stale: run "
-        "`.venv/bin/python -m kaisa_ray.train.shapes --write`"
+        "kaisa_train/shape_table.json is stale: run "
+        "`.venv/bin/python -m kaisa_train.shapes --write`"
     )
 
 

@@ -28,8 +28,8 @@ from support.cli_process import (
 )
 from support.neighbours import DefaultPortsRay, MakeRun, neighbours
 
-from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR
-from kaisa_ray.train.head import start_head
+from kaisa_train.datasets import DEFAULT_FASHION_MNIST_DIR
+from kaisa_train.head import start_head
 
 pytestmark = [pytest.mark.ray]
 NEEDS_DATA = pytest.mark.skipif(
@@ -109,7 +109,7 @@ def _environ(pid: int) -> str:
 def test_a_ray_address_nothing_answers_fails_at_once_naming_the_fix(tmp_path: Path) -> None:
     """A stale RAY_ADDRESS (a head stopped with ``kill``): an error in seconds that names the
     cause and the fix, not Ray's ten-minute retries."""
-    from kaisa_ray.train.head import free_port
+    from kaisa_train.head import free_port
 
     env = user_env(tmp_path / "home", RAY_ADDRESS=f"127.0.0.1:{free_port()}")
     done = run([KAISA_RAY, "train", "--config", "examples/quickstart.yaml"], env, ROOT, 120)

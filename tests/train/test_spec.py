@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kaisa_ray.train.registry import dataset_entry, model_factory
-from kaisa_ray.train.spec import JobSpec, JobSpecError, KFACSpec, load_job_spec, parse_job_spec
+from kaisa_train.registry import dataset_entry, model_factory
+from kaisa_train.spec import JobSpec, JobSpecError, KFACSpec, load_job_spec, parse_job_spec
 
 GOOD: dict[str, Any] = {
     "name": "fashion-kfac",

@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.spec import JobSpecError, parse_job_spec
-from kaisa_ray.train.storage import (
+from kaisa_train.spec import JobSpecError, parse_job_spec
+from kaisa_train.storage import (
     STORAGE_ENV,
     checkpoint_file_exists,
     checkpoint_location,

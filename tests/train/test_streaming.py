@@ -27,14 +27,14 @@ from support.ray_head import RayHead, actors_alive
 from support.ray_jobs import records
 
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.data_roots import within
-from kaisa_ray.train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset
-from kaisa_ray.train.job import run_job
-from kaisa_ray.train.records import TrialState
-from kaisa_ray.train.spec import DatasetSpec, parse_job_spec
-from kaisa_ray.train.state import load_checkpoint_file
-from kaisa_ray.train.stream_shard import StreamShard
-from kaisa_ray.train.streaming import (
+from kaisa_train.data_roots import within
+from kaisa_train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset
+from kaisa_train.job import run_job
+from kaisa_train.records import TrialState
+from kaisa_train.spec import DatasetSpec, parse_job_spec
+from kaisa_train.state import load_checkpoint_file
+from kaisa_train.stream_shard import StreamShard
+from kaisa_train.streaming import (
     TEXT_RUN,
     StreamCounts,
     _held_windows,
@@ -507,8 +507,8 @@ def test_a_fits_skipped_records_ledger_ends_with_the_fit_even_when_it_fails(
     nothing."""
     from types import SimpleNamespace
 
-    from kaisa_ray.train import trainer as trainer_module
-    from kaisa_ray.train.streaming import StreamCounts
+    from kaisa_train import trainer as trainer_module
+    from kaisa_train.streaming import StreamCounts
 
     killed: list[object] = []
     monkeypatch.setattr(trainer_module.ray, "kill", killed.append)

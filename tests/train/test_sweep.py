@@ -19,10 +19,10 @@ from click.testing import CliRunner
 from support.cli_process import KAISA_RAY, own_heads_left, run, user_env
 from support.ray_head import RayHead
 
-from kaisa_ray.train.records import TrialOutcome, TrialRecord, TrialState
-from kaisa_ray.train.spec import JobSpecError, parse_job_spec, trial_spec
-from kaisa_ray.train.sweep import SweepResult, search_space
-from kaisa_ray.train.tables import TrialTable
+from kaisa_train.records import TrialOutcome, TrialRecord, TrialState
+from kaisa_train.spec import JobSpecError, parse_job_spec, trial_spec
+from kaisa_train.sweep import SweepResult, search_space
+from kaisa_train.tables import TrialTable
 from service.cli import main
 
 
@@ -194,9 +194,9 @@ def test_the_cli_prints_the_trials_and_writes_the_best_spec(
         best_spec = trial_spec(given.without_sweep().model_dump(mode="json"), best.params)
         return SweepResult(run_name, "test_accuracy", "max", trials, best, best_spec, 42.0)
 
-    monkeypatch.setattr("kaisa_ray.train.sweep.run_sweep", fake_run_sweep)
+    monkeypatch.setattr("kaisa_train.sweep.run_sweep", fake_run_sweep)
     monkeypatch.setattr(
-        "kaisa_ray.train.progress.read_progress", lambda *a, **k: {"records": [], "next": 0}
+        "kaisa_train.progress.read_progress", lambda *a, **k: {"records": [], "next": 0}
     )
     config, output = tmp_path / "sweep.yaml", tmp_path / "best.yaml"
     config.write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
@@ -225,7 +225,7 @@ def test_the_cli_prints_the_trials_and_writes_the_best_spec(
 
     # No trial with the metric: the command fails saying where to look.
     monkeypatch.setattr(
-        "kaisa_ray.train.sweep.run_sweep",
+        "kaisa_train.sweep.run_sweep",
         lambda given, storage_path, run_name: SweepResult(
             run_name, "test_accuracy", "max", trials[:1], None, None, 1.0
         ),

@@ -10,15 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from kaisa_ray import KFACPreconditioner
-from kaisa_ray.train.corpus import DEFAULT_FORTUNES_DIR, load_text_corpus, read_corpus
-from kaisa_ray.train.datasets import DatasetNotFoundError
-from kaisa_ray.train.planning import request_from_spec
-from kaisa_ray.train.records import EvalRecord, Record
-from kaisa_ray.train.session import LocalSession
-from kaisa_ray.train.spec import JobSpecError, parse_job_spec
-from kaisa_ray.train.transformer import CharTransformer
-from kaisa_ray.train.worker import train
-from kaisa_ray.train.worker_config import TrainConfig
+from kaisa_train.corpus import DEFAULT_FORTUNES_DIR, load_text_corpus, read_corpus
+from kaisa_train.datasets import DatasetNotFoundError
+from kaisa_train.planning import request_from_spec
+from kaisa_train.records import EvalRecord, Record
+from kaisa_train.session import LocalSession
+from kaisa_train.spec import JobSpecError, parse_job_spec
+from kaisa_train.transformer import CharTransformer
+from kaisa_train.worker import train
+from kaisa_train.worker_config import TrainConfig
 
 
 @pytest.fixture

@@ -11,17 +11,17 @@ import torch
 from support.capturing_session import CapturingSession
 
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.train.job import run_job
-from kaisa_ray.train.optimizers import build_optimizer, lr_factor
-from kaisa_ray.train.progress import ProgressStore
-from kaisa_ray.train.records import StepRecord
-from kaisa_ray.train.session import LocalSession
-from kaisa_ray.train.shard import load_shard
-from kaisa_ray.train.spec import OptimizerSpec, ScheduleSpec, parse_job_spec
-from kaisa_ray.train.state import CHECKPOINT_FILE, load_checkpoint_file
-from kaisa_ray.train.trainer import unique_run_name
-from kaisa_ray.train.worker import Window, train
-from kaisa_ray.train.worker_config import TrainConfig
+from kaisa_train.job import run_job
+from kaisa_train.optimizers import build_optimizer, lr_factor
+from kaisa_train.progress import ProgressStore
+from kaisa_train.records import StepRecord
+from kaisa_train.session import LocalSession
+from kaisa_train.shard import load_shard
+from kaisa_train.spec import OptimizerSpec, ScheduleSpec, parse_job_spec
+from kaisa_train.state import CHECKPOINT_FILE, load_checkpoint_file
+from kaisa_train.trainer import unique_run_name
+from kaisa_train.worker import Window, train
+from kaisa_train.worker_config import TrainConfig
 
 
 def spec(**overrides: Any) -> Any:
@@ -133,7 +133,7 @@ def test_the_sigint_handler_before_a_fit_is_back_after_it() -> None:
     import signal
     import threading
 
-    from kaisa_ray.train.trainer import sigint_kept
+    from kaisa_train.trainer import sigint_kept
 
     def ours(signum: int, frame: object) -> None: ...
 

@@ -28,8 +28,8 @@ import pytest
 
 from kaisa_ray.plan import Plan, StepType, plan
 from kaisa_ray.strategy import valid_fractions
-from kaisa_ray.train.planning import PlanRequest, load_hardware, plan_job
-from kaisa_ray.train.shapes import workload
+from kaisa_train.planning import PlanRequest, load_hardware, plan_job
+from kaisa_train.shapes import workload
 from tuner.cost import Decision, choose
 from tuner.forecast import forecast_profile
 

@@ -14,8 +14,8 @@ import torch
 import yaml
 from torch.profiler import ProfilerActivity, profile
 
-from kaisa_ray.train.planning import hardware_file
-from kaisa_ray.train.shapes import workload
+from kaisa_train.planning import hardware_file
+from kaisa_train.shapes import workload
 from tuner.forecast import forecast_profile, precondition_seconds
 from tuner.hardware import (
     OVERHEAD_OPERATIONS,

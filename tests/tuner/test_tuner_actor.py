@@ -7,10 +7,10 @@ import pytest
 import torch
 from support.profiles import EVEN, MIB, profile
 
-from kaisa_ray.train.auto_choice import candidate_rows, data_note
-from kaisa_ray.train.models import MLP, LeNetCNN
-from kaisa_ray.train.records import KFACChoice, TunerRecord
-from kaisa_ray.train.tables import decision_line, tuning_table
+from kaisa_train.auto_choice import candidate_rows, data_note
+from kaisa_train.models import MLP, LeNetCNN
+from kaisa_train.records import KFACChoice, TunerRecord
+from kaisa_train.tables import decision_line, tuning_table
 from tuner.actor import TunerState
 from tuner.cost import NoFeasibleCandidateError, choose
 from tuner.keys import profile_key

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from support.harness import run_distributed
 from torch.nn.parallel import DistributedDataParallel
 
-from kaisa_ray.train.optimizers import build_optimizer
-from kaisa_ray.train.registry import model_factory
-from kaisa_ray.train.shard import load_shard
-from kaisa_ray.train.spec import JobSpec, KFACSpec, load_job_spec
+from kaisa_train.optimizers import build_optimizer
+from kaisa_train.registry import model_factory
+from kaisa_train.shard import load_shard
+from kaisa_train.spec import JobSpec, KFACSpec, load_job_spec
 from tuner.cost import NoFeasibleCandidateError, choose
 from tuner.memory import TensorMemory
 from tuner.profile import measure_candidate, profile_job

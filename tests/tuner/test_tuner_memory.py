@@ -11,7 +11,7 @@ from support.harness import run_distributed
 
 from kaisa_ray import KFACPreconditioner
 from kaisa_ray.plan import plan
-from kaisa_ray.train.models import LeNetCNN
+from kaisa_train.models import LeNetCNN
 from tuner.memory import TensorMemory, tensor_bytes
 
 

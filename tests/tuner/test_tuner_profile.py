@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from support.harness import run_distributed
 from torch.nn.parallel import DistributedDataParallel
 
-from kaisa_ray.train.models import LeNetCNN
+from kaisa_train.models import LeNetCNN
 from tuner.cost import Profile, choose
 from tuner.memory import tensor_bytes
 from tuner.profile import profile_job

@@ -13,7 +13,7 @@ import pytest
 from kaisa_ray.assignment import LayerShape
 from kaisa_ray.plan import Plan, StepType, plan
 from kaisa_ray.strategy import valid_fractions
-from kaisa_ray.train.planning import load_hardware
+from kaisa_train.planning import load_hardware
 from tuner.cost import (
     CubicFit,
     LinkFit,
