@@ -12,6 +12,7 @@ import pytest
 from ray import cloudpickle
 
 import kaisa_ray
+import kaisa_train
 import service
 import tuner
 from kaisa_ray import ComputeMethod, KFACPreconditioner
@@ -89,7 +90,7 @@ def _modules(package: ModuleType) -> list[ModuleType]:
 
 def defined_exceptions() -> set[type[BaseException]]:
     classes: set[type[BaseException]] = set()
-    for package in (kaisa_ray, tuner, service):
+    for package in (kaisa_ray, kaisa_train, tuner, service):
         for module in _modules(package):
             for value in vars(module).values():
                 if (
