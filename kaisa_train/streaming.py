@@ -114,24 +114,27 @@ def _filesystem(path: str) -> tuple[Any, str]:
     return pyarrow.fs.LocalFileSystem(), os.path.abspath(local_path(path))
 
 
-def _addresser(origin: str) -> Callable[[str], str]:
-    """Turns a path listed on ``origin``'s filesystem into what Ray Data and this module read
-    it by: a local path as it is; on another system (``s3://bucket/data``, whose filesystem
-    lists ``bucket/data/part-0.parquet``) the URI, ``s3://bucket/data/part-0.parquet``."""
+def _addresser(origin: str, root: str) -> Callable[[str], str]:
+    """Turns a path listed on ``origin``'s filesystem (``root``: ``origin`` as that filesystem
+    names it) into what Ray Data and this module read it by: a local path as it is; on another
+    system (``s3://bucket/data``, whose filesystem lists ``bucket/data/part-0.parquet``) the
+    URI, ``s3://bucket/data/part-0.parquet``."""
     if not is_uri(origin):
         return lambda path: path
-    _, root = _filesystem(origin)
     given, listed = origin.rstrip("/"), root.rstrip("/")
     scheme = origin.split("://", 1)[0] + "://"
     prefix = given[: len(given) - len(listed)] if listed and given.endswith(listed) else scheme
     return lambda path: path if "://" in path else prefix + path
 
 
-def _listing(path: str, split: str) -> tuple[list[str], list[str]]:
-    """(subfolders, files below) of ``path``, each sorted; refused where nothing is there."""
+def _listing(
+    path: str, split: str, located: tuple[Any, str] | None = None
+) -> tuple[list[str], list[str]]:
+    """(subfolders, files below) of ``path``, each sorted; refused where nothing is there.
+    ``located``: ``_filesystem(path)``, where the caller has it already."""
     import pyarrow.fs
 
-    fs, root = _filesystem(path)
+    fs, root = located or _filesystem(path)
     info = fs.get_file_info(root)
     if info.type == pyarrow.fs.FileType.NotFound:
         raise ConfigurationError(
@@ -148,9 +151,10 @@ def _listing(path: str, split: str) -> tuple[list[str], list[str]]:
 
 def _image_classes(path: str, split: str) -> dict[str, list[str]]:
     """An image folder's classes (its subfolders, sorted) and each one's images, sorted."""
-    _, root = _filesystem(path)
-    address = _addresser(path)
-    folders, files = _listing(path, split)
+    located = _filesystem(path)
+    root = located[1]
+    address = _addresser(path, root)
+    folders, files = _listing(path, split, located)
     classes: dict[str, list[str]] = {
         os.path.relpath(f, root): [] for f in folders if os.path.dirname(f) == root.rstrip("/")
     }
@@ -554,8 +558,9 @@ def _parquet_pipeline(
 
 
 def _parquet_files(path: str, split: str) -> list[str]:
-    _, files = _listing(path, split)
-    address = _addresser(path)
+    located = _filesystem(path)
+    _, files = _listing(path, split, located)
+    address = _addresser(path, located[1])
     parquet = [address(f) for f in files if f.endswith(".parquet")]
     if not parquet:
         raise ConfigurationError(
@@ -635,7 +640,7 @@ def _text_files(path: str, split: str) -> list[tuple[str, int]]:
     info = fs.get_file_info(root)
     if info.type == pyarrow.fs.FileType.File:
         return [(root, info.size)]
-    _, files = _listing(path, split)
+    _, files = _listing(path, split, (fs, root))
     text = [f for f in files if f.lower().endswith(TEXT_EXTENSION)]
     if not text:
         raise ConfigurationError(
@@ -661,6 +666,7 @@ def _text_split(dataset: DatasetSpec, path: str, split: str, held: bool) -> _Tex
     context, every = dataset.window, dataset.validation_every
     files = _text_files(path, split)
     _, root = _filesystem(path)
+    address = _addresser(path, root)
     if len(files) == 1 and files[0][0] == root:  # a file named, not a folder
         root = os.path.dirname(root)
     first, total = {}, 0
@@ -678,7 +684,6 @@ def _text_split(dataset: DatasetSpec, path: str, split: str, held: bool) -> _Tex
             + ". Add text, lower dataset.context"
             + (", or lower validation_every" if every else "")
         )
-    address = _addresser(path)
     return _TextSplit([address(name) for name, _ in files], root, first, rows)
 
 
