@@ -35,10 +35,13 @@ from kaisa_train.spec import DatasetSpec, parse_job_spec
 from kaisa_train.state import load_checkpoint_file
 from kaisa_train.stream_shard import StreamShard
 from kaisa_train.streaming import (
+    MIN_BLOCK_BYTES,
+    ROWS_PER_BLOCK,
     TEXT_RUN,
     StreamCounts,
     _held_windows,
     _windows,
+    block_bytes,
     open_stream,
     spare_cpus_message,
 )
@@ -167,6 +170,19 @@ def test_each_source_takes_its_own_fields_and_one_validation_split(tmp_path: Pat
     assert tokens.window == 64
     assert DatasetSpec(name="text", context=128, **uris).window == 128
     assert not DatasetSpec(name="parquet", **uris).sequences
+
+
+def test_training_blocks_hold_about_a_thousand_rows_where_a_rows_size_is_known() -> None:
+    uris = {"train": "s3://b/t", "validation": "s3://b/v"}
+    gray = DatasetSpec(name="parquet", image={"size": [28, 28]}, **uris)
+    assert block_bytes(gray, 128 << 20) == ROWS_PER_BLOCK * (28 * 28 * 4 + 8)
+    rgb = DatasetSpec(name="image-folder", image={"mode": "RGB", "size": [32, 32]}, **uris)
+    assert block_bytes(rgb, None) == ROWS_PER_BLOCK * (3 * 32 * 32 * 4 + 8)
+    assert block_bytes(DatasetSpec(name="text", **uris), 128 << 20) == MIN_BLOCK_BYTES
+    # Rows as large as ImageNet's keep Ray Data's default; images of their own size too.
+    big = DatasetSpec(name="image-folder", image={"mode": "RGB", "size": [224, 224]}, **uris)
+    assert block_bytes(big, 128 << 20) is None
+    assert block_bytes(DatasetSpec(name="image-folder", **uris), 128 << 20) is None
 
 
 def test_windows_overlap_by_one_and_held_out_runs_are_counted_exactly() -> None:
