@@ -34,8 +34,10 @@ class StreamShard:
     world: int
     shuffle_buffer: int
     ledger: Any = None  # bad_records: skip's count; an epoch that comes up short is refilled
+    epochs: int = 1  # the epochs one iteration of the training split reads (one execution)
     waited_s: float = 0.0  # in ``batch``: seconds this worker waited for its data
-    _next: tuple[int, int] | None = None  # (epoch, batch) the open iteration reads next
+    _next: int | None = None  # the step the open iteration's next batch is for
+    _left: int = 0  # the batches the open iteration has left to give
     _batches: Iterator[dict[str, torch.Tensor]] | None = field(default=None, repr=False)
 
     @classmethod
@@ -68,6 +70,7 @@ class StreamShard:
             world=world,
             shuffle_buffer=shuffle_buffer,
             ledger=counts.ledger,
+            epochs=counts.epochs,
         )
 
     def window_bytes(self, row_bytes: int) -> int:
@@ -91,23 +94,25 @@ class StreamShard:
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         epoch, index = self.position(step)
         started = time.perf_counter()
-        if self._batches is None or self._next != (epoch, index):
-            # A new epoch, or a jump (a resume, the tuner's profile before training): a new
-            # iteration of the split (every worker starts one at the same step).
-            self._batches = self._iteration(epoch)
+        if self._batches is None or self._next != step:
+            # The first step, the end of the epochs an iteration reads, or a jump (a resume,
+            # the tuner's profile before training): a new iteration of the split, from the
+            # first of its epochs (every worker starts one at the same step).
+            self._batches = self._iteration(epoch, index)
         try:
             batch = next(self._batches)
         except StopIteration:
             if self.ledger is None:
                 raise ConfigurationError(
                     f"the training split ran out at batch {index} of epoch {epoch} on worker "
-                    f"{self.rank}, before the {self.steps_per_epoch} batches its rows counted "
-                    "for: the files changed while the job ran, or rows were unreadable "
+                    f"{self.rank}, before the {self.epochs * self.steps_per_epoch} batches "
+                    f"({self.epochs} epoch(s)) its rows counted for: the files changed while "
+                    "the job ran, or rows were unreadable "
                     "(dataset.bad_records: skip leaves those out)"
                 ) from None
             # Rows skipped as unreadable left the epoch short (every worker as short: the
             # split is equal): its last batches come from its start, read again.
-            self._batches = self._iteration(epoch)
+            self._batches = self._iteration(epoch, index)
             refill = next(self._batches, None)
             if refill is None:
                 raise ConfigurationError(
@@ -116,14 +121,18 @@ class StreamShard:
                 ) from None
             batch = refill
         self.waited_s += time.perf_counter() - started
-        following = index + 1
-        if following == self.steps_per_epoch:  # the epoch's rest (under a batch) is left
+        self._left -= 1
+        if self._left == 0:  # the rest (under a batch) is left
             self._batches, self._next = None, None
         else:
-            self._next = (epoch, following)
+            self._next = step + 1
         return _pair(batch)
 
-    def _iteration(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+    def _iteration(self, epoch: int, index: int) -> Iterator[dict[str, torch.Tensor]]:
+        """A new iteration of the split for batch ``index`` of ``epoch`` on: its epochs, or,
+        from within an epoch (a resume), the rest of that one (the next starts a new one, so
+        that every epoch after it reads every row once)."""
+        self._left = self.steps_per_epoch - index if index else self.epochs * self.steps_per_epoch
         return iter(
             self.train.iter_torch_batches(
                 batch_size=self.batch_size,

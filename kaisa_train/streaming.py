@@ -3,23 +3,27 @@ text files, read and preprocessed on the cluster's CPUs, each worker holding a b
 
 The driver opens the sources (``open_stream``): it lists the files, checks what it can before
 anything starts (an empty folder, a missing column, validation classes training lacks), counts
-the rows, and builds one Ray Data pipeline per split, read with the files in a new random
-order each epoch and preprocessed by ``map_batches`` tasks into ``{"x": float32, "y": int64}``
-batches (a language model's: ``{"window": (n, context + 1)}``, input and target in one).
+the rows, and builds one Ray Data pipeline per split, its files read by Ray Data tasks
+(``stream_read.py``: the training split's epochs one after the other in one execution, each
+epoch's files in a new order drawn from the job's seed) and preprocessed by ``map_batches``
+tasks into ``{"x": float32, "y": int64}`` batches (a language model's:
+``{"window": (n, context + 1)}``, input and target in one).
 Ray Train splits both pipelines over the workers (``streaming_split``, every worker as many
 rows); a worker reads its share through ``StreamShard`` (``stream_shard.py``, so that Ray
 Data's tasks and actors, which import this module for the pipelines' functions, need no
 torch), which keeps the in-memory
 ``Shard``'s contract: step ``s`` is batch ``(s-1) % steps_per_epoch`` of epoch
-``(s-1) // steps_per_epoch``, and within an epoch the rows come through a shuffle window of
-``dataset.shuffle_buffer`` rows.
+``(s-1) // steps_per_epoch``, and the rows come through a shuffle window of
+``dataset.shuffle_buffer`` rows (which spans an epoch's end: the first batches of an epoch
+hold a few of the last one's rows).
 
 What streaming does not give: which rows fill a batch depends on the order in which the
 pipeline's blocks reach the workers, so two runs of a streamed job are not bit for bit the
 same, and a resumed run continues at its step and epoch with the rest of that epoch drawn
 afresh from the epoch's data (the batches it had read before the stop are not skipped over,
 and some rows are seen twice that epoch, others not at all). Up to ``workers - 1`` rows of each
-split are left out of an epoch so that every worker reads as many (Ray Train's equal split).
+execution are left out so that every worker reads as many (Ray Train's equal split), and the
+rest under a batch at its end.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import numpy as np
 
 from kaisa_ray.errors import ConfigurationError
 from kaisa_train.ray_logs import quiet_here
+from kaisa_train.stream_read import Horizon, ReadBytes, ReadParquet, read_files
 from kaisa_train.stream_sources import (
     BadRecords,
     ImageMode,
@@ -73,6 +78,7 @@ class StreamCounts:
     validation_rows: int
     classes: tuple[str, ...] = ()  # an image folder's class names, in label order
     ledger: Any = field(default=None, compare=False)  # bad_records: skip's count (an actor)
+    epochs: int = 1  # the training split's epochs one execution of its pipeline reads
 
 
 class SkipLedger:
@@ -123,10 +129,18 @@ def _addresser(origin: str, root: str) -> Callable[[str], str]:
     URI, ``s3://bucket/data/part-0.parquet``."""
     if not is_uri(origin):
         return lambda path: path
+    prefix = _prefix(origin, root)
+    return lambda path: path if "://" in path else prefix + path
+
+
+def _prefix(origin: str, root: str) -> str:
+    """What ``_addresser`` puts before a name on ``origin``'s filesystem (empty: a local
+    path's)."""
+    if not is_uri(origin):
+        return ""
     given, listed = origin.rstrip("/"), root.rstrip("/")
     scheme = origin.split("://", 1)[0] + "://"
-    prefix = given[: len(given) - len(listed)] if listed and given.endswith(listed) else scheme
-    return lambda path: path if "://" in path else prefix + path
+    return given[: len(given) - len(listed)] if listed and given.endswith(listed) else scheme
 
 
 def _listing(
@@ -151,9 +165,9 @@ def _listing(
     return folders, files
 
 
-def _image_classes(path: str, split: str) -> dict[str, list[str]]:
-    """An image folder's classes (its subfolders, sorted) and each one's images, sorted."""
-    located = _filesystem(path)
+def _image_classes(path: str, split: str, located: tuple[Any, str]) -> dict[str, list[str]]:
+    """An image folder's classes (its subfolders, sorted) and each one's images, sorted
+    (``located``: ``_filesystem(path)``)."""
     root = located[1]
     address = _addresser(path, root)
     folders, files = _listing(path, split, located)
@@ -205,23 +219,38 @@ def _held_out(files: list[str], every: int, path: str) -> tuple[list[str], list[
     return [f for f in ordered if f not in held], validation
 
 
+@dataclass(frozen=True)
+class _Order:
+    """How a split's pipeline reads its files: ``epochs`` epochs in a row, each in a new
+    order drawn from ``seed`` (None: one epoch in file order, a validation split's)."""
+
+    epochs: int = 1
+    seed: int | None = None
+
+
+def _bytes_of(
+    origin: str, located: tuple[Any, str], files: list[str], order: _Order, per_task: int
+) -> tuple[Dataset, int]:
+    """``files`` of the split at ``origin`` as ``{"bytes", "path"}`` rows, read in ``order``;
+    and the epochs one execution reads."""
+    fs, root = located
+    read = ReadBytes(tuple(files), fs, _prefix(origin, root), order.seed, per_task)
+    return read_files(read, order.epochs)
+
+
 def _image_pipeline(
     dataset: DatasetSpec,
-    paths: str | list[str],
-    root: str,
+    origin: str,
+    located: tuple[Any, str],
+    files: list[str],
     classes: tuple[str, ...],
-    shuffle: bool,
+    order: _Order,
     ledger: Any,
-) -> Dataset:
-    import ray.data
-
+) -> tuple[Dataset, int]:
+    """An image split's pipeline and the epochs one execution reads."""
     image = dataset.image
-    ds = ray.data.read_binary_files(
-        paths,
-        include_paths=True,
-        shuffle="files" if shuffle else None,
-        file_extensions=list(IMAGE_EXTENSIONS),
-    )
+    root = _prefix(origin, located[1]) + located[1]  # as the listed paths begin
+    ds, epochs = _bytes_of(origin, located, files, order, ROWS_PER_BLOCK)
     prepare = _ImageBatches(
         root=root.rstrip("/"),
         classes=classes,
@@ -231,24 +260,31 @@ def _image_pipeline(
         std=tuple(image.std),
         ledger=ledger,
     )
-    return ds.map_batches(prepare, batch_format="numpy")
+    return ds.map_batches(prepare, batch_format="numpy"), epochs
 
 
-def _image_source(dataset: DatasetSpec, ledger: Any) -> tuple[dict[str, Dataset], StreamCounts]:
+def _image_source(
+    dataset: DatasetSpec, ledger: Any, horizon: Horizon
+) -> tuple[dict[str, Dataset], StreamCounts]:
     assert dataset.train is not None  # the spec's check
-    train = _image_classes(dataset.train, TRAIN)
+    located = _filesystem(dataset.train)
+    train = _image_classes(dataset.train, TRAIN, located)
     classes = tuple(train)
-    _, root = _filesystem(dataset.train)
+    every = [f for images in train.values() for f in images]
     if dataset.validation_every is not None:
-        every = [f for images in train.values() for f in images]
         kept, held = _held_out(every, dataset.validation_every, dataset.train)
-        pipelines = {
-            TRAIN: _image_pipeline(dataset, kept, root, classes, True, ledger),
-            VALIDATION: _image_pipeline(dataset, held, root, classes, False, ledger),
-        }
-        return pipelines, StreamCounts(len(kept), len(held), classes)
+        order = _train_order(dataset, horizon, len(kept))
+        train_ds, epochs = _image_pipeline(
+            dataset, dataset.train, located, kept, classes, order, ledger
+        )
+        val_ds, _ = _image_pipeline(
+            dataset, dataset.train, located, held, classes, _Order(), ledger
+        )
+        counts = StreamCounts(len(kept), len(held), classes, epochs=epochs)
+        return {TRAIN: train_ds, VALIDATION: val_ds}, counts
     assert dataset.validation is not None
-    validation = _image_classes(dataset.validation, VALIDATION)
+    validation_located = _filesystem(dataset.validation)
+    validation = _image_classes(dataset.validation, VALIDATION, validation_located)
     unknown = sorted(set(validation) - set(train))
     if unknown:
         raise ConfigurationError(
@@ -256,17 +292,24 @@ def _image_source(dataset: DatasetSpec, ledger: Any) -> tuple[dict[str, Dataset]
             f"{dataset.validation} are not in the training split {dataset.train}. Give "
             "both splits the same class folders"
         )
-    _, validation_root = _filesystem(dataset.validation)
-    pipelines = {
-        TRAIN: _image_pipeline(dataset, dataset.train, root, classes, True, ledger),
-        VALIDATION: _image_pipeline(
-            dataset, dataset.validation, validation_root, classes, False, ledger
-        ),
-    }
-    counts = StreamCounts(
-        sum(map(len, train.values())), sum(map(len, validation.values())), classes
+    held = [f for images in validation.values() for f in images]
+    order = _train_order(dataset, horizon, len(every))
+    train_ds, epochs = _image_pipeline(
+        dataset, dataset.train, located, every, classes, order, ledger
     )
-    return pipelines, counts
+    val_ds, _ = _image_pipeline(
+        dataset, dataset.validation, validation_located, held, classes, _Order(), ledger
+    )
+    counts = StreamCounts(len(every), len(held), classes, epochs=epochs)
+    return {TRAIN: train_ds, VALIDATION: val_ds}, counts
+
+
+def _train_order(dataset: DatasetSpec, horizon: Horizon, rows: int) -> _Order:
+    """How the training split of ``rows`` rows is read: the job's epochs in one execution
+    (one, with ``dataset.limit``, whose rows are the first of the stream), each epoch's files
+    in an order drawn from the job's seed."""
+    epochs = 1 if dataset.limit is not None else horizon.epochs(rows, dataset.batch_size)
+    return _Order(epochs, horizon.seed)
 
 
 @dataclass(frozen=True)
@@ -470,8 +513,8 @@ FOOTER_BATCH = 10  # the files a footer reader reads in one call (Ray Data's def
 
 @contextmanager
 def footer_readers(files: int) -> Iterator[None]:
-    """Ray Data (2.60) reads Parquet footers on a pool of 32 new actor processes for every
-    listing of a ``read_parquet``: its row count, and every execution (each epoch). More
+    """Ray Data (2.60) reads Parquet footers on a pool of 32 new actor processes for a
+    listing of a ``read_parquet`` (here, the driver's count of a split's rows). More
     readers than batches of files is only process start-ups (seconds of CPU each, where a
     small cluster's cores are the training's too), so the read made inside this block asks
     for one a batch of ``files``, up to Ray's 32 (the reader takes the number when it is
@@ -487,20 +530,27 @@ def footer_readers(files: int) -> Iterator[None]:
 
 
 def _parquet_pipeline(
-    dataset: DatasetSpec, paths: str | list[str], files: list[str], shuffle: bool, ledger: Any
-) -> tuple[Dataset, int]:
-    """A Parquet split's pipeline and its rows (windows, for a token column); ``files``: its
-    files, the first of which has its schema (and first row's tokens) checked here."""
+    dataset: DatasetSpec,
+    origin: str,
+    located: tuple[Any, str],
+    files: list[str],
+    horizon: Horizon | None,
+    ledger: Any,
+) -> tuple[Dataset, int, int]:
+    """A Parquet split's pipeline, its rows (windows, for a token column) and the epochs one
+    execution reads; ``files``: its files, the first of which has its schema (and first
+    row's tokens) checked here. ``horizon``: the job's, for a training split (None: a
+    validation split, one epoch in file order)."""
     import pyarrow.parquet as pq
     import ray.data
 
     first = files[0]
-    split = TRAIN if shuffle else VALIDATION
+    split = TRAIN if horizon is not None else VALIDATION
     columns = dataset.columns
     wanted = [columns.tokens] if columns.tokens is not None else [columns.input, columns.label]
-    fs, local = _filesystem(first)
+    fs, prefix = located[0], _prefix(origin, located[1])
     try:
-        with fs.open_input_file(local) as opened:
+        with fs.open_input_file(first[len(prefix) :]) as opened:
             table = pq.ParquetFile(opened)
             names = set(table.schema_arrow.names)
             missing = [c for c in wanted if c not in names]
@@ -524,10 +574,15 @@ def _parquet_pipeline(
             f"{', '.join(sorted(names))}). {hint}"
         )
     with footer_readers(len(files)):
-        ds = ray.data.read_parquet(
-            paths, columns=wanted, include_paths=True, shuffle="files" if shuffle else None
+        rows = ray.data.read_parquet(files).count()  # from the files' footers
+
+    def read(counted: int) -> tuple[Dataset, int]:
+        order = _Order() if horizon is None else _train_order(dataset, horizon, counted)
+        reader = ReadParquet(
+            tuple(files), fs, prefix, order.seed, 1, tuple(wanted), rows=ROWS_PER_BLOCK
         )
-    rows = ds.count()
+        return read_files(reader, order.epochs)
+
     if columns.tokens is not None:
         length = 0 if first_row is None else len(first_row.column(0)[0])
         per_row = (length - 1) // dataset.window
@@ -544,7 +599,8 @@ def _parquet_pipeline(
             vocabulary=dataset.classes,
             ledger=ledger,
         )
-        return ds.map_batches(windows, batch_format="numpy"), rows * per_row
+        ds, epochs = read(rows * per_row)
+        return ds.map_batches(windows, batch_format="numpy"), rows * per_row, epochs
     image = dataset.image
     prepare = _TableBatches(
         input=columns.input,
@@ -556,10 +612,12 @@ def _parquet_pipeline(
         classes=dataset.classes,
         ledger=ledger,
     )
-    return ds.map_batches(prepare, batch_format="numpy"), rows
+    ds, epochs = read(rows)
+    return ds.map_batches(prepare, batch_format="numpy"), rows, epochs
 
 
-def _parquet_files(path: str, split: str) -> list[str]:
+def _parquet_files(path: str, split: str) -> tuple[list[str], tuple[Any, str]]:
+    """A Parquet split's files and ``_filesystem(path)``."""
     located = _filesystem(path)
     _, files = _listing(path, split, located)
     address = _addresser(path, located[1])
@@ -569,22 +627,31 @@ def _parquet_files(path: str, split: str) -> list[str]:
             f"dataset.{split}: {path} holds no .parquet files. Point it at a Parquet file or "
             "a folder of them"
         )
-    return parquet
+    return parquet, located
 
 
-def _parquet_source(dataset: DatasetSpec, ledger: Any) -> tuple[dict[str, Dataset], StreamCounts]:
+def _parquet_source(
+    dataset: DatasetSpec, ledger: Any, horizon: Horizon
+) -> tuple[dict[str, Dataset], StreamCounts]:
     assert dataset.train is not None  # the spec's check
-    train = _parquet_files(dataset.train, TRAIN)
+    train, located = _parquet_files(dataset.train, TRAIN)
     if dataset.validation_every is not None:
         kept, held = _held_out(train, dataset.validation_every, dataset.train)
-        train_ds, train_rows = _parquet_pipeline(dataset, kept, kept, True, ledger)
-        val_ds, val_rows = _parquet_pipeline(dataset, held, held, False, ledger)
+        train_ds, train_rows, epochs = _parquet_pipeline(
+            dataset, dataset.train, located, kept, horizon, ledger
+        )
+        val_ds, val_rows, _ = _parquet_pipeline(dataset, dataset.train, located, held, None, ledger)
     else:
         assert dataset.validation is not None
-        validation = _parquet_files(dataset.validation, VALIDATION)
-        train_ds, train_rows = _parquet_pipeline(dataset, dataset.train, train, True, ledger)
-        val_ds, val_rows = _parquet_pipeline(dataset, dataset.validation, validation, False, ledger)
-    return {TRAIN: train_ds, VALIDATION: val_ds}, StreamCounts(train_rows, val_rows)
+        validation, validation_located = _parquet_files(dataset.validation, VALIDATION)
+        train_ds, train_rows, epochs = _parquet_pipeline(
+            dataset, dataset.train, located, train, horizon, ledger
+        )
+        val_ds, val_rows, _ = _parquet_pipeline(
+            dataset, dataset.validation, validation_located, validation, None, ledger
+        )
+    counts = StreamCounts(train_rows, val_rows, epochs=epochs)
+    return {TRAIN: train_ds, VALIDATION: val_ds}, counts
 
 
 TEXT_EXTENSION = ".txt"
@@ -634,11 +701,12 @@ def _relative(path: str, root: str) -> str:
     return path[position + len(root) :].lstrip("/") if position >= 0 else path
 
 
-def _text_files(path: str, split: str) -> list[tuple[str, int]]:
-    """(file, size in bytes) of a text split: the file named, or a folder's ``*.txt`` files."""
+def _text_files(path: str, split: str, located: tuple[Any, str]) -> list[tuple[str, int]]:
+    """(file, size in bytes) of a text split: the file named, or a folder's ``*.txt`` files
+    (``located``: ``_filesystem(path)``)."""
     import pyarrow.fs
 
-    fs, root = _filesystem(path)
+    fs, root = located
     info = fs.get_file_info(root)
     if info.type == pyarrow.fs.FileType.File:
         return [(root, info.size)]
@@ -655,19 +723,22 @@ def _text_files(path: str, split: str) -> list[tuple[str, int]]:
 @dataclass(frozen=True)
 class _TextSplit:
     """A text split, listed and counted: its files in path order, their common folder, each
-    file's first window's number, and the split's windows."""
+    file's first window's number, and the split's windows; where it lies (``_filesystem``)."""
 
     files: list[str]
     root: str
     first: dict[str, int]
     rows: int
+    origin: str
+    located: tuple[Any, str]
 
 
 def _text_split(dataset: DatasetSpec, path: str, split: str, held: bool) -> _TextSplit:
     """``path``'s windows (with ``validation_every``: its held-out runs, or the rest)."""
     context, every = dataset.window, dataset.validation_every
-    files = _text_files(path, split)
-    _, root = _filesystem(path)
+    located = _filesystem(path)
+    files = _text_files(path, split, located)
+    root = located[1]
     address = _addresser(path, root)
     if len(files) == 1 and files[0][0] == root:  # a file named, not a folder
         root = os.path.dirname(root)
@@ -686,15 +757,16 @@ def _text_split(dataset: DatasetSpec, path: str, split: str, held: bool) -> _Tex
             + ". Add text, lower dataset.context"
             + (", or lower validation_every" if every else "")
         )
-    return _TextSplit([address(name) for name, _ in files], root, first, rows)
+    return _TextSplit([address(name) for name, _ in files], root, first, rows, path, located)
 
 
-def _text_pipeline(dataset: DatasetSpec, text: _TextSplit, held: bool, shuffle: bool) -> Dataset:
-    import ray.data
-
-    ds = ray.data.read_binary_files(
-        text.files, include_paths=True, shuffle="files" if shuffle else None
-    )
+def _text_pipeline(
+    dataset: DatasetSpec, text: _TextSplit, held: bool, order: _Order | None
+) -> tuple[Dataset, int]:
+    """A text split's pipeline (``order``: a training split's; None: one epoch in file order)
+    and the epochs one execution reads."""
+    shuffle = order is not None
+    ds, epochs = _bytes_of(text.origin, text.located, text.files, order or _Order(), 1)
     windows = _TextWindows(
         context=dataset.window,
         root=text.root,
@@ -703,10 +775,10 @@ def _text_pipeline(dataset: DatasetSpec, text: _TextSplit, held: bool, shuffle: 
         keep=held,
         shuffle=shuffle,
     )
-    return ds.map_batches(windows, batch_format="numpy")
+    return ds.map_batches(windows, batch_format="numpy"), epochs
 
 
-def _text_source(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]:
+def _text_source(dataset: DatasetSpec, horizon: Horizon) -> tuple[dict[str, Dataset], StreamCounts]:
     assert dataset.train is not None  # the spec's check
     train = _text_split(dataset, dataset.train, TRAIN, held=False)
     if dataset.validation_every is not None:
@@ -714,16 +786,20 @@ def _text_source(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts
     else:
         assert dataset.validation is not None
         validation = _text_split(dataset, dataset.validation, VALIDATION, held=False)
-    pipelines = {
-        TRAIN: _text_pipeline(dataset, train, held=False, shuffle=True),
-        VALIDATION: _text_pipeline(dataset, validation, held=True, shuffle=False),
-    }
-    return pipelines, StreamCounts(train.rows, validation.rows)
+    order = _train_order(dataset, horizon, train.rows)
+    train_ds, epochs = _text_pipeline(dataset, train, held=False, order=order)
+    val_ds, _ = _text_pipeline(dataset, validation, held=True, order=None)
+    counts = StreamCounts(train.rows, validation.rows, epochs=epochs)
+    return {TRAIN: train_ds, VALIDATION: val_ds}, counts
 
 
-def open_stream(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]:
+def open_stream(
+    dataset: DatasetSpec, horizon: Horizon | None = None
+) -> tuple[dict[str, Dataset], StreamCounts]:
     """The job's two pipelines (``train``, ``validation``) and their counts, checked; the
-    validation split read once into Ray's object store (bad data in it fails here).
+    validation split read once into Ray's object store (bad data in it fails here). The
+    training pipeline reads the epochs ``horizon`` needs (default: one, seed 0) in one
+    execution (``stream_read``).
 
     Raises:
         ConfigurationError: a folder that is missing or empty, a class folder without images,
@@ -741,12 +817,15 @@ def open_stream(dataset: DatasetSpec) -> tuple[dict[str, Dataset], StreamCounts]
         import ray
 
         ledger = ray.remote(num_cpus=0)(SkipLedger).remote()  # the driver's, as long as it runs
+    horizon = horizon or Horizon()
     if source is StreamSource.IMAGE_FOLDER:
-        pipelines, counts = _image_source(dataset, ledger)
+        pipelines, counts = _image_source(dataset, ledger, horizon)
     elif source is StreamSource.PARQUET:
-        pipelines, counts = _parquet_source(dataset, ledger)
+        pipelines, counts = _parquet_source(dataset, ledger, horizon)
     else:
-        pipelines, counts = _text_source(dataset)  # every byte is a text's: nothing to skip
+        pipelines, counts = _text_source(
+            dataset, horizon
+        )  # every byte is a text's: nothing to skip
     if dataset.limit is not None:
         pipelines = {name: ds.limit(dataset.limit) for name, ds in pipelines.items()}
         counts = replace(
@@ -780,7 +859,7 @@ def block_bytes(dataset: DatasetSpec, default: int | None) -> int | None:
     ``dataset.image.size``); None (Ray Data's ``default``) otherwise, or where that is smaller.
 
     Ray Data's default (128 MiB) makes one block of a whole Parquet file or read task, and a
-    worker's first batch of every epoch waits until a block is whole: with tasks reading at
+    worker's first batch of an execution waits until a block is whole: with tasks reading at
     once on the same CPUs, nearly the epoch's whole read (docs/data.md, measured)."""
     if StreamSource(dataset.name) is StreamSource.TEXT or dataset.columns.tokens is not None:
         row = (dataset.window + 1) * 8  # a window of tokens (input and target), <= 8 bytes each

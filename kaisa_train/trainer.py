@@ -25,6 +25,7 @@ from kaisa_train.records import CheckpointRecord
 from kaisa_train.spec import JobSpec
 from kaisa_train.state import CHECKPOINT_FILE
 from kaisa_train.storage import latest_checkpoint
+from kaisa_train.stream_read import Horizon
 from kaisa_train.streaming import StreamCounts, open_stream, spare_cpus_message
 from kaisa_train.worker import train_worker
 from kaisa_train.worker_config import WorkerConfig
@@ -125,7 +126,13 @@ def stream_for(spec: JobSpec) -> tuple[dict[str, Any], StreamCounts]:
     refused = spare_cpus_message(cpus, scaling.workers, scaling.cpus_per_worker)
     if refused is not None:
         raise ConfigurationError(refused)
-    return open_stream(spec.dataset)
+    horizon = Horizon(
+        workers=scaling.workers,
+        max_steps=spec.stop.max_steps,
+        max_epochs=spec.stop.max_epochs,
+        seed=spec.seed,
+    )
+    return open_stream(spec.dataset, horizon)
 
 
 @contextmanager

@@ -243,6 +243,7 @@ TORCH_FREE = [
     "tuner.singleton",
     "tuner.actor",
     "kaisa_train.streaming",
+    "kaisa_train.stream_read",
 ]
 
 
