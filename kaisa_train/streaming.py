@@ -273,34 +273,25 @@ def _image_source(
     every = [f for images in train.values() for f in images]
     if dataset.validation_every is not None:
         kept, held = _held_out(every, dataset.validation_every, dataset.train)
-        order = _train_order(dataset, horizon, len(kept))
-        train_ds, epochs = _image_pipeline(
-            dataset, dataset.train, located, kept, classes, order, ledger
-        )
-        val_ds, _ = _image_pipeline(
-            dataset, dataset.train, located, held, classes, _Order(), ledger
-        )
-        counts = StreamCounts(len(kept), len(held), classes, epochs=epochs)
-        return {TRAIN: train_ds, VALIDATION: val_ds}, counts
-    assert dataset.validation is not None
-    validation_located = _filesystem(dataset.validation)
-    validation = _image_classes(dataset.validation, VALIDATION, validation_located)
-    unknown = sorted(set(validation) - set(train))
-    if unknown:
-        raise ConfigurationError(
-            f"dataset.validation: class folders {', '.join(unknown)} of "
-            f"{dataset.validation} are not in the training split {dataset.train}. Give "
-            "both splits the same class folders"
-        )
-    held = [f for images in validation.values() for f in images]
-    order = _train_order(dataset, horizon, len(every))
+        held_origin, held_located = dataset.train, located
+    else:
+        assert dataset.validation is not None
+        held_origin, held_located = dataset.validation, _filesystem(dataset.validation)
+        validation = _image_classes(dataset.validation, VALIDATION, held_located)
+        unknown = sorted(set(validation) - set(train))
+        if unknown:
+            raise ConfigurationError(
+                f"dataset.validation: class folders {', '.join(unknown)} of "
+                f"{dataset.validation} are not in the training split {dataset.train}. Give "
+                "both splits the same class folders"
+            )
+        kept, held = every, [f for images in validation.values() for f in images]
+    order = _train_order(dataset, horizon, len(kept))
     train_ds, epochs = _image_pipeline(
-        dataset, dataset.train, located, every, classes, order, ledger
+        dataset, dataset.train, located, kept, classes, order, ledger
     )
-    val_ds, _ = _image_pipeline(
-        dataset, dataset.validation, validation_located, held, classes, _Order(), ledger
-    )
-    counts = StreamCounts(len(every), len(held), classes, epochs=epochs)
+    val_ds, _ = _image_pipeline(dataset, held_origin, held_located, held, classes, _Order(), ledger)
+    counts = StreamCounts(len(kept), len(held), classes, epochs=epochs)
     return {TRAIN: train_ds, VALIDATION: val_ds}, counts
 
 
@@ -637,19 +628,15 @@ def _parquet_source(
     train, located = _parquet_files(dataset.train, TRAIN)
     if dataset.validation_every is not None:
         kept, held = _held_out(train, dataset.validation_every, dataset.train)
-        train_ds, train_rows, epochs = _parquet_pipeline(
-            dataset, dataset.train, located, kept, horizon, ledger
-        )
-        val_ds, val_rows, _ = _parquet_pipeline(dataset, dataset.train, located, held, None, ledger)
+        held_origin, held_located = dataset.train, located
     else:
         assert dataset.validation is not None
-        validation, validation_located = _parquet_files(dataset.validation, VALIDATION)
-        train_ds, train_rows, epochs = _parquet_pipeline(
-            dataset, dataset.train, located, train, horizon, ledger
-        )
-        val_ds, val_rows, _ = _parquet_pipeline(
-            dataset, dataset.validation, validation_located, validation, None, ledger
-        )
+        held, held_located = _parquet_files(dataset.validation, VALIDATION)
+        kept, held_origin = train, dataset.validation
+    train_ds, train_rows, epochs = _parquet_pipeline(
+        dataset, dataset.train, located, kept, horizon, ledger
+    )
+    val_ds, val_rows, _ = _parquet_pipeline(dataset, held_origin, held_located, held, None, ledger)
     counts = StreamCounts(train_rows, val_rows, epochs=epochs)
     return {TRAIN: train_ds, VALIDATION: val_ds}, counts
 
