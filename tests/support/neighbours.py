@@ -85,19 +85,26 @@ class DefaultPortsRay:
 @contextlib.contextmanager
 def ray_on_default_ports(log_dir: Path) -> Iterator[DefaultPortsRay]:
     """``ray start --head --block`` with Ray's defaults (ports 6379, 8265, 52365, 10001; temp
-    dir /tmp/ray) and no token (a client that wrongly connects to it is not even refused)."""
-    taken = [f"{name} {port}" for name, port in DEFAULT_PORTS.items() if _taken(port)]
+    dir /tmp/ray) and no token (a client that wrongly connects to it is not even refused).
+    The agent's 52365 alone may be another free port (``_agent_port``)."""
+    taken = [
+        f"{name} {port}"
+        for name, port in DEFAULT_PORTS.items()
+        if name != "dashboard agent" and _taken(port)
+    ]
     if taken:
         raise RuntimeError(
             f"Ray's default ports are taken ({', '.join(taken)}): another Ray on the defaults "
             "runs here; these tests start their own there"
         )
+    agent_port = _agent_port()
     before = ADDRESS_FILE.read_text() if ADDRESS_FILE.is_file() else None
     log_dir.mkdir(parents=True, exist_ok=True)
     started: list[DefaultPortsRay] = []
     try:
         for attempt in (1, 2):  # Ray gives its raylet a fixed 30 s: a loaded machine may miss it
-            started.append(_start_on_default_ports(log_dir / f"ray-on-default-ports-{attempt}.log"))
+            log = log_dir / f"ray-on-default-ports-{attempt}.log"
+            started.append(_start_on_default_ports(log, agent_port))
             if started[-1].up():
                 break
             started[-1].stop()
@@ -117,12 +124,37 @@ def ray_on_default_ports(log_dir: Path) -> Iterator[DefaultPortsRay]:
                 ADDRESS_FILE.write_text(before)
 
 
-def _start_on_default_ports(log: Path) -> DefaultPortsRay:
+def _agent_port(wait_s: float = 30) -> int:
+    """The dashboard agent's port: Ray's default, 52365, unless something else holds it.
+
+    52365 lies inside the kernel's ephemeral range, so a port the kernel chose for one of the
+    suite's own heads (their raylets, object managers and agents bind ports of the kernel's
+    choosing) can sit on it; that is no other Ray on the defaults. After ``wait_s`` for it to
+    be let go, the neighbour's agent takes a free port instead: it stays a Ray on the default
+    GCS, dashboard and client-server ports and in /tmp/ray, which is what the tests are about.
+    """
+    default = DEFAULT_PORTS["dashboard agent"]
+    deadline = time.monotonic() + wait_s
+    while _taken(default):
+        if time.monotonic() > deadline:
+            return free_port()
+        time.sleep(1)
+    return default
+
+
+def _start_on_default_ports(log: Path, agent_port: int) -> DefaultPortsRay:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "KAISA_RAY_"))}
     env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [RAY, "start", "--head", "--block", "--num-cpus=1"],
+            [
+                RAY,
+                "start",
+                "--head",
+                "--block",
+                "--num-cpus=1",
+                f"--dashboard-agent-listen-port={agent_port}",
+            ],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
