@@ -29,11 +29,26 @@ if TYPE_CHECKING:
     import pyarrow as pa
     from ray.data import Dataset
 
-__all__ = ["MAX_READS", "Horizon", "ReadBytes", "ReadParquet", "epoch_order", "read_files"]
+__all__ = [
+    "MAX_READS",
+    "PARQUET_TASKS",
+    "Horizon",
+    "ReadBytes",
+    "ReadParquet",
+    "epoch_order",
+    "parquet_per_task",
+    "read_files",
+]
 
-MAX_READS = 100_000
+MAX_READS = 1024
 """The most read tasks (epochs x a split's tasks an epoch) one execution lists; a job that
-needs more epochs than fit reads the listed ones again, in the same orders, in a new one."""
+needs more epochs than fit reads the listed ones again, in the same orders, in a new one. The
+driver puts one block a task into the object store before the first batch (about 1.7 ms each
+on a 2-core node: docs/data.md), so the list stays short."""
+
+PARQUET_TASKS = 256
+"""The most read tasks an epoch of a Parquet split: a split of more files reads several in a
+task (each still handed on in slices of ``rows`` rows)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,12 @@ class _Files:
         return chosen
 
 
+def parquet_per_task(files: int) -> int:
+    """Files a read task of a Parquet split of ``files`` files reads: one, or as many as keep
+    an epoch within ``PARQUET_TASKS`` tasks."""
+    return max(1, math.ceil(files / PARQUET_TASKS))
+
+
 def epoch_order(files: int, seed: int | None, epoch: int) -> np.ndarray:
     """The order of a split's ``files`` in ``epoch``: a permutation drawn from ``seed`` and
     the epoch (None: as listed)."""
@@ -97,13 +118,15 @@ def epoch_order(files: int, seed: int | None, epoch: int) -> np.ndarray:
     return np.random.default_rng((seed, epoch)).permutation(files)
 
 
-def read_files(read: ReadBytes | ReadParquet, epochs: int) -> tuple[Dataset, int]:
+def read_files(
+    read: ReadBytes | ReadParquet, epochs: int, max_reads: int = MAX_READS
+) -> tuple[Dataset, int]:
     """A Ray Data pipeline of what ``read`` makes of its files, ``epochs`` epochs in a row
-    (at most as many as ``MAX_READS`` tasks hold), one item a read task; and its epochs."""
+    (at most as many as ``max_reads`` tasks hold), one item a read task; and its epochs."""
     import ray.data
 
     tasks = read.tasks()
-    epochs = max(1, min(epochs, MAX_READS // tasks))
+    epochs = max(1, min(epochs, max_reads // tasks))
     items = [{"epoch": e, "task": t} for e in range(epochs) for t in range(tasks)]
     ds = ray.data.from_items(items, override_num_blocks=len(items))
     return ds.map_batches(read, batch_size=None, batch_format="pyarrow"), epochs

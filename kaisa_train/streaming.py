@@ -40,7 +40,7 @@ import numpy as np
 
 from kaisa_ray.errors import ConfigurationError
 from kaisa_train.ray_logs import quiet_here
-from kaisa_train.stream_read import Horizon, ReadBytes, ReadParquet, read_files
+from kaisa_train.stream_read import Horizon, ReadBytes, ReadParquet, parquet_per_task, read_files
 from kaisa_train.stream_sources import (
     BadRecords,
     ImageMode,
@@ -569,8 +569,9 @@ def _parquet_pipeline(
 
     def read(counted: int) -> tuple[Dataset, int]:
         order = _Order() if horizon is None else _train_order(dataset, horizon, counted)
+        per_task = parquet_per_task(len(files))
         reader = ReadParquet(
-            tuple(files), fs, prefix, order.seed, 1, tuple(wanted), rows=ROWS_PER_BLOCK
+            tuple(files), fs, prefix, order.seed, per_task, tuple(wanted), rows=ROWS_PER_BLOCK
         )
         return read_files(reader, order.epochs)
 

@@ -34,7 +34,7 @@ from kaisa_train.job import run_job
 from kaisa_train.records import TrialState
 from kaisa_train.spec import DatasetSpec, parse_job_spec
 from kaisa_train.state import load_checkpoint_file
-from kaisa_train.stream_read import Horizon
+from kaisa_train.stream_read import PARQUET_TASKS, Horizon, ReadParquet, parquet_per_task
 from kaisa_train.stream_shard import StreamShard
 from kaisa_train.streaming import (
     MIN_BLOCK_BYTES,
@@ -594,13 +594,27 @@ def test_a_job_reads_its_epochs_in_one_execution() -> None:
     assert Horizon(workers=2, max_steps=10).epochs(rows=100, batch_size=64) == 1  # no batch
 
 
+def test_a_parquet_split_of_many_files_reads_several_a_task_each_once_an_epoch() -> None:
+    """At most ``PARQUET_TASKS`` read tasks an epoch (the driver lists one block a task), the
+    files shared out so that each epoch reads every file once."""
+    assert [parquet_per_task(n) for n in (1, 6, PARQUET_TASKS)] == [1, 1, 1]
+    assert parquet_per_task(PARQUET_TASKS + 1) == 2
+    assert parquet_per_task(10_000) == 40
+    files = tuple(f"part-{i}.parquet" for i in range(1_000))
+    read = ReadParquet(files, pyarrow.fs.LocalFileSystem(), "", 3, parquet_per_task(len(files)))
+    assert read.tasks() == 250 <= PARQUET_TASKS
+    for epoch in (0, 1):
+        items = pa.table({"epoch": [epoch] * read.tasks(), "task": list(range(read.tasks()))})
+        assert sorted(read.paths(items)) == sorted(files)
+
+
 @pytest.mark.ray
 def test_a_training_pipeline_reads_each_epoch_once_in_a_new_order_drawn_from_the_seed(
     ray_head: RayHead, tmp_path: Path
 ) -> None:
     """Four epochs of six files in one execution: each epoch every file once, in the orders
     ``epoch_order`` draws from the seed (the same again from the same seed), the validation
-    split one epoch in file order; capped at ``MAX_READS`` read tasks."""
+    split one epoch in file order; capped at ``max_reads`` read tasks."""
     from kaisa_train.stream_read import MAX_READS, ReadBytes, epoch_order, read_files
 
     names = []
@@ -621,8 +635,9 @@ def test_a_training_pipeline_reads_each_epoch_once_in_a_new_order_drawn_from_the
     assert all(sorted(paths[e * 6 : e * 6 + 6]) == names for e in range(4))
     assert epoch_order(6, 7, 2).tolist() == epoch_order(6, 7, 2).tolist()
     assert epoch_order(6, None, 2).tolist() == list(range(6))
-    capped = read_files(read, 2 * MAX_READS)[1]
-    assert capped == MAX_READS // read.tasks()
+    assert read_files(read, 2 * MAX_READS)[1] == MAX_READS // read.tasks()
+    assert read_files(read, 100, max_reads=8)[1] == 2  # 3 tasks an epoch
+    assert read_files(read, 100, max_reads=2)[1] == 1  # at least one epoch
 
 
 # -- a job on Ray Train --------------------------------------------------------------------------
