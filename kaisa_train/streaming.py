@@ -860,15 +860,27 @@ def block_bytes(dataset: DatasetSpec, default: int | None) -> int | None:
     return wanted if default is None or wanted < default else None
 
 
-def spare_cpus_message(cluster_cpus: float, workers: int, cpus_per_worker: float) -> str | None:
-    """Why a streamed job cannot run on a cluster of ``cluster_cpus`` CPUs (its workers would
-    leave Ray Data none to read with), or None."""
-    taken = workers * cpus_per_worker
+def spare_cpus_message(
+    cluster_cpus: float, workers: int, cpus_per_worker: float, trials: int = 1
+) -> str | None:
+    """Why a streamed job cannot run on a cluster of ``cluster_cpus`` CPUs (its workers, those
+    of ``trials`` trials of a sweep at once, would leave Ray Data none to read with), or
+    None."""
+    taken = trials * workers * cpus_per_worker
     if cluster_cpus - taken >= 1:
         return None
+    held = f"{workers} workers x {cpus_per_worker:g} CPUs"
+    if trials > 1 and cluster_cpus - workers * cpus_per_worker >= 1:  # one trial at a time fits
+        return (
+            f"a streamed dataset is read and preprocessed by Ray Data on CPUs the workers do not "
+            f"hold, and the cluster has {cluster_cpus:g} CPUs, all taken by {trials} trials at "
+            f"once (sweep.concurrent) of {held}. Lower sweep.concurrent (e.g. to "
+            f"{max(1, math.floor((cluster_cpus - 1) / (workers * cpus_per_worker)))}) or "
+            "scaling.cpus_per_worker, use fewer workers, or add CPUs"
+        )
     return (
         f"a streamed dataset is read and preprocessed by Ray Data on CPUs the workers do not "
-        f"hold, and the cluster has {cluster_cpus:g} CPUs, all taken by {workers} workers x "
-        f"{cpus_per_worker:g} CPUs. Lower scaling.cpus_per_worker (e.g. to "
-        f"{max((cluster_cpus - 1) / workers, 0.1):.2g}), use fewer workers, or add CPUs"
+        f"hold, and the cluster has {cluster_cpus:g} CPUs, all taken by {held}. Lower "
+        f"scaling.cpus_per_worker (e.g. to {max((cluster_cpus - 1) / workers, 0.1):.2g}), use "
+        "fewer workers, or add CPUs"
     )

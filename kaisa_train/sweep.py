@@ -54,6 +54,7 @@ from kaisa_train.records import (
 from kaisa_train.spec import Distribution, JobSpec, SweepSpec, trial_spec
 from kaisa_train.state import CHECKPOINT_FILE
 from kaisa_train.storage import latest_checkpoint, resolve_storage
+from kaisa_train.streaming import spare_cpus_message
 from kaisa_train.trainer import (
     build_trainer,
     ensure_ray,
@@ -309,6 +310,13 @@ def run_sweep(
     name = run_name or unique_run_name(spec.name)
     storage = resolve_storage(storage_path)
     ensure_ray()
+    if spec.dataset.streamed:  # each trial checks itself, but not the trials at once
+        cpus = float(ray.cluster_resources().get("CPU", 0))  # type: ignore[no-untyped-call]
+        at_once = min(sweep.concurrent, sweep.trials)
+        scaling = spec.scaling
+        refused = spare_cpus_message(cpus, scaling.workers, scaling.cpus_per_worker, at_once)
+        if refused is not None:
+            raise ConfigurationError(refused)
     seed_tuner()  # every trial runs kfac: auto
     began = time.perf_counter()
     sink = progress_sink()

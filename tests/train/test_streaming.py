@@ -228,6 +228,14 @@ def test_a_streamed_job_leaves_ray_data_a_cpu() -> None:
     refused = spare_cpus_message(2, 2, 1)
     assert refused is not None
     assert "Lower scaling.cpus_per_worker (e.g. to 0.5)" in refused
+    assert spare_cpus_message(3, 1, 1, trials=2) is None
+    at_once = spare_cpus_message(2, 1, 1, trials=2)  # each trial alone leaves a CPU: not both
+    assert at_once is not None
+    assert "all taken by 2 trials at once (sweep.concurrent)" in at_once
+    assert "Lower sweep.concurrent (e.g. to 1)" in at_once
+    alone = spare_cpus_message(2, 2, 1, trials=2)  # not even one trial fits
+    assert alone is not None
+    assert "Lower scaling.cpus_per_worker (e.g. to 0.5)" in alone
 
 
 # -- what the driver checks before anything starts ----------------------------------------------
@@ -718,7 +726,8 @@ def test_a_sweep_with_kfac_auto_trains_a_language_model_on_streamed_text(
     ray_head: RayHead, tmp_path: Path
 ) -> None:
     """``kaisa-ray sweep`` (as a user runs it) of 2 trials over a folder of text files, a tenth
-    held out by ``validation_every``: every trial profiles its stream (kfac: auto), trains a
+    held out by ``validation_every`` (first refused where its trials at once would take every
+    CPU): every trial profiles its stream (kfac: auto), trains a
     byte-level transformer on it, and its validation loss ends below uniform over bytes."""
     folder = tmp_path / "text"
     folder.mkdir()
@@ -746,10 +755,17 @@ def test_a_sweep_with_kfac_auto_trains_a_language_model_on_streamed_text(
             "scheduler": "none",
         },
     }
-    path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump(config))
     env = {**user_env(tmp_path / "home"), "RAY_ADDRESS": ray_head.gcs_address}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=ray_head.token)
+    # Two trials at once of 2 CPUs each would hold the head's 4 and leave Ray Data none (each
+    # alone leaves 2): refused before any trial starts, where it used to hang.
+    crowded = tmp_path / "crowded.yaml"
+    crowded.write_text(yaml.safe_dump({**config, "scaling": {"workers": 1, "cpus_per_worker": 2}}))
+    refused = run([KAISA_RAY, "sweep", "--config", str(crowded)], env, tmp_path, 300)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "all taken by 2 trials at once (sweep.concurrent)" in " ".join(refused.stderr.split())
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(config))
     args = [KAISA_RAY, "sweep", "--config", str(path), "--run-name", "streamed-sweep"]
     done = run([*args, "--output", "best.yaml"], env, tmp_path, 600)
     output = done.stdout + done.stderr
