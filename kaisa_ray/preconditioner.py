@@ -33,9 +33,7 @@ from torch import nn
 
 from kaisa_ray import batching, checkpoint
 from kaisa_ray.apply import (
-    Block,
     GradientSetter,
-    Outputs,
     finite_flags,
     param_grads,
 )
@@ -54,7 +52,6 @@ from kaisa_ray.enums import (
     Scaling,
 )
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.graphs import GraphedPreconditioning
 from kaisa_ray.hyperparams import (
     FloatParam,
     IntParam,
@@ -73,6 +70,7 @@ from kaisa_ray.options import (
     PreconditionerOptions,
 )
 from kaisa_ray.plan import Options, Plan, build_plan
+from kaisa_ray.preconditioning import Preconditioning
 from kaisa_ray.registration import discover
 from kaisa_ray.sharding import RowExchange, ShardedGradients, gradient_keeper, sharded_layers
 from kaisa_ray.staleness import PROBES, LayerStaleness
@@ -388,14 +386,7 @@ class KFACPreconditioner:
             times=self.times,
         )
 
-        # The layers this rank preconditions, grouped by shape for batched products.
-        self._groups = batching.shape_groups(
-            [lay for lay in self._layers if self._preconditions(lay)]
-        )
-        # where the groups' gradients lie in flat buffers, by the groups a step preconditions
-        self._layouts: dict[tuple[batching.ShapeGroup, ...], batching.GradientLayout] = {}
-        self.cuda_graphs = options.cuda_graphs
-        if self.cuda_graphs:
+        if options.cuda_graphs:
             devices = {lay.helper.weight().device.type for lay in self._layers}
             if devices != {"cuda"}:
                 raise ConfigurationError(
@@ -404,7 +395,6 @@ class KFACPreconditioner:
                     ": move the model to the GPU (model.cuda()) before building the "
                     "preconditioner, or leave cuda_graphs off."
                 )
-        self._graphs: dict[batching.GradientLayout, GraphedPreconditioning] = {}
         # FSDP2: the type of the first layer's weight when last looked, and the whole
         # gradients' keeper if it was sharded (the rows' exchange with fewer gradient
         # workers than ranks); the exchange while a step runs
@@ -415,6 +405,16 @@ class KFACPreconditioner:
         # Kept on the device from the first step on, so that a step need not wait for them
         # (skipped_steps and last_grad_scale read them).
         self._setter = GradientSetter()
+        # This rank's preconditioning: its layers batched by shape, the results sent on, set.
+        self._preconditioning = Preconditioning(
+            self._layers,
+            self._comm,
+            self._preconditions,
+            self.times,
+            self._setter,
+            self._products,
+            cuda_graphs=options.cuda_graphs,
+        )
         self.last_updates: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self._plan_step(0)
         logger.log(
@@ -429,6 +429,15 @@ class KFACPreconditioner:
         )
 
     # -- hyperparameters at the current step ----------------------------------------------
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether a step made of shape groups alone replays from a CUDA graph."""
+        return self._preconditioning.cuda_graphs
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, value: bool) -> None:
+        self._preconditioning.cuda_graphs = value
 
     @property
     def steps(self) -> int:
@@ -648,7 +657,9 @@ class KFACPreconditioner:
 
         preconditioned: Mapping[str, torch.Tensor] = {}
         if active:
-            preconditioned = self._precondition(active, damping)
+            preconditioned = self._preconditioning.run(
+                active, damping, self.kl_clip, self.lr, self._rows
+            )
 
         if self.measures_staleness and decompose:
             with times.phase("staleness"):
@@ -762,105 +773,6 @@ class KFACPreconditioner:
                 if layer.name in decompose and self.assignment.is_grad_worker(layer.name, rank):
                     layer.decomposition.finish(damping)
 
-    def _precondition(self, active: list[KFACLayer], damping: float) -> Outputs:
-        """Precondition (by shape group where a whole group is active and decomposed, else
-        layer by layer), broadcast to receivers, clip and set; returns the preconditioned
-        gradients before clipping."""
-        preconditioned = Outputs()
-        blocks: list[Block] = []
-        gathered: batching.Gathered | None = None
-        names = {layer.name for layer in active}
-        with self.times.phase("precondition"), self._products():
-            groups = tuple(g for g in self._groups if g.names <= names and g.ready())
-            if groups:
-                layout = self._layouts.get(groups)
-                if layout is None:
-                    layout = self._layouts[groups] = batching.GradientLayout(groups)
-                graphed = None
-                if self.cuda_graphs and self._graphable(active, groups):
-                    graphed = self._graphs.get(layout)
-                    if graphed is None:
-                        graphed = self._graphs[layout] = GraphedPreconditioning(
-                            layout, self._setter
-                        )
-                    # the groups are the whole step: clipped and set inside the graph
-                    gathered = graphed.run(damping, self.kl_clip, self.lr, self._layers)
-                else:
-                    gathered = layout.gather()
-                    batching.precondition(groups, gathered.raws, damping, gathered.outs)
-                for group, out in zip(groups, gathered.outs, strict=True):
-                    for index, layer in enumerate(group.layers):
-                        preconditioned.put(layer.name, out, index)
-                if graphed is not None:
-                    return preconditioned
-            for layer in active:  # the rest of this rank's layers, one by one
-                if layer.name in preconditioned or not self._preconditions(layer):
-                    continue
-                raw = layer.helper.grad()
-                out = layer.precondition(raw, damping)
-                blocks.append(Block((layer,), raw.unsqueeze(0), out.unsqueeze(0)))
-                preconditioned.put(layer.name, out)
-        if self._rows is not None:
-            self._set_rows(self._rows, preconditioned)
-            return preconditioned
-
-        def get(name: str, part: str) -> torch.Tensor:
-            if name in preconditioned:
-                return preconditioned[name]
-            layer = self._by_name[name]  # no gradient here this step: send zeros
-            return torch.zeros(
-                layer.part_shape("grad"),
-                dtype=layer.helper.weight().dtype,
-                device=layer.helper.weight().device,
-            )
-
-        received: dict[str, torch.Tensor] = {}
-
-        def put(name: str, part: str, flat: torch.Tensor) -> None:
-            received[name] = flat.view(self._by_name[name].part_shape("grad"))
-
-        with self.times.phase("communication"):
-            self._comm.broadcast(self._comm.gradient_buckets, get, put)
-        with self.times.phase("precondition"):
-            for layer in active:
-                if layer.name in received:
-                    out = received[layer.name]
-                    blocks.append(Block((layer,), layer.helper.grad().unsqueeze(0), out[None]))
-                    preconditioned.put(layer.name, out)
-            self._setter.set(
-                blocks,
-                gathered,
-                self._layers,
-                self.kl_clip,
-                self.lr,
-                group_dots=not self._comm.gradient_buckets,  # every rank groups alike
-            )
-        return preconditioned
-
-    def _set_rows(self, rows: RowExchange, preconditioned: Outputs) -> None:
-        """FSDP2 with fewer gradient workers than ranks: the workers' preconditioned
-        gradients scattered by rows, then every rank clips (the sums over all ranks' rows)
-        and sets its own rows of every layer."""
-        with self.times.phase("communication"):
-            mine = rows.scatter(preconditioned)
-        with self.times.phase("precondition"):
-            raws = rows.lend_rows()
-            blocks = [
-                Block((layer,), raws[layer.name][None, None], mine[layer.name][None, None])
-                for layer in self._layers
-            ]
-            self._setter.set(
-                blocks, None, self._layers, self.kl_clip, self.lr, over_ranks=rows.sum_over_ranks
-            )
-
-    def _graphable(self, active: list[KFACLayer], groups: tuple[batching.ShapeGroup, ...]) -> bool:
-        """Whether the shape groups are this step's whole preconditioning: no layer alone,
-        none received from another rank (one rank, or every layer preconditioned on every
-        rank as COMM-OPT does)."""
-        grouped = set().union(*(group.names for group in groups))
-        alone = any(lay.name not in grouped and self._preconditions(lay) for lay in active)
-        return not alone and not self._comm.gradient_buckets
-
     def _preconditions(self, layer: KFACLayer) -> bool:
         return self.assignment.is_grad_worker(layer.name, self.rank)
 
@@ -889,7 +801,7 @@ class KFACPreconditioner:
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state held now, by category, plus ``total``. Exact, not estimated."""
-        graphed = sum(graph.nbytes for graph in self._graphs.values())
+        graphed = self._preconditioning.graph_bytes
         sizes = {"factors": 0, "decompositions": 0, "buffers": self._setter.nbytes + graphed}
         for layer in self._layers:
             for key, value in layer.memory_usage().items():

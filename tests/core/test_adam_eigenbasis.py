@@ -111,7 +111,8 @@ def test_each_step_is_adam_in_the_eigenbasis_as_defined_in_float64() -> None:
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         raw = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        batched.append(sum(len(g.layers) for g in preconditioner._groups if g.ready()))
+        groups = preconditioner._preconditioning.groups
+        batched.append(sum(len(g.layers) for g in groups if g.ready()))
         preconditioner.step()
         for layer in preconditioner.layers:
             d = layer.decomposition

@@ -49,7 +49,7 @@ CONFIGS: list[dict[str, Any]] = [
 
 def test_layers_of_one_shape_share_a_group() -> None:
     preconditioner = KFACPreconditioner(repeated_shapes())
-    sizes = sorted(len(group.layers) for group in preconditioner._groups)
+    sizes = sorted(len(group.layers) for group in preconditioner._preconditioning.groups)
     assert sizes == [1, 1, 1, 2, 3]
 
 
@@ -62,7 +62,7 @@ def test_batched_steps_equal_the_layer_by_layer_path(options: dict[str, Any]) ->
     alone_model = copy.deepcopy(batched_model)
     batched = KFACPreconditioner(batched_model, **kwargs)
     alone = KFACPreconditioner(alone_model, **kwargs)
-    alone._groups = []  # every layer preconditioned on its own
+    alone._preconditioning.groups = []  # every layer preconditioned on its own
     train(batched_model, batched, 7)
     train(alone_model, alone, 7)
     for a, b in zip(batched_model.parameters(), alone_model.parameters(), strict=True):
@@ -79,12 +79,12 @@ def test_grouped_convolutions_and_biases_in_flat_buffers_equal_the_layer_by_laye
     alone_model = copy.deepcopy(batched_model)
     batched = KFACPreconditioner(batched_model, kl_clip=kl_clip, **kwargs)
     alone = KFACPreconditioner(alone_model, kl_clip=kl_clip, **kwargs)
-    alone._groups = []
+    alone._preconditioning.groups = []
     train(batched_model, batched, 7)
     train(alone_model, alone, 7)
     for a, b in zip(batched_model.parameters(), alone_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    assert batched._layouts  # the flat buffers were used
+    assert batched._preconditioning.layouts  # the flat buffers were used
 
 
 @pytest.mark.parametrize("kl_clip", [None, 0.001])
@@ -123,7 +123,7 @@ def test_a_quiet_step_launches_a_fixed_number_of_operations_per_group(
 
     fixed = set()
     for model in (repeated_shapes(), grouped_and_odd()):
-        groups = len(KFACPreconditioner(copy.deepcopy(model))._groups)
+        groups = len(KFACPreconditioner(copy.deepcopy(model))._preconditioning.groups)
         products, dots, others = dispatched(model)
         assert products == 2 * groups  # the inverse method: (G+γI)⁻¹ ∇W (A+γI)⁻¹
         assert dots == (0 if kl_clip is None else groups)

@@ -232,7 +232,7 @@ def test_batched_steps_on_cuda_equal_the_layer_by_layer_path(method: str) -> Non
     alone = KFACPreconditioner(
         alone_model, compute_method=method, matmul_precision="highest", **kwargs
     )
-    alone._groups = []
+    alone._preconditioning.groups = []
     _train_cuda(batched_model, batched, 7)
     _train_cuda(alone_model, alone, 7)
     for a, b in zip(batched_model.parameters(), alone_model.parameters(), strict=True):
@@ -285,7 +285,7 @@ def test_graphed_preconditioning_equals_the_eager_steps(method: str) -> None:
     if kwargs["kl_clip"] is not None:
         assert eager.last_grad_scale < 1.0
     assert graphed.last_grad_scale == pytest.approx(eager.last_grad_scale, rel=1e-5)
-    captures = [g.captures for g in graphed._graphs.values()]
+    captures = [g.captures for g in graphed._preconditioning.graphs.values()]
     assert captures == [1], captures
 
 
@@ -317,4 +317,4 @@ def test_a_graphed_quiet_step_never_synchronises_and_keeps_raw_gradients_that_ar
     assert preconditioner.skipped_steps == 1
     for before, param in zip(raw, model.parameters(), strict=True):
         torch.testing.assert_close(param.grad, before, equal_nan=True)
-    assert [g.captures for g in preconditioner._graphs.values()] == [1]
+    assert [g.captures for g in preconditioner._preconditioning.graphs.values()] == [1]

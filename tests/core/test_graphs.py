@@ -144,10 +144,10 @@ def test_a_layer_left_out_of_the_groups_runs_the_step_without_the_graph(
     preconditioner.cuda_graphs = True
     _train(model, preconditioner, 3)  # decompositions on steps 0 and 2, in the same buffers
     assert len(recorded) == 1
-    layout = next(iter(preconditioner._graphs))
+    layout = next(iter(preconditioner._preconditioning.graphs))
     assert layout.gather(keep=True).raw_flats[0] is layout.gather(keep=True).raw_flats[0]
     # the first group without its decompositions in the storage: layer by layer for it
-    preconditioner._groups[0].storage.clear()
+    preconditioner._preconditioning.groups[0].storage.clear()
     recorded.clear()
     _train(model, preconditioner, 1)  # step 3: no decomposition
     assert recorded == []
@@ -157,7 +157,7 @@ def test_the_kept_buffers_are_the_same_every_step_and_the_fresh_ones_are_not() -
     model = repeated_shapes()
     preconditioner = KFACPreconditioner(model)
     _train(model, preconditioner, 1)
-    layout = batching.GradientLayout(preconditioner._groups)
+    layout = batching.GradientLayout(preconditioner._preconditioning.groups)
     kept, again = layout.gather(keep=True), layout.gather(keep=True)
     assert kept is again
     assert kept.raw_flats[0] is again.raw_flats[0]
@@ -176,12 +176,14 @@ def test_the_kept_buffers_count_in_the_memory_usage(recorded: list[_Recorded]) -
     graphed = preconditioner.memory_usage()
     grouped = sum(
         layer.helper.weight().numel() + (b.numel() if (b := layer.helper.bias()) is not None else 0)
-        for group in preconditioner._groups
+        for group in preconditioner._preconditioning.groups
         for layer in group.layers
     )
     kept = graphed["buffers"] - eager["buffers"]
     # raw and preconditioned copies of the grouped gradients, each group's share aligned
     assert (
-        2 * grouped * 4 <= kept <= 2 * (grouped + batching.ALIGN * len(preconditioner._groups)) * 4
+        2 * grouped * 4
+        <= kept
+        <= 2 * (grouped + batching.ALIGN * len(preconditioner._preconditioning.groups)) * 4
     )
     assert graphed["total"] - eager["total"] == kept
