@@ -175,7 +175,7 @@ def measure_kernels(
     forward_backward()
     groups = []
     with torch.no_grad(), preconditioner._products():
-        for group in preconditioner._groups:
+        for group in preconditioner._preconditioning.groups:
             raw = group.gather()
             seconds = median_seconds(
                 functools.partial(group.precondition, raw, damping), device, repeats
