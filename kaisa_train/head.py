@@ -50,7 +50,15 @@ from typing import TypeVar
 from kaisa_ray.errors import ConfigurationError
 from kaisa_train.ray_logs import quiet_environment
 
-__all__ = ["Head", "HeadStartError", "free_port", "head_environment", "reachable", "start_head"]
+__all__ = [
+    "Head",
+    "HeadStartError",
+    "free_port",
+    "free_ports",
+    "head_environment",
+    "reachable",
+    "start_head",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +95,17 @@ def free_port() -> int:
         s.bind(("", 0))
         chosen: int = s.getsockname()[1]
         return chosen
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports, each as ``free_port`` gives one (one head's servers: drawn
+    one by one, two could be the same port, which ``ray start`` refuses)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def _ephemeral_low() -> int:
@@ -348,7 +367,7 @@ def _start_once(
     """One try of ``start_head``."""
     head_env = dict(head_environment() if env is None else env)
     quiet_environment(head_env)  # Ray Data's INFO lines stay in its log, out of the job's
-    gcs, dashboard, client = free_port(), free_port(), free_port()
+    gcs, dashboard, client = free_ports(3)
     head_env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"  # every process of this head: this head
     temp_dir = tempfile.mkdtemp(prefix=HEAD_PREFIX, dir=temp_root)
     log = Path(temp_dir) / "ray-start.log"

@@ -37,7 +37,7 @@ from pathlib import Path
 from kaisa_train.head import RAY as RAY  # re-exported: the tests start heads with it
 from kaisa_train.head import (
     descendants,
-    free_port,
+    free_ports,
     listening,
     once_more_if_transient,
     ray_start_command,
@@ -171,7 +171,7 @@ def _start_once(
     timeout_s: float,
 ) -> RayHead:
     """One try of ``start_head``."""
-    gcs, dashboard, client = free_port(), free_port(), free_port()
+    gcs, dashboard, client = free_ports(3)
     head_env = ray_environment(env)
     head_env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PATH=venv_path())
     head_env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"  # every Ray process of this head: this head

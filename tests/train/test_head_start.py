@@ -28,6 +28,20 @@ def test_a_port_counts_as_listening_only_while_something_listens_on_it() -> None
     assert not listening(port)
 
 
+def test_a_heads_ports_are_distinct_even_where_two_draws_are_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``ray start`` refuses one port for two servers ("is trying to use a port number ...
+    used by other components", seen once in the suite): the draws repeat until distinct."""
+    draws = iter([29683, 29683, 31598, 29683, 24001])
+    monkeypatch.setattr(head, "free_port", lambda: next(draws))
+    assert head.free_ports(3) == [29683, 31598, 24001]
+    monkeypatch.undo()
+    ports = head.free_ports(3)
+    assert len(set(ports)) == 3
+    assert all(head.SERVER_PORTS[0] <= port < head.SERVER_PORTS[1] for port in ports)
+
+
 @pytest.mark.parametrize(
     ("first", "retried"),
     [
