@@ -869,18 +869,19 @@ def spare_cpus_message(
     taken = trials * workers * cpus_per_worker
     if cluster_cpus - taken >= 1:
         return None
+    why = (
+        "a streamed dataset is read and preprocessed by Ray Data on CPUs the workers do not "
+        f"hold, and the cluster has {cluster_cpus:g} CPUs, all taken by"
+    )
     held = f"{workers} workers x {cpus_per_worker:g} CPUs"
     if trials > 1 and cluster_cpus - workers * cpus_per_worker >= 1:  # one trial at a time fits
+        fits = max(1, math.floor((cluster_cpus - 1) / (workers * cpus_per_worker)))
         return (
-            f"a streamed dataset is read and preprocessed by Ray Data on CPUs the workers do not "
-            f"hold, and the cluster has {cluster_cpus:g} CPUs, all taken by {trials} trials at "
-            f"once (sweep.concurrent) of {held}. Lower sweep.concurrent (e.g. to "
-            f"{max(1, math.floor((cluster_cpus - 1) / (workers * cpus_per_worker)))}) or "
-            "scaling.cpus_per_worker, use fewer workers, or add CPUs"
+            f"{why} {trials} trials at once (sweep.concurrent) of {held}. Lower "
+            f"sweep.concurrent (e.g. to {fits}) or scaling.cpus_per_worker, use fewer workers, "
+            "or add CPUs"
         )
     return (
-        f"a streamed dataset is read and preprocessed by Ray Data on CPUs the workers do not "
-        f"hold, and the cluster has {cluster_cpus:g} CPUs, all taken by {held}. Lower "
-        f"scaling.cpus_per_worker (e.g. to {max((cluster_cpus - 1) / workers, 0.1):.2g}), use "
-        "fewer workers, or add CPUs"
+        f"{why} {held}. Lower scaling.cpus_per_worker (e.g. to "
+        f"{max((cluster_cpus - 1) / workers, 0.1):.2g}), use fewer workers, or add CPUs"
     )

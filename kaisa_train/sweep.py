@@ -54,10 +54,10 @@ from kaisa_train.records import (
 from kaisa_train.spec import Distribution, JobSpec, SweepSpec, trial_spec
 from kaisa_train.state import CHECKPOINT_FILE
 from kaisa_train.storage import latest_checkpoint, resolve_storage
-from kaisa_train.streaming import spare_cpus_message
 from kaisa_train.trainer import (
     build_trainer,
     ensure_ray,
+    refuse_without_spare_cpus,
     resource_timeout,
     unique_run_name,
     unplaced_message,
@@ -311,12 +311,7 @@ def run_sweep(
     storage = resolve_storage(storage_path)
     ensure_ray()
     if spec.dataset.streamed:  # each trial checks itself, but not the trials at once
-        cpus = float(ray.cluster_resources().get("CPU", 0))  # type: ignore[no-untyped-call]
-        at_once = min(sweep.concurrent, sweep.trials)
-        scaling = spec.scaling
-        refused = spare_cpus_message(cpus, scaling.workers, scaling.cpus_per_worker, at_once)
-        if refused is not None:
-            raise ConfigurationError(refused)
+        refuse_without_spare_cpus(spec, trials=min(sweep.concurrent, sweep.trials))
     seed_tuner()  # every trial runs kfac: auto
     began = time.perf_counter()
     sink = progress_sink()

@@ -33,6 +33,7 @@ from kaisa_train.worker_config import WorkerConfig
 __all__ = [
     "build_trainer",
     "ensure_ray",
+    "refuse_without_spare_cpus",
     "resource_timeout",
     "sigint_kept",
     "stream_ended",
@@ -119,13 +120,20 @@ def build_trainer(
     )
 
 
-def stream_for(spec: JobSpec) -> tuple[dict[str, Any], StreamCounts]:
-    """A streamed job's Ray Data pipelines and counts, on a cluster with CPUs to read with."""
+def refuse_without_spare_cpus(spec: JobSpec, trials: int = 1) -> None:
+    """Raise where the job's workers (``trials`` trials of them at once) would take every CPU
+    of the connected cluster and leave Ray Data none to read a streamed dataset with."""
     cpus = float(ray.cluster_resources().get("CPU", 0))  # type: ignore[no-untyped-call]
     scaling = spec.scaling
-    refused = spare_cpus_message(cpus, scaling.workers, scaling.cpus_per_worker)
+    refused = spare_cpus_message(cpus, scaling.workers, scaling.cpus_per_worker, trials)
     if refused is not None:
         raise ConfigurationError(refused)
+
+
+def stream_for(spec: JobSpec) -> tuple[dict[str, Any], StreamCounts]:
+    """A streamed job's Ray Data pipelines and counts, on a cluster with CPUs to read with."""
+    refuse_without_spare_cpus(spec)
+    scaling = spec.scaling
     horizon = Horizon(
         workers=scaling.workers,
         max_steps=spec.stop.max_steps,
