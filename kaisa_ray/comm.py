@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from kaisa_ray.assignment import DType
-from kaisa_ray.plan import Bucket, Schedule
+from kaisa_ray.buckets import Bucket
+from kaisa_ray.schedule import Schedule
 
 logger = logging.getLogger(__name__)
 

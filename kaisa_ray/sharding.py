@@ -31,11 +31,13 @@ import torch.distributed as dist
 from torch import nn
 
 from kaisa_ray.apply import finite_flags
+from kaisa_ray.buckets import Bucket
 from kaisa_ray.comm import Communicator, torch_dtype
 from kaisa_ray.enums import ShardUnits
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.layers import LayerHelper
-from kaisa_ray.plan import Bucket, Plan, rows_mode
+from kaisa_ray.plan import Plan
+from kaisa_ray.schedule import rows_mode
 
 FIX = "Train this model with DistributedDataParallel, or leave these layers out with skip_layers."
 

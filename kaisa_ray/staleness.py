@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kaisa_ray.plan import STALENESS_PROBES, STALENESS_VALUES
+from kaisa_ray.schedule import STALENESS_PROBES, STALENESS_VALUES
 
 PROBES = STALENESS_PROBES
 """Columns of each factor's sketch."""

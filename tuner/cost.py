@@ -42,8 +42,8 @@ from kaisa_ray.assignment import LayerShape
 from kaisa_ray.enums import ComputeMethod, Parallel, Scaling
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.intervals import LayerCost, check_rungs
-from kaisa_ray.plan import STALENESS_PROBES as PROBES
 from kaisa_ray.plan import Plan, plan
+from kaisa_ray.schedule import STALENESS_PROBES as PROBES
 from kaisa_ray.strategy import placeable_fractions
 from tuner.rank_classes import LayerSeconds, RankClasses
 

@@ -43,7 +43,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kaisa_ray.enums import ComputeMethod, KFACApprox, Parallel, Scaling
-from kaisa_ray.plan import Plan, PlannedLayer, rows_mode
+from kaisa_ray.plan import Plan, PlannedLayer
+from kaisa_ray.schedule import rows_mode
 from tuner.cost import LinkFit, Profile, precondition_flops
 from tuner.hardware import OVERHEAD_OPERATIONS, Hardware
 from tuner.topology import Topology

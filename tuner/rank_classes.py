@@ -28,7 +28,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kaisa_ray.plan import Collective, Plan
+from kaisa_ray.buckets import Collective
+from kaisa_ray.plan import Plan
 
 PARTS = ("factors", "decompositions", "precondition", "communication")
 """The parts of a rank's K-FAC seconds per step, in the order they are summed."""

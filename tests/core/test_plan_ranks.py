@@ -13,20 +13,10 @@ import random
 import pytest
 
 from kaisa_ray.assignment import Assignment, LayerPlacement, LayerShape, assign
+from kaisa_ray.buckets import BucketKey, Collective, Piece, Purpose, StepType, fill
 from kaisa_ray.enums import AssignmentStrategy
-from kaisa_ray.plan import (
-    BucketKey,
-    Collective,
-    Piece,
-    Plan,
-    Purpose,
-    Schedule,
-    StepType,
-    _fill,
-    calls_for_rank,
-    memory_for_rank,
-    plan,
-)
+from kaisa_ray.plan import Plan, calls_for_rank, memory_for_rank, plan
+from kaisa_ray.schedule import Schedule
 from kaisa_ray.strategy import valid_fractions
 
 LAYERS = [
@@ -146,7 +136,7 @@ def every_row_gradients(p: Plan) -> list[tuple[tuple[int, ...], int, object, tup
             items.append(
                 ((index, src, layer.grad_dtype), Piece(layer=layer.name, part="grad", numel=numel))
             )
-    built = _fill(
+    built = fill(
         items,
         groups=groups,
         purpose=Purpose.GRADIENTS,
