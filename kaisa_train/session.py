@@ -18,7 +18,7 @@ from kaisa_train.records import Record
 from kaisa_train.shard import StreamData
 from kaisa_train.state import CHECKPOINT_FILE, load_checkpoint_file
 from kaisa_train.storage import local_checkpoint
-from kaisa_train.streaming import TRAIN, VALIDATION, StreamCounts
+from kaisa_train.stream_files import TRAIN, VALIDATION, StreamCounts
 
 __all__ = ["LocalSession", "RaySession", "Session"]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kaisa_ray.errors import ConfigurationError
-from kaisa_train.streaming import StreamCounts
+from kaisa_train.stream_files import StreamCounts
 
 if TYPE_CHECKING:
     from ray.data import DataIterator

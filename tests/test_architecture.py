@@ -243,6 +243,10 @@ TORCH_FREE = [
     "tuner.singleton",
     "tuner.actor",
     "kaisa_train.streaming",
+    "kaisa_train.stream_files",
+    "kaisa_train.stream_images",
+    "kaisa_train.stream_parquet",
+    "kaisa_train.stream_text",
     "kaisa_train.stream_read",
 ]
 

@@ -34,15 +34,14 @@ from kaisa_train.job import run_job
 from kaisa_train.records import TrialState
 from kaisa_train.spec import DatasetSpec, parse_job_spec
 from kaisa_train.state import load_checkpoint_file
+from kaisa_train.stream_files import cut_windows
 from kaisa_train.stream_read import PARQUET_TASKS, Horizon, ReadParquet, parquet_per_task
 from kaisa_train.stream_shard import StreamShard
+from kaisa_train.stream_text import TEXT_RUN, held_windows
 from kaisa_train.streaming import (
     MIN_BLOCK_BYTES,
     ROWS_PER_BLOCK,
-    TEXT_RUN,
     StreamCounts,
-    _held_windows,
-    _windows,
     block_bytes,
     open_stream,
     spare_cpus_message,
@@ -188,13 +187,13 @@ def test_training_blocks_hold_about_a_thousand_rows_where_a_rows_size_is_known()
 
 
 def test_windows_overlap_by_one_and_held_out_runs_are_counted_exactly() -> None:
-    cut = _windows(np.arange(10), 3)
+    cut = cut_windows(np.arange(10), 3)
     assert cut.tolist() == [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9]]
-    assert _windows(np.arange(3), 3).shape == (0, 4)
+    assert cut_windows(np.arange(3), 3).shape == (0, 4)
     for every in (2, 3, 10):
         for windows in (0, 1, TEXT_RUN - 1, TEXT_RUN * every, 5 * TEXT_RUN * every + 77, 9999):
             runs = np.arange(windows) // TEXT_RUN
-            assert _held_windows(windows, every) == int((runs % every == every - 1).sum())
+            assert held_windows(windows, every) == int((runs % every == every - 1).sum())
 
 
 def test_a_held_out_split_that_would_be_empty_is_refused(tmp_path: Path) -> None:
