@@ -32,14 +32,16 @@ from typing import Any
 import torch
 
 from kaisa_ray.decomposition import (
-    AdamEigenbasis,
     EigenDecomposition,
-    EKFACEigenbasis,
     InverseDecomposition,
-    adam_eigenbasis_precondition_many,
     eigen_denominator,
     eigen_precondition,
     inverse_precondition,
+)
+from kaisa_ray.eigenbasis import (
+    AdamEigenbasis,
+    EKFACEigenbasis,
+    adam_eigenbasis_precondition_many,
 )
 from kaisa_ray.enums import ComputeMethod
 from kaisa_ray.kfac_layer import KFACLayer

@@ -20,13 +20,12 @@ from typing import Any
 import torch
 
 from kaisa_ray.decomposition import (
-    AdamEigenbasis,
     Decomposition,
     EigenDecomposition,
-    EKFACEigenbasis,
     InverseDecomposition,
     pi_ratio,
 )
+from kaisa_ray.eigenbasis import AdamEigenbasis, EKFACEigenbasis
 from kaisa_ray.ekfac import fitted_diagonal
 from kaisa_ray.enums import ComputeMethod, FactorScale, RunningAverage, Scaling
 from kaisa_ray.layers import LayerHelper

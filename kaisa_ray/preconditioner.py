@@ -39,7 +39,7 @@ from kaisa_ray.apply import (
 )
 from kaisa_ray.comm import Communicator, unpack_into
 from kaisa_ray.compiling import eager_under_compile
-from kaisa_ray.decomposition import EKFACEigenbasis
+from kaisa_ray.eigenbasis import EKFACEigenbasis
 from kaisa_ray.enums import (
     AssignmentStrategy,
     ComputeMethod,

@@ -18,7 +18,7 @@ from support.models import small_cnn
 from torch import nn
 
 from kaisa_ray import KFACPreconditioner
-from kaisa_ray.decomposition import EKFACEigenbasis
+from kaisa_ray.eigenbasis import EKFACEigenbasis
 from kaisa_ray.ekfac import fitted_diagonal
 from kaisa_ray.enums import KFACApprox
 from kaisa_ray.errors import ConfigurationError
