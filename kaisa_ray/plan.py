@@ -37,8 +37,10 @@ from typing import TYPE_CHECKING, overload
 
 from kaisa_ray.assignment import Assignment, LayerShape, assign, itemsize
 from kaisa_ray.assignment import PlannedLayer as PlannedLayer  # defined there, exported here too
-from kaisa_ray.buckets import STEP_SCALAR_BYTES as STEP_SCALAR_BYTES  # the plan's vocabulary,
-from kaisa_ray.buckets import Bucket as Bucket  # defined in kaisa_ray.buckets, exported here
+
+# The plan's vocabulary, defined in kaisa_ray.buckets and exported here too:
+from kaisa_ray.buckets import STEP_SCALAR_BYTES as STEP_SCALAR_BYTES
+from kaisa_ray.buckets import Bucket as Bucket
 from kaisa_ray.buckets import Collective as Collective
 from kaisa_ray.buckets import Options as Options
 from kaisa_ray.buckets import Purpose as Purpose
