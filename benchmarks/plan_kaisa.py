@@ -183,7 +183,7 @@ def choices() -> tuple[list[dict[str, Any]], str]:
                 ]
             )
     text = table(
-        f"The tuner (tuner.cost.choose on the {HARDWARE} forecast, budget 40 GB per GPU) next to "
+        f"The tuner (tuner.choice.choose on the {HARDWARE} forecast, budget 40 GB per GPU) next to "
         "KAISA's authors' choice; predicted ms per optimizer step:",
         [
             "model",

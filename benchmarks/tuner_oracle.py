@@ -45,7 +45,7 @@ from report import git_commit, machine, table, write_block
 from kaisa_train.spec import parse_job_spec
 from kaisa_train.tuning import measure_candidates, tune_job
 from tuner.actor import tuner_actor
-from tuner.cost import NoFeasibleCandidateError
+from tuner.choice import NoFeasibleCandidateError
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "fashion_mnist_auto.yaml"

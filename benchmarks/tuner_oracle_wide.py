@@ -65,7 +65,8 @@ from tuner_oracle import (
 from kaisa_train.spec import parse_job_spec
 from kaisa_train.tuning import tune_job
 from tuner.actor import tuner_actor
-from tuner.cost import DEFAULT_INTERVALS, NoFeasibleCandidateError, Profile, choose
+from tuner.choice import DEFAULT_INTERVALS, NoFeasibleCandidateError, choose
+from tuner.cost import Profile
 
 MARGIN = 0.01  # budgets 1% below or above a strategy's predicted peak
 LARGE = 2 * 2**30

@@ -1,5 +1,5 @@
 """``kfac: auto`` in the workers: every rank profiles the job (collectives), rank 0 asks the
-tuner actor to choose (``tuner.cost.choose``) and shares the answer, so every rank makes the
+tuner actor to choose (``tuner.choice.choose``) and shares the answer, so every rank makes the
 same choice. The tuner caches profiles by ``profile_key``: when it has this job's, nobody
 profiles. What the driver does with the tuner (``kaisa-ray tune``, verification) is
 ``kaisa_train.tuning``; this module is what a worker needs, and nothing of the driver's.
@@ -24,7 +24,8 @@ from kaisa_train.shard import AnyShard, distributed
 from kaisa_train.spec import JobSpec, KFACSpec
 from kaisa_train.stream_shard import StreamShard
 from tuner.actor import tuner_actor
-from tuner.cost import DEFAULT_INTERVALS, Candidate, Decision, Profile
+from tuner.choice import DEFAULT_INTERVALS, Decision
+from tuner.cost import Candidate, Profile
 from tuner.keys import profile_key
 from tuner.profile import profile_job
 

@@ -184,7 +184,7 @@ def render_plan(report: dict[str, Any]) -> str:
                 ]
             )
     lines += _table(rows, right=set(range(2, 10)))
-    lines += ["", "The tuner's choice (tuner.cost.choose on this forecast)"]
+    lines += ["", "The tuner's choice (tuner.choice.choose on this forecast)"]
     for choice in report["choices"]:
         budget = _gib(choice["budget_bytes"])
         if choice["chosen"] is None:

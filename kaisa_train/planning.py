@@ -11,7 +11,7 @@ hardware profile (``tuner.hardware``; presets in ``kaisa_train/hardware/``):
   steps, the preconditioned-gradient broadcast every step), with the nodes they span;
 - per candidate, the predicted time per step and its parts (``tuner.cost`` on the profile
   ``tuner.forecast`` predicts, collectives priced by ``tuner.topology``);
-- the tuner's choice (``tuner.cost.choose``) under each budget asked for, and the budgets at
+- the tuner's choice (``tuner.choice.choose``) under each budget asked for, and the budgets at
   which the choice changes (the candidates' own memory needs are the only places it can).
 
 The result is plain JSON (``PlanReport.to_json``): the CLI prints it or a table, the service
@@ -41,14 +41,8 @@ from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import Plan, plan
 from kaisa_ray.strategy import placeable_fractions
 from kaisa_train.shape_table import PLANNING, stored_workload
-from tuner.cost import (
-    DEFAULT_INTERVALS,
-    Candidate,
-    NoFeasibleCandidateError,
-    Profile,
-    choose,
-    prices,
-)
+from tuner.choice import DEFAULT_INTERVALS, NoFeasibleCandidateError, choose
+from tuner.cost import Candidate, Profile, prices
 from tuner.forecast import Basis, Workload, forecast_profile, sharded_transient
 from tuner.hardware import Hardware, hardware_from_dict
 from tuner.topology import Topology

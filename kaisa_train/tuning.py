@@ -40,7 +40,8 @@ from kaisa_train.trainer import (
     unique_run_name,
 )
 from kaisa_train.worker_config import MeasureConfig, ProfileConfig
-from tuner.cost import Candidate, NoFeasibleCandidateError
+from tuner.choice import NoFeasibleCandidateError
+from tuner.cost import Candidate
 from tuner.verify import Measurement, shortlist, verified
 
 __all__ = ["TuningOutcome", "measure_candidates", "tune_job"]

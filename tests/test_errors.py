@@ -43,7 +43,7 @@ from service.worker_pool import (
     PoolTimeoutError,
     WorkRefusedError,
 )
-from tuner.cost import NoFeasibleCandidateError
+from tuner.choice import NoFeasibleCandidateError
 from tuner.hardware import HardwareProfileError
 
 # One example of every exception class the project defines (a new one must be added here).

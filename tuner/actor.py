@@ -19,7 +19,8 @@ from typing import Any
 
 import ray
 
-from tuner.cost import DEFAULT_INTERVALS, Decision, Profile, choose
+from tuner.choice import DEFAULT_INTERVALS, Decision, choose
+from tuner.cost import Profile
 from tuner.singleton import cluster_singleton
 
 TUNER_NAME = "kaisa-ray-tuner"

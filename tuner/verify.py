@@ -14,7 +14,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tuner.cost import MEASURED, Candidate, Decision, NoFeasibleCandidateError
+from tuner.choice import MEASURED, Decision, NoFeasibleCandidateError
+from tuner.cost import Candidate
 
 __all__ = ["Measurement", "shortlist", "verified"]
 

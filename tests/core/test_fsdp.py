@@ -28,7 +28,7 @@ from support.kfac_workers import equivalence_worker, reference_params
 
 from kaisa_ray.assignment import LayerShape
 from kaisa_ray.plan import StepType, plan
-from tuner.cost import choose
+from tuner.choice import choose
 
 pytestmark = pytest.mark.slow  # processes of gloo, spawned per test
 

@@ -21,7 +21,7 @@ from kaisa_ray import KFACPreconditioner
 from kaisa_ray.amp import MixedPrecision
 from kaisa_ray.plan import plan
 from kaisa_train.models import LeNetCNN
-from tuner.cost import choose
+from tuner.choice import choose
 from tuner.memory import TensorMemory, tensor_bytes
 from tuner.profile import profile_job
 

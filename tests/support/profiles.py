@@ -5,11 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kaisa_ray.assignment import LayerShape
-from tuner.cost import (
-    CubicFit,
-    LinkFit,
-    Profile,
-)
+from tuner.cost import CubicFit, LinkFit, Profile
 
 # Eight equal layers: the strategies differ clearly (LeNet's fc1 dominates so much that every
 # f < 1 leaves the same worst rank at 4 workers: the model ties them, and takes the larger f).

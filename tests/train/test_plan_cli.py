@@ -17,7 +17,7 @@ from kaisa_ray.plan import plan
 from kaisa_train.planning import HARDWARE_DIR, hardware_names, load_hardware
 from kaisa_train.shapes import workload
 from service.cli import main
-from tuner.cost import NoFeasibleCandidateError, choose
+from tuner.choice import NoFeasibleCandidateError, choose
 from tuner.forecast import forecast_profile
 from tuner.hardware import OVERHEAD_OPERATIONS
 
@@ -125,7 +125,7 @@ def test_the_table_names_every_part() -> None:
     for heading in (
         "K-FAC memory per GPU (worst rank, MiB) and collectives (busiest rank)",
         "Predicted time per step (slowest rank), ms",
-        "The tuner's choice (tuner.cost.choose on this forecast)",
+        "The tuner's choice (tuner.choice.choose on this forecast)",
         "Where the choice changes as the budget grows:",
     ):
         assert heading in text

@@ -30,7 +30,7 @@ from kaisa_ray.plan import Plan, StepType, plan
 from kaisa_ray.strategy import valid_fractions
 from kaisa_train.planning import PlanRequest, load_hardware, plan_job
 from kaisa_train.shapes import workload
-from tuner.cost import Decision, choose
+from tuner.choice import Decision, choose
 from tuner.forecast import forecast_profile
 
 FIXTURE = Path(__file__).with_name("plan_figures.json")

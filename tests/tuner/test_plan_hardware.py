@@ -14,7 +14,8 @@ import yaml
 from kaisa_ray.assignment import LayerShape
 from kaisa_ray.plan import plan
 from kaisa_train.planning import HARDWARE_DIR, hardware_names, load_hardware
-from tuner.cost import CubicFit, LinkFit, Profile, choose
+from tuner.choice import choose
+from tuner.cost import CubicFit, LinkFit, Profile
 from tuner.hardware import KINDS, HardwareProfileError, LinkLevel, Sourced, hardware_from_dict
 from tuner.topology import Topology
 

@@ -12,7 +12,7 @@ from kaisa_train.models import MLP, LeNetCNN
 from kaisa_train.records import KFACChoice, TunerRecord
 from kaisa_train.tables import decision_line, tuning_table
 from tuner.actor import TunerState
-from tuner.cost import NoFeasibleCandidateError, choose
+from tuner.choice import NoFeasibleCandidateError, choose
 from tuner.keys import profile_key
 
 

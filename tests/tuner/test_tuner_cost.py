@@ -9,14 +9,8 @@ from support.profiles import EVEN, LENET, MIB, profile
 
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import plan
-from tuner.cost import (
-    CubicFit,
-    LinkFit,
-    NoFeasibleCandidateError,
-    choose,
-    precondition_flops,
-    predict,
-)
+from tuner.choice import NoFeasibleCandidateError, choose
+from tuner.cost import CubicFit, LinkFit, precondition_flops, predict
 
 
 def test_fits_recover_the_parameters_of_exact_data() -> None:

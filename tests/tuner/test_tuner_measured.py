@@ -22,7 +22,7 @@ from kaisa_train.optimizers import build_optimizer
 from kaisa_train.registry import model_factory
 from kaisa_train.shard import load_shard
 from kaisa_train.spec import JobSpec, KFACSpec, load_job_spec
-from tuner.cost import NoFeasibleCandidateError, choose
+from tuner.choice import NoFeasibleCandidateError, choose
 from tuner.memory import TensorMemory
 from tuner.profile import measure_candidate, profile_job
 

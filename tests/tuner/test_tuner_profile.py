@@ -8,7 +8,8 @@ from support.harness import run_distributed
 from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_train.models import LeNetCNN
-from tuner.cost import Profile, choose
+from tuner.choice import choose
+from tuner.cost import Profile
 from tuner.memory import tensor_bytes
 from tuner.profile import profile_job
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tuner.cost import MEASURED, Candidate, NoFeasibleCandidateError
+from tuner.choice import MEASURED, NoFeasibleCandidateError
+from tuner.cost import Candidate
 from tuner.verify import Measurement, shortlist, verified
 
 MIB = 2**20
