@@ -1,10 +1,9 @@
 """The ``kaisa-ray`` command line, one group defined here: ``serve`` runs the service;
 ``submit``, ``jobs`` and ``cancel`` (``service.client_cli``) talk to a running one over REST;
-the training commands
-(``train``, ``validate``, ``tune``, ``sweep``, ``example`` from ``kaisa_train.cli``, and
-``plan`` and ``measure-node`` from ``kaisa_train.plan_cli``) are loaded only when one of
-them runs, so that the client commands start in a fraction of a second: they import neither
-torch nor Ray."""
+the training commands (``train``, ``validate``, ``tune``, ``sweep`` from ``kaisa_train.cli``,
+``example`` from ``kaisa_train.example_cli``, and ``plan`` and ``measure-node`` from
+``kaisa_train.plan_cli``) are loaded only when one of them runs, so that the client commands
+start in a fraction of a second: they import neither torch nor Ray."""
 
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ __all__ = ["main"]
 logger = logging.getLogger(__name__)
 
 TRAINING_COMMANDS = {
-    "example": "kaisa_train.cli:example",
+    "example": "kaisa_train.example_cli:example",
     "validate": "kaisa_train.cli:validate",
     "train": "kaisa_train.cli:train",
     "tune": "kaisa_train.cli:tune",
