@@ -348,12 +348,12 @@ def plan(
 
 
 def _model_to_time(text: str) -> Any:
-    """``NAME:BATCH`` as ``tuner.node.ModelToTime`` (a registered model, built on the CPU)."""
+    """``NAME:BATCH`` as ``tuner.node_training.ModelToTime`` (a registered model, on the CPU)."""
     import functools
 
     from kaisa_train.registry import model_factory, model_names
     from kaisa_train.shapes import build_on_meta, example_batch
-    from tuner.node import ModelToTime
+    from tuner.node_training import ModelToTime
 
     name, _, batch = text.partition(":")
     if name not in model_names() or not batch.isdigit() or int(batch) < 1:

@@ -178,7 +178,7 @@ def kind_literals(path: Path) -> list[str]:
 # Other vocabularies that happen to share a word with a record kind, and say "kind" too.
 NOT_RECORDS = {
     "kaisa_train/optimizers.py": "schedule.kind == 'step'",  # ScheduleSpec.kind
-    "tuner/node.py": "{'kind': 'measured'}",  # a hardware number's kind (tuner.hardware.KINDS)
+    "tuner/node_training.py": "{'kind': 'measured'}",  # a hardware number's kind (hardware.KINDS)
 }
 
 

@@ -24,17 +24,23 @@ import os
 import platform
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
+from kaisa_ray.enums import ComputeMethod, Precision
 from kaisa_ray.errors import ConfigurationError
 from tuner.hardware import hardware_from_dict
 from tuner.measure import median_seconds
+from tuner.node_training import (
+    ModelToTime,
+    measured,
+    model_factor_work,
+    training_entry,
+    training_rate,
+)
 
 MATMUL_SIZES = (64, 128, 256, 512, 1024, 4096)
 EIGH_SIZES = (64, 256, 512, 1024, 2048, 4096)
@@ -166,10 +172,6 @@ def _device_name(device: torch.device) -> str:
     return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
-def _measured(value: float, what: str, where: str) -> dict[str, Any]:
-    return {"value": float(value), "kind": "measured", "source": f"{what}; {where}"}
-
-
 def _collective_worker(rank: int, world: int, port: int, device_type: str, out: Any) -> None:
     from tuner.measure import time_collectives, time_tiny_allreduce
 
@@ -210,119 +212,6 @@ def _collectives(device_type: str, ranks: int) -> tuple[float, float, float, flo
     )
     result: tuple[float, float, float, float, float] = queue.get()
     return result
-
-
-def _model_and_batch(
-    build: Callable[[], torch.nn.Module],
-    device: torch.device,
-    example: Callable[[int], torch.Tensor] | None,
-    batch: int,
-) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
-    """``build()``'s model on ``device``, a random batch of ``example(batch)``'s shape
-    (default: ResNet-50's 224×224 images) and class targets over its last output dimension."""
-    torch.manual_seed(0)
-    model = build().to(device)
-    shape = example(batch) if example is not None else torch.empty(batch, 3, 224, 224)
-    if shape.dtype.is_floating_point:
-        x = torch.randn(shape.shape, device=device)
-    else:  # token ids
-        x = torch.randint(0, 2, shape.shape, device=device)
-    with torch.no_grad():
-        out = model(x)
-    y = torch.randint(0, out.shape[-1], out.shape[:-1], device=device)
-    return model, x, y
-
-
-def model_factor_work(
-    timed: ModelToTime, device: torch.device, repeats: int, where: str
-) -> list[dict[str, Any]]:
-    """``kernels`` entries of the profile: the factor work of one factor update of every K-FAC
-    layer of ``timed``'s model at its batch (each layer's extraction and covariance products,
-    ``tuner.kernels``), for the ``reduce`` and ``expand`` approximations, at the products'
-    default precision."""
-    from tuner.kernels import measure_kernels
-
-    found = []
-    for approx in (KFACApprox.REDUCE.value, KFACApprox.EXPAND.value):
-        model, x, y = _model_and_batch(timed.build, device, timed.example, timed.batch)
-        kernels = measure_kernels(model, x, y, repeats=repeats, kfac_approx=approx)
-        work = sum(layer.a_factor_s + layer.g_factor_s for layer in kernels.layers)
-        what = f"{timed.name} at batch {timed.batch}: every K-FAC layer's {approx} factor work"
-        found.append(
-            {
-                "model": timed.name,
-                "batch": timed.batch,
-                "kfac_approx": approx,
-                "factor_work_s": _measured(work, what, where),
-            }
-        )
-    return found
-
-
-def _training_rate(
-    build: Callable[[], torch.nn.Module],
-    device: torch.device,
-    precision: str,
-    repeats: int,
-    example: Callable[[int], torch.Tensor] | None = None,
-    batch: int = 32,
-) -> tuple[float, float | None]:
-    """Samples per second of training ``build()``'s model at ``batch`` (SGD with momentum,
-    random data of ``example(batch)``'s shape; default: ResNet-50's 224×224 images), with a
-    cross-entropy loss over the model's last output dimension; on a GPU also the seconds the
-    host takes to issue one step (its Python and launches: a step takes the longer of that and
-    the device's time)."""
-    model, x, y = _model_and_batch(build, device, example, batch)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    autocast = torch.autocast(
-        device.type, dtype=torch.bfloat16, enabled=precision == Precision.BF16
-    )
-
-    def step(x: torch.Tensor = x, y: torch.Tensor = y) -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with autocast:
-            logits = model(x)
-            loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)
-            )
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-
-    for _ in range(3):
-        step()
-    rate = batch / median_seconds(step, device, repeats)
-    if device.type != "cuda":
-        return rate, None
-    # The host's time per step: a step of one sample, whose kernels the device finishes
-    # before the host has launched them all, so that the host's Python and launches decide
-    # it (the same operations as at any batch). A single step timed from the host's side
-    # read 16-25% over a whole step on lent H200s (benchmarks/README.md, runs 8 and 9).
-    return rate, median_seconds(functools.partial(step, x[:1], y[:1]), device, repeats)
-
-
-def _training_entry(
-    model: str, precision: str, timed: tuple[float, float | None], what: str, where: str
-) -> dict[str, Any]:
-    """A ``training`` entry of the profile: the throughput, and on a GPU the host's time to
-    issue one step."""
-    rate, host = timed
-    entry = {"model": model, "precision": precision, **_measured(rate, what, where)}
-    if host is not None:
-        entry["host_step_s"] = _measured(
-            host, f"{what}: the host's time per step (a step of one sample)", where
-        )
-    return entry
-
-
-@dataclass(frozen=True)
-class ModelToTime:
-    """A registered model whose plain training step ``measure`` times: its builder, a batch
-    of its input (any device: only the shape and dtype are used) and the batch size."""
-
-    name: str
-    build: Callable[[], torch.nn.Module]
-    example: Callable[[int], torch.Tensor]
-    batch: int
 
 
 def measure(
@@ -375,12 +264,12 @@ def measure(
         total = torch.cuda.get_device_properties(target).total_memory
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    gpu_entry["memory_bytes"] = _measured(total, "total device memory as torch reports it", where)
+    gpu_entry["memory_bytes"] = measured(total, "total device memory as torch reports it", where)
 
     # The models' steps first: after the large products and decompositions below, LeNet's
     # step measured 1.45x slower on this CPU in one run (1.05x when timed first).
     for timed in models:
-        found = _training_rate(  # a small model's step is short: more repeats
+        found = training_rate(  # a small model's step is short: more repeats
             timed.build, target, Precision.FP32.value, 3 * repeats, timed.example, timed.batch
         )
         profile["kernels"] = [
@@ -393,7 +282,7 @@ def measure(
         ]
         profile["training"] = [
             *(t for t in profile.get("training", []) if t.get("model") != timed.name),
-            _training_entry(
+            training_entry(
                 timed.name,
                 Precision.FP32.value,
                 found,
@@ -403,7 +292,7 @@ def measure(
         ]
     tiny = torch.ones(8, device=target)
     per_op = median_seconds(lambda: [tiny.add_(1) for _ in range(100)], target, repeats) / 100
-    gpu_entry["kernel_latency_s"] = _measured(per_op, "median time of a tiny operation", where)
+    gpu_entry["kernel_latency_s"] = measured(per_op, "median time of a tiny operation", where)
 
     rates: dict[str, list[dict[str, Any]]] = {Precision.FP32.value: []}
     generator = torch.Generator().manual_seed(0)
@@ -411,7 +300,7 @@ def measure(
         a = torch.randn(n, n, generator=generator).to(target)
         seconds = median_seconds(functools.partial(torch.matmul, a, a), target, repeats)
         rates[Precision.FP32.value].append(
-            {"n": n, **_measured(2 * n**3 / seconds, f"float32 {n}x{n} matmul", where)}
+            {"n": n, **measured(2 * n**3 / seconds, f"float32 {n}x{n} matmul", where)}
         )
     if target.type == "cuda":
         n = 4096 if not quick else 256
@@ -421,7 +310,7 @@ def measure(
         ):
             a = torch.randn(n, n, generator=generator).to(target, dtype)
             seconds = median_seconds(functools.partial(torch.matmul, a, a), target, repeats)
-            entry = _measured(2 * n**3 / seconds, f"{precision} {n}x{n} matmul", where)
+            entry = measured(2 * n**3 / seconds, f"{precision} {n}x{n} matmul", where)
             rates[precision] = [{"n": n, **entry}]
     if target.type == "cuda":  # float32 products at precision 'high': TF32 tensor cores
         before = torch.get_float32_matmul_precision()
@@ -431,7 +320,7 @@ def measure(
             for n in _ladder(MATMUL_SIZES, quick, largest):
                 a = torch.randn(n, n, generator=generator).to(target)
                 seconds = median_seconds(functools.partial(torch.matmul, a, a), target, repeats)
-                entry = _measured(2 * n**3 / seconds, f"float32 {n}x{n} matmul, TF32", where)
+                entry = measured(2 * n**3 / seconds, f"float32 {n}x{n} matmul, TF32", where)
                 rates["tf32"].append({"n": n, **entry})
         finally:
             torch.set_float32_matmul_precision(before)
@@ -446,24 +335,22 @@ def measure(
         seconds = median_seconds(
             functools.partial(torch.linalg.eigh, spd), target, max(2, repeats // 2)
         )
-        eigh.append(
-            {"n": n, **_measured(seconds, f"torch.linalg.eigh of a float32 {n}x{n}", where)}
-        )
+        eigh.append({"n": n, **measured(seconds, f"torch.linalg.eigh of a float32 {n}x{n}", where)})
     gpu_entry["eigh_s"] = eigh
     factors, per_layer, per_group = kfac_overheads(target, repeats)
     stack = f"{OVERHEAD_LAYERS} Linear layers of width 8"
     gpu_entry["kfac_overhead_s"] = {
-        "factors_per_layer": _measured(
+        "factors_per_layer": measured(
             factors, f"a factor update's fixed cost per layer, from {stack}", where
         ),
-        "precondition_per_layer": _measured(
+        "precondition_per_layer": measured(
             per_layer, f"a quiet K-FAC step's fixed cost per layer, from {stack}", where
         ),
-        "precondition_per_group": _measured(
+        "precondition_per_group": measured(
             per_group, f"a quiet K-FAC step's fixed cost per shape group, from {stack}", where
         ),
     }
-    gpu_entry["extract_elements_per_s"] = _measured(
+    gpu_entry["extract_elements_per_s"] = measured(
         extraction_rate(target, repeats, quick),
         "K-FAC's position sums of a 3x3 convolution's input (elements x kernel rows)",
         where,
@@ -474,7 +361,7 @@ def measure(
             {
                 "n": n,
                 "count": count,
-                **_measured(
+                **measured(
                     seconds,
                     f"K-FAC's {method} solver, float32 {n}x{n}, "
                     + ("one factor alone" if count == 1 else f"per factor of {count} at once"),
@@ -487,16 +374,16 @@ def measure(
     }
 
     count = ranks or (torch.cuda.device_count() if target.type == "cuda" else 1)
-    profile["node"] = {"gpus": _measured(count, "devices measured on this node", where)}
+    profile["node"] = {"gpus": measured(count, "devices measured on this node", where)}
     if count > 1:
         ar_lat, ar_bw, _, bc_bw, tiny_s = _collectives(target.type, count)
         bus = 2 * (count - 1) / count  # nccl-tests' busbw of an all-reduce
         latency = (
-            _measured(ar_lat, f"all-reduce latency (a-b fit) over {count} ranks", where)
+            measured(ar_lat, f"all-reduce latency (a-b fit) over {count} ranks", where)
             if ar_lat > 0
             # A noisy fit's intercept can come out zero (clamped): the latency is then below
             # what the fit resolves, and the smallest all-reduce's time bounds it from above.
-            else _measured(
+            else measured(
                 tiny_s,
                 f"median time of a 4-byte all-reduce over {count} ranks (the a-b fit's "
                 "intercept was not positive: an upper bound on the latency)",
@@ -505,19 +392,19 @@ def measure(
         )
         profile["links"]["intra_node"] = {
             "latency_s": latency,
-            "allreduce_busbw": _measured(
+            "allreduce_busbw": measured(
                 ar_bw * bus, f"all-reduce a-b fit over {count} ranks, as busbw", where
             ),
-            "broadcast_busbw": _measured(bc_bw, f"broadcast a-b fit over {count} ranks", where),
+            "broadcast_busbw": measured(bc_bw, f"broadcast a-b fit over {count} ranks", where),
         }
     if resnet50 is not None and not quick:
         training = [
             entry for entry in profile.get("training", []) if entry.get("model") != "resnet50"
         ]
         for precision in (Precision.FP32.value, Precision.BF16.value):
-            found = _training_rate(resnet50, target, precision, repeats)
+            found = training_rate(resnet50, target, precision, repeats)
             training.append(
-                _training_entry(
+                training_entry(
                     "resnet50",
                     precision,
                     found,
