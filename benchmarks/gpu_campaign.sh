@@ -9,7 +9,8 @@
 # (the preconditioning in CUDA graphs against without; the plan against the GPU at batch 32, 64),
 # "i" (h without the plan), "j" (the plan alone), "k" (traces with and without the graph),
 # "l" (the tests, the plan, the step costs of every method, EKFAC included), "m" (the tests,
-# the step before and after, b32 fp32 and bf16, the transformer).
+# the step before and after, b32 fp32 and bf16, the transformer), "n" (m without EKFAC),
+# "o" (the plan against this GPU, the 1/10 step too).
 # Expects the pydantic wheels in .whl (the image has torch but not pydantic) and the commit
 # before the change's kaisa_ray in .old (`git archive <commit> kaisa_ray | tar -x -C .old`).
 # The lent machine's copy has no history of its own: COMMIT=<hash> names what the tables
@@ -161,6 +162,22 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
             "b32 fp32: K-FAC eigen 10/100" "EKFAC" "b32 bf16: SGD" "b32 bf16: K-FAC inverse" \
             "transformer 10.7M b64 fp32: AdamW" --skip "highest" "graphs" "eigenbasis" \
             --json "$OUT/gpu_step.json")
+        ;;
+    n)  # the gpu tests; the step before (.old) and after, interleaved: ResNet-50 b32 fp32
+        # and bf16, the transformer (m without EKFAC, to fit one call beside the tests)
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        run 90 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_gpu.py -rA \
+            --tb=short
+        (cd benchmarks && run 290 gpu_step python3 gpu_step.py --before ../.old --rounds 2 \
+            ${COMMIT:+--commit "$COMMIT"} --only "b32 fp32: SGD" "b32 fp32: K-FAC inverse 10/100" \
+            "b32 fp32: K-FAC eigen 10/100" "b32 bf16: SGD" "b32 bf16: K-FAC inverse" \
+            "transformer 10.7M b64 fp32: AdamW" --skip "highest" "graphs" "eigenbasis" "EKFAC" \
+            --json "$OUT/gpu_step.json")
+        ;;
+    o)  # the plan against this GPU: batch 32 and 64 at 10/100, batch 32 at 1/10
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        (cd benchmarks && run 320 plan_vs_gpu python3 plan_vs_gpu.py --rounds 1 \
+            ${COMMIT:+--commit "$COMMIT"} --json "$OUT/plan_vs_gpu.json")
         ;;
     k)  # where the graphed step's time goes: traces with and without the graph
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -271,6 +271,11 @@ def gpu(rounds: int, batches: tuple[int, ...] = (32,)) -> dict[str, Any]:
             for label, options in GPU_CASES.items()
             if label.endswith(("K-FAC eigen 10/100", "inverse 10/100"))
         ]
+    if 32 in batches:  # the issue's 1/10 rows: every step a factor step
+        cases += [
+            Case(label.split(": ", 1)[1].replace("10/100", "1/10"), "resnet50", 32, options)
+            for label, options in GPU_CASES_1_10.items()
+        ]
     name = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
     models = tuple(f"resnet50:{batch}" for batch in batches)
     return live(torch.device("cuda"), f"{name}-measured", cases, models, rounds, 4096)
@@ -302,6 +307,12 @@ GPU_CASES = {  # run 2's configurations (gpu_step.py labels) and the plan's opti
         "inv_update_steps": 100,
         "matmul_precision": "highest",
     },
+}
+
+GPU_CASES_1_10 = {  # the JobSpec's curvature at intervals 1/10, eigen and inverse
+    label: {**options, "factor_update_steps": 1, "inv_update_steps": 10}
+    for label, options in GPU_CASES.items()
+    if label.endswith(("K-FAC eigen 10/100", "inverse 10/100"))
 }
 
 

@@ -4,7 +4,8 @@ On a machine with a CUDA GPU this measures the node into a hardware profile (``k
 measure-node --model resnet50:32 --model resnet50:64``'s code), then, on that GPU, whole
 training steps of ResNet-50 (SGD with momentum, fp32) plain and with this project's K-FAC at
 intervals 10/100, eigen and inverse: at batch 32 the reference's settings and the JobSpec's
-curvature (the products at TF32 and at 'highest'), at batch 64 the JobSpec's curvature. Each
+curvature (the products at TF32 and at 'highest'), at batch 64 the JobSpec's curvature; and
+at batch 32 the JobSpec's curvature at 1/10 too (every step a factor step). Each
 phase (preconditioning per step, factors and decompositions per update) comes from differences
 of whole-step medians timed with CUDA events (``phases.py``: plain, quiet, factor and
 decomposition steps), and each is set beside what ``kaisa-ray plan`` predicts from the profile;
