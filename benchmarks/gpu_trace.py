@@ -82,6 +82,12 @@ CONFIGS: dict[str, tuple[str, int, dict[str, Any] | None]] = {
             "cuda_graphs": True,
         },
     ),
+    "resnet50 b32 bf16 SGD": ("resnet50", 32, None),
+    "resnet50 b32 bf16 K-FAC inverse 10/100": (
+        "resnet50",
+        32,
+        {**JOBSPEC_CURVATURE, "factor_update_steps": 10, "inv_update_steps": 100},
+    ),
     "lenet b64 SGD": ("lenet", 64, None),
     "lenet b64 K-FAC inverse 10/100": (
         "lenet",
@@ -203,7 +209,7 @@ def profile(
     of each kind (quiet, factors; one decomposition step; 'plain' without K-FAC), each in its
     own trace; one row per kind, the medians of its samples (the first sample's trace kept)."""
     workload, batch, kfac = CONFIGS[label]
-    trainee = Trainee(workload, batch, kfac, device)
+    trainee = Trainee(workload, batch, kfac, device, "bf16" if " bf16 " in label else "fp32")
     wanted = {"plain": repeats} if kfac is None else {"quiet": repeats, "factors": repeats}
     if kfac is not None:
         wanted["decomposition"] = 1
