@@ -10,7 +10,8 @@
 # "i" (h without the plan), "j" (the plan alone), "k" (traces with and without the graph),
 # "l" (the tests, the plan, the step costs of every method, EKFAC included), "m" (the tests,
 # the step before and after, b32 fp32 and bf16, the transformer), "n" (m without EKFAC),
-# "o" (the plan against this GPU, the 1/10 step too), "p" (traces, fp32 against bf16).
+# "o" (the plan against this GPU, the 1/10 step too), "p" (traces, fp32 against bf16),
+# "q" (n's step costs with one process on the GPU).
 # Expects the pydantic wheels in .whl (the image has torch but not pydantic) and the commit
 # before the change's kaisa_ray in .old (`git archive <commit> kaisa_ray | tar -x -C .old`).
 # The lent machine's copy has no history of its own: COMMIT=<hash> names what the tables
@@ -184,6 +185,14 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
         (cd benchmarks && run 200 gpu_trace python3 gpu_trace.py --only "b32 SGD" \
             "b32 K-FAC inverse 10/100" "bf16" --repeats 3 ${COMMIT:+--commit "$COMMIT"} \
             --json "$OUT/gpu_trace.json")
+        ;;
+    q)  # n's step costs with one process on the GPU (no "before" beside it)
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        (cd benchmarks && run 200 gpu_step python3 gpu_step.py --rounds 2 \
+            ${COMMIT:+--commit "$COMMIT"} --only "b32 fp32: SGD" "b32 fp32: K-FAC inverse 10/100" \
+            "b32 fp32: K-FAC eigen 10/100" "b32 bf16: SGD" "b32 bf16: K-FAC inverse" \
+            "transformer 10.7M b64 fp32: AdamW" --skip "highest" "graphs" "eigenbasis" "EKFAC" \
+            --json "$OUT/gpu_step.json")
         ;;
     k)  # where the graphed step's time goes: traces with and without the graph
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
