@@ -164,12 +164,13 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
             "transformer 10.7M b64 fp32: AdamW" --skip "highest" "graphs" "eigenbasis" \
             --json "$OUT/gpu_step.json")
         ;;
-    n)  # the gpu tests; the step before (.old) and after, interleaved: ResNet-50 b32 fp32
-        # and bf16, the transformer (m without EKFAC, to fit one call beside the tests)
+    n | q)  # (n) the gpu tests, then the step before (.old) and after, interleaved; (q) the
+        # step alone, one process on the GPU: ResNet-50 b32 fp32 and bf16, the transformer
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-        run 90 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_gpu.py -rA \
-            --tb=short
-        (cd benchmarks && run 290 gpu_step python3 gpu_step.py --before ../.old --rounds 2 \
+        [ "$stage" = n ] && run 90 tests python3 -m pytest -q -p no:cacheprovider -m gpu \
+            tests/core/test_gpu.py -rA --tb=short
+        [ "$stage" = n ] && before=(--before ../.old) || before=()
+        (cd benchmarks && run 290 gpu_step python3 gpu_step.py "${before[@]}" --rounds 2 \
             ${COMMIT:+--commit "$COMMIT"} --only "b32 fp32: SGD" "b32 fp32: K-FAC inverse 10/100" \
             "b32 fp32: K-FAC eigen 10/100" "b32 bf16: SGD" "b32 bf16: K-FAC inverse" \
             "transformer 10.7M b64 fp32: AdamW" --skip "highest" "graphs" "eigenbasis" "EKFAC" \
@@ -185,14 +186,6 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
         (cd benchmarks && run 200 gpu_trace python3 gpu_trace.py --only "b32 SGD" \
             "b32 K-FAC inverse 10/100" "bf16" --repeats 3 ${COMMIT:+--commit "$COMMIT"} \
             --json "$OUT/gpu_trace.json")
-        ;;
-    q)  # n's step costs with one process on the GPU (no "before" beside it)
-        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-        (cd benchmarks && run 200 gpu_step python3 gpu_step.py --rounds 2 \
-            ${COMMIT:+--commit "$COMMIT"} --only "b32 fp32: SGD" "b32 fp32: K-FAC inverse 10/100" \
-            "b32 fp32: K-FAC eigen 10/100" "b32 bf16: SGD" "b32 bf16: K-FAC inverse" \
-            "transformer 10.7M b64 fp32: AdamW" --skip "highest" "graphs" "eigenbasis" "EKFAC" \
-            --json "$OUT/gpu_step.json")
         ;;
     k)  # where the graphed step's time goes: traces with and without the graph
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

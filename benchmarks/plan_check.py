@@ -269,13 +269,10 @@ def gpu(rounds: int, batches: tuple[int, ...] = (32,)) -> dict[str, Any]:
         cases += [
             Case(f"b{batch} {label.split(': ', 1)[1]}", "resnet50", batch, options)
             for label, options in GPU_CASES.items()
-            if label.endswith(("K-FAC eigen 10/100", "inverse 10/100"))
+            if label.endswith(JOBSPEC_CASES)
         ]
     if 32 in batches:  # the issue's 1/10 rows: every step a factor step
-        cases += [
-            Case(label.split(": ", 1)[1].replace("10/100", "1/10"), "resnet50", 32, options)
-            for label, options in GPU_CASES_1_10.items()
-        ]
+        cases += [Case(label, "resnet50", 32, options) for label, options in GPU_CASES_1_10.items()]
     name = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
     models = tuple(f"resnet50:{batch}" for batch in batches)
     return live(torch.device("cuda"), f"{name}-measured", cases, models, rounds, 4096)
@@ -309,10 +306,15 @@ GPU_CASES = {  # run 2's configurations (gpu_step.py labels) and the plan's opti
     },
 }
 
-GPU_CASES_1_10 = {  # the JobSpec's curvature at intervals 1/10, eigen and inverse
-    label: {**options, "factor_update_steps": 1, "inv_update_steps": 10}
+JOBSPEC_CASES = ("K-FAC eigen 10/100", "inverse 10/100")  # the JobSpec's curvature
+GPU_CASES_1_10 = {  # the same at intervals 1/10, eigen and inverse
+    label.split(": ", 1)[1].replace("10/100", "1/10"): {
+        **options,
+        "factor_update_steps": 1,
+        "inv_update_steps": 10,
+    }
     for label, options in GPU_CASES.items()
-    if label.endswith(("K-FAC eigen 10/100", "inverse 10/100"))
+    if label.endswith(JOBSPEC_CASES)
 }
 
 
