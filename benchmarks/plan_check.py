@@ -237,12 +237,22 @@ def live(
                 "predicted": predicted_terms(case, hardware),
             }
         )
+    # The same forecast with the stand-in's fixed costs (``kfac_overhead_s``) in place of the
+    # model's own (``kfac_host_s``, measured on a GPU): what the model's own change, one run.
+    stand_in = (
+        hardware_from_dict({k: v for k, v in profile.items() if k != "kfac_host_s"})
+        if profile.get("kfac_host_s")
+        else None
+    )
     out = []
     for case in cases:
         plain = summarize(measured.timed[(_first_order(case), "after")])["plain"]
         kfac = summarize(measured.timed[(case.label, "after")])
         found = {"mean": kfac["mean"], "plain": plain, **phase_split(kfac, plain)}
-        out.append({"case": case.label, "measured": found, "predicted": predict(case, hardware)})
+        row = {"case": case.label, "measured": found, "predicted": predict(case, hardware)}
+        if stand_in is not None:
+            row["predicted_stand_in"] = predict(case, stand_in)
+        out.append(row)
     return {"profile": profile, "rows": out, "terms": terms}
 
 
@@ -417,6 +427,34 @@ def render(result: dict[str, Any]) -> str:
             "",
         ]
         parts += [f"- {term}" for term in terms] + [""]
+        compared = [item for item in result[key]["rows"] if "predicted_stand_in" in item]
+        if compared:
+            parts += [
+                table(
+                    f"**{title}: the mean step with the model's own fixed costs (kfac_host_s) "
+                    "and with the stand-in's (kfac_overhead_s)**",
+                    [
+                        "configuration",
+                        "measured",
+                        "own",
+                        "own ÷ measured",
+                        "stand-in",
+                        "stand-in ÷ measured",
+                    ],
+                    [
+                        [
+                            item["case"],
+                            f"{item['measured']['mean']:.2f}",
+                            f"{item['predicted']['mean']:.2f}",
+                            f"{item['predicted']['mean'] / item['measured']['mean']:.2f}",
+                            f"{item['predicted_stand_in']['mean']:.2f}",
+                            f"{item['predicted_stand_in']['mean'] / item['measured']['mean']:.2f}",
+                        ]
+                        for item in compared
+                    ],
+                ),
+                "",
+            ]
     return "\n".join(parts).rstrip()
 
 

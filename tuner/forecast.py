@@ -23,11 +23,12 @@ a ``Hardware`` profile (``tuner.hardware``):
 - decompositions: seconds per factor as K-FAC decomposes it, from the profile's measured
   ``decompose_s`` table (batched where the model has several factors of that size), else
   ``eigh`` of one matrix (eigen) or ``n³`` flops at the matmul rate (inverse, an estimate);
-- K-FAC's fixed cost per layer of a factor update, and per layer and shape group of
-  preconditioning (hooks, Python, launches, small operations), as ``measure-node`` measured
-  it on tiny layers (``kfac_overhead_s``), else operations counted in this code at the
-  kernel latency (an estimate); on a CPU they add to the arithmetic, on a GPU, where the host
-  launches while the device computes, a phase takes the longer of the two;
+- K-FAC's fixed cost of a factor update and of preconditioning (hooks, Python, launches,
+  small operations): the model's own where ``measure-node --model`` timed them on a GPU
+  (``kfac_host_s``), else per layer (and shape group) as ``measure-node`` measured it on tiny
+  layers (``kfac_overhead_s``), else operations counted in this code at the kernel latency
+  (an estimate); on a CPU they add to the arithmetic, on a GPU, where the host launches
+  while the device computes, a phase takes the longer of the two;
 - preconditioning: the products of each shape group (``kaisa_ray.batching``: the layers of one
   ``(a, g, groups)`` shape in one batched call; eigen four, inverse two), each at the rate of
   its volume, shared equally by the group's layers;
@@ -232,9 +233,28 @@ def factor_seconds(workload: Workload, hardware: Hardware, work: float | None = 
     has it) once per forward-backward pass, and K-FAC's fixed cost per layer (added on a CPU,
     the longer of the two on a GPU: ``Hardware.host_is_device``)."""
     seconds = factor_work_seconds(workload, hardware) if work is None else work
-    fixed = hardware.overhead("factors_per_layer")[0] * len(workload.layers)
+    fixed = _factor_host(workload, hardware)
     total = seconds + fixed if hardware.host_is_device else max(seconds, fixed)
     return total * workload.accumulation_steps
+
+
+def _factor_host(workload: Workload, hardware: Hardware) -> float:
+    """K-FAC's fixed seconds of one factor update of every layer: measured on the model
+    itself where the profile has it (``kfac_host_s``), else the profile's cost per layer
+    times the layers."""
+    found = hardware.model_host(workload.model, "factors", str(workload.kfac_approx))
+    if found is not None:
+        return found.value
+    return hardware.overhead("factors_per_layer")[0] * len(workload.layers)
+
+
+def _precondition_host(workload: Workload, hardware: Hardware) -> float | None:
+    """K-FAC's fixed seconds of preconditioning every layer a step, measured on the model
+    itself (``kfac_host_s``, the Kronecker scaling's step), or None."""
+    if workload.scaling != Scaling.KRONECKER:
+        return None
+    found = hardware.model_host(workload.model, "precondition", str(workload.compute_method))
+    return None if found is None else found.value
 
 
 ShapeKey = tuple[int, int, int]  # (a, g, groups): the layers preconditioned in one call
@@ -271,10 +291,15 @@ def precondition_seconds(
     groups = group_products(workload, hardware) if groups is None else groups
     per_layer, _ = hardware.overhead("precondition_per_layer")
     per_group, _ = hardware.overhead("precondition_per_group")
+    measured = _precondition_host(workload, hardware)
     shares = []
     for x in workload.layers:
         seconds, count = groups[(x.a_dim, x.g_dim, x.groups)]
-        products, fixed = seconds / count, per_layer + per_group / count
+        products = seconds / count
+        if measured is not None:  # the model's own, shared equally by its layers
+            fixed = measured / len(workload.layers)
+        else:
+            fixed = per_layer + per_group / count
         shares.append(products + fixed if hardware.host_is_device else max(products, fixed))
     return tuple(shares)
 
@@ -314,6 +339,21 @@ def _terms(workload: Workload, hardware: Hardware) -> tuple[str, ...]:
         else "estimate, operations counted in this code at the profile's kernel latency "
         "(no kfac_overhead_s in the profile)"
     )
+    own = [
+        phase
+        for phase, variant in (
+            ("factors", workload.kfac_approx),
+            ("precondition", workload.compute_method),
+        )
+        if hardware.model_host(workload.model, phase, str(variant)) is not None
+        and (phase == "factors" or _precondition_host(workload, hardware) is not None)
+    ]
+    if own:
+        fixed = (
+            f"K-FAC's fixed cost of {' and '.join(own)} (hooks, Python, launches): "
+            f"{workload.model}'s own, timed on one-sample steps (measure-node --model, "
+            "kfac_host_s)" + ("" if len(own) == 2 else "; the rest: " + fixed.split(": ", 1)[1])
+        )
     rate = hardware.extract_elements_per_s
     extraction = (
         f"factor extraction (patches, position sums): the profile's extract rate ({rate.kind})"

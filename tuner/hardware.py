@@ -153,6 +153,14 @@ class Hardware:
     # Elements per second of K-FAC's factor extraction (a convolution's position sums, as
     # ``measure-node`` times it on a reference convolution); None: not measured
     extract_elements_per_s: Sourced | None = None
+    # K-FAC's host seconds on a model itself (``measure-node --model`` on a GPU): what its
+    # preconditioning adds to a step, by compute method, and one factor update of every
+    # layer, by approximation: (model, 'precondition' | 'factors', method | approximation)
+    kfac_host: dict[tuple[str, str, str], Sourced] = field(default_factory=dict)
+
+    def model_host(self, model: str, phase: str, variant: str) -> Sourced | None:
+        """K-FAC's measured host seconds of ``phase`` on ``model`` (``kfac_host``), or None."""
+        return self.kfac_host.get((model, phase, variant))
 
     def overhead(self, name: str) -> tuple[float, str]:
         """K-FAC's fixed cost ``name`` (see ``kfac_overhead``) and its kind; without a
@@ -312,7 +320,7 @@ def hardware_from_dict(data: Any, origin: str = "hardware profile") -> Hardware:
     sources: dict[str, Sourced] = {}
     if not isinstance(data, Mapping):
         raise HardwareProfileError([f"expected a mapping, got {type(data).__name__}"], origin)
-    known = {"name", "description", "gpu", "node", "links", "training", "kernels"}
+    known = {"name", "description", "gpu", "node", "links", "training", "kernels", "kfac_host_s"}
     for extra in sorted(set(data) - known):
         problems.append(f"{extra}: unknown field (expected {', '.join(sorted(known))})")
     name = data.get("name")
@@ -418,6 +426,7 @@ def hardware_from_dict(data: Any, origin: str = "hardware profile") -> Hardware:
         else None
     )
     factor_work = _factor_work(data.get("kernels"), problems, sources)
+    kfac_host = _kfac_host(data.get("kfac_host_s"), problems, sources)
     if problems:
         raise HardwareProfileError(problems, origin)
     return Hardware(
@@ -437,6 +446,7 @@ def hardware_from_dict(data: Any, origin: str = "hardware profile") -> Hardware:
         kfac_overhead=kfac_overhead,
         extract_elements_per_s=extract,
         factor_work=factor_work,
+        kfac_host=kfac_host,
     )
 
 
@@ -470,6 +480,48 @@ def _factor_work(
         if work is not None:
             key = (entry["model"], batch, approx)
             found[key] = sources[f"{where}.factor_work_s({key[0]}, {batch}, {approx})"] = work
+    return found
+
+
+APPROACHES = tuple(str(member) for member in KFACApprox)
+# K-FAC's host phases a profile measures on a model, and the field that names each one's variant
+HOST_PHASES = {"precondition": ("compute_method", METHODS), "factors": ("kfac_approx", APPROACHES)}
+
+
+def _kfac_host(
+    data: Any, problems: list[str], sources: dict[str, Sourced]
+) -> dict[tuple[str, str, str], Sourced]:
+    """``kfac_host_s``: entries ``{model, phase: precondition, compute_method, value, kind,
+    source}`` or ``{model, phase: factors, kfac_approx, ...}``, K-FAC's host seconds on a
+    model as ``measure-node --model`` times them on a GPU."""
+    found: dict[tuple[str, str, str], Sourced] = {}
+    if data is None:
+        return found
+    shape = "a list of {model, phase, compute_method or kfac_approx, value, kind, source}"
+    if not isinstance(data, list):
+        problems.append(f"kfac_host_s: {shape}")
+        return found
+    for i, entry in enumerate(data):
+        where = f"kfac_host_s[{i}]"
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("model"), str):
+            problems.append(f"{where}: needs model, phase and its variant, value, kind, source")
+            continue
+        phase = entry.get("phase")
+        if phase not in HOST_PHASES:
+            problems.append(f"{where}.phase: {phase!r} is not one of {', '.join(HOST_PHASES)}")
+            continue
+        key, allowed = HOST_PHASES[phase]
+        variant = entry.get(key)
+        if variant not in allowed:
+            problems.append(f"{where}.{key}: {variant!r} is not one of {', '.join(allowed)}")
+            continue
+        number = {k: v for k, v in entry.items() if k not in ("phase", key)}
+        seconds = _number(number, where, problems, positive=False)  # 0: below what it resolves
+        if seconds is not None and seconds.value < 0:
+            problems.append(f"{where}.value: {seconds.value!r} must not be negative")
+        elif seconds is not None:
+            ident = (entry["model"], str(phase), str(variant))
+            found[ident] = sources[f"{where}({', '.join(ident)})"] = seconds
     return found
 
 

@@ -6,7 +6,8 @@ products at a ladder of sizes, ``torch.linalg.eigh`` at a ladder of sizes, K-FAC
 decompositions (``kaisa_ray.decomposition``'s batched eigen and Cholesky-inverse solvers, as
 ``kaisa_ray.batching.decompose`` calls them) of one factor and of a batch of factors at a
 ladder of sizes, and ResNet-50's training step at batch 32 (fp32 and bf16, SGD), and
-optionally the training steps of other registered models; with several
+optionally the training steps of other registered models (with their factor work and, on a
+GPU, K-FAC's host costs on each: ``tuner.node_training``); with several
 GPUs (or ``ranks`` CPU processes over gloo, to try it out) the intra-node all-reduce and
 broadcast between them (``tuner.measure.time_collectives``, turned into nccl-tests' bus
 bandwidth). It returns the profile as a mapping in the file format of ``tuner.hardware``:
@@ -38,6 +39,7 @@ from tuner.node_training import (
     ModelToTime,
     measured,
     model_factor_work,
+    model_kfac_host,
     training_entry,
     training_rate,
 )
@@ -268,6 +270,7 @@ def measure(
 
     # The models' steps first: after the large products and decompositions below, LeNet's
     # step measured 1.45x slower on this CPU in one run (1.05x when timed first).
+    hosted: set[str] = set()
     for timed in models:
         found = training_rate(  # a small model's step is short: more repeats
             timed.build, target, Precision.FP32.value, 3 * repeats, timed.example, timed.batch
@@ -280,6 +283,14 @@ def measure(
             ),
             *model_factor_work(timed, target, repeats, where),
         ]
+        # K-FAC's host costs on the model (one-sample steps: any batch's); on a CPU the host
+        # is the device, and one sample says little of a batch
+        if target.type == "cuda" and timed.name not in hosted:
+            hosted.add(timed.name)
+            profile["kfac_host_s"] = [
+                *(h for h in profile.get("kfac_host_s", []) if h.get("model") != timed.name),
+                *model_kfac_host(timed, target, 3 * repeats, where),
+            ]
         profile["training"] = [
             *(t for t in profile.get("training", []) if t.get("model") != timed.name),
             training_entry(

@@ -318,3 +318,31 @@ def test_a_graphed_quiet_step_never_synchronises_and_keeps_raw_gradients_that_ar
     for before, param in zip(raw, model.parameters(), strict=True):
         torch.testing.assert_close(param.grad, before, equal_nan=True)
     assert [g.captures for g in preconditioner._preconditioning.graphs.values()] == [1]
+
+
+def test_measure_node_times_a_models_own_kfac_host_costs_on_cuda() -> None:
+    """``measure-node --quick --model lenet:32`` on the GPU: the profile has LeNet's K-FAC
+    host costs (``kfac_host_s``: each method's preconditioning, each approximation's factor
+    update), measured once however many batches of it are timed, and the plan of LeNet takes
+    them in place of the stand-in's."""
+    import yaml
+
+    from kaisa_train.plan_cli import _model_to_time
+    from kaisa_train.planning import hardware_file
+    from kaisa_train.shapes import workload
+    from tuner.forecast import forecast_profile
+    from tuner.hardware import hardware_from_dict
+    from tuner.node import measure
+
+    base = yaml.safe_load(hardware_file("a100-80gb-hdr").read_text())
+    models = (_model_to_time("lenet:32"), _model_to_time("lenet:64"))
+    profile = measure(base, name="here", device="cuda", quick=True, models=models)
+    found = {
+        (e["model"], e["phase"], e.get("compute_method") or e.get("kfac_approx"))
+        for e in profile["kfac_host_s"]
+    }
+    assert len(profile["kfac_host_s"]) == len(found) == 4
+    hardware = hardware_from_dict(profile)
+    job = workload("lenet", batch_size=32, compute_method="inverse", kfac_approx="reduce")
+    basis = forecast_profile(job, hardware, 1)[1]
+    assert "lenet's own, timed on one-sample steps" in " ".join(basis.terms)

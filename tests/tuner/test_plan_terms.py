@@ -354,3 +354,106 @@ def test_a_models_measured_factor_work_replaces_the_estimate_at_its_batch_only()
     data["kernels"][0]["kfac_approx"] = "sideways"
     with pytest.raises(HardwareProfileError, match=r"kernels\[0\]\.kfac_approx: 'sideways'"):
         hardware_from_dict(data)
+
+
+def with_model_host(factors_s: float, precondition_s: float) -> dict[str, Any]:
+    """The measured profile with ResNet-50's own K-FAC host costs (``kfac_host_s``)."""
+    data = with_measurements()
+    data["kfac_host_s"] = [
+        {"model": "resnet50", "phase": "factors", "kfac_approx": "reduce"}
+        | {"value": factors_s, **MEASURED},
+        {"model": "resnet50", "phase": "precondition", "compute_method": "inverse"}
+        | {"value": precondition_s, **MEASURED},
+    ]
+    return data
+
+
+def test_a_models_own_host_costs_replace_the_stand_ins_for_that_model_and_variant() -> None:
+    """Where ``measure-node --model`` timed K-FAC's host costs on the model itself, the
+    forecast's fixed costs are those (a factor update: the measured seconds; preconditioning:
+    shared equally by the layers) instead of the tiny stand-in's per layer; another method,
+    approximation, scaling or model keeps the stand-in's."""
+    from tuner.forecast import factor_seconds, group_products
+
+    stand_in = hardware_from_dict(with_measurements())
+    own = hardware_from_dict(with_model_host(3e-3, 1.08e-3))
+    job = workload("resnet50", batch_size=32, compute_method="inverse", kfac_approx="reduce")
+    layers = len(job.layers)
+    assert layers == 54
+    work = 1e-9  # the products negligible beside the fixed costs: max() picks the fixed
+    assert factor_seconds(job, own, work) == pytest.approx(3e-3)
+    assert factor_seconds(job, stand_in, work) == pytest.approx(2e-4 * layers)
+    profile, basis = forecast_profile(job, own, 1)
+    fixed = 1.08e-3 / layers  # each layer's share; on a GPU a share is the longer of the two
+    groups = group_products(job, own)
+    for x, share in zip(job.layers, profile.layer_precondition_s, strict=True):
+        seconds, count = groups[(x.a_dim, x.g_dim, x.groups)]
+        assert share == pytest.approx(max(seconds / count, fixed))
+    assert profile.layer_precondition_s != precondition_seconds(job, stand_in)
+    assert "resnet50's own, timed on one-sample steps" in " ".join(basis.terms)
+    for other in (
+        workload("resnet50", batch_size=32, compute_method="eigen", kfac_approx="reduce"),
+        workload("resnet50", batch_size=32, compute_method="eigen", scaling="adam-eigenbasis"),
+    ):
+        assert precondition_seconds(other, own) == precondition_seconds(other, stand_in)
+    expand = workload("resnet50", batch_size=32, compute_method="inverse", kfac_approx="expand")
+    assert factor_seconds(expand, own, work) == factor_seconds(expand, stand_in, work)
+    lenet = workload("lenet", batch_size=32, compute_method="inverse", kfac_approx="reduce")
+    mine, theirs = forecast_profile(lenet, own, 1)[0], forecast_profile(lenet, stand_in, 1)[0]
+    assert (mine.factor_s, mine.layer_precondition_s) == (
+        theirs.factor_s,
+        theirs.layer_precondition_s,
+    )
+
+
+@pytest.mark.parametrize(
+    ("entry", "problem"),
+    [
+        ({"model": "resnet50", "phase": "inverse", "value": 1e-3}, "kfac_host_s[0].phase:"),
+        (
+            {"model": "resnet50", "phase": "factors", "compute_method": "eigen", "value": 1e-3},
+            "kfac_host_s[0].kfac_approx: None is not one of",
+        ),
+        (
+            {"model": "resnet50", "phase": "precondition", "compute_method": "x", "value": 1e-3},
+            "kfac_host_s[0].compute_method: 'x' is not one of eigen, inverse",
+        ),
+        (
+            {"model": "resnet50", "phase": "factors", "kfac_approx": "reduce", "value": -1.0},
+            "kfac_host_s[0].value: -1.0 must not be negative",
+        ),
+        (
+            {"model": "resnet50", "phase": "factors", "kfac_approx": "reduce", "valu": 1.0},
+            "kfac_host_s[0]: unknown field(s) valu",
+        ),
+    ],
+)
+def test_a_bad_model_host_cost_is_named(entry: dict[str, Any], problem: str) -> None:
+    data = with_measurements()
+    data["kfac_host_s"] = [entry | MEASURED]
+    with pytest.raises(HardwareProfileError) as raised:
+        hardware_from_dict(data)
+    assert any(p.startswith(problem) for p in raised.value.problems), raised.value.problems
+
+
+def test_the_models_own_host_costs_are_timed_on_the_model() -> None:
+    """``model_kfac_host`` (what ``measure-node --model`` runs on a GPU) on LeNet on this CPU:
+    an entry per method and per approximation, each a measured, non-negative difference of
+    whole steps, that the profile's loader takes; the model keeps no hook."""
+    from kaisa_train.plan_cli import _model_to_time
+    from tuner.node_training import model_kfac_host
+
+    timed = _model_to_time("lenet:8")
+    entries = model_kfac_host(timed, torch.device("cpu"), 3, "this test's CPU")
+    keys = {(e["phase"], e.get("compute_method") or e.get("kfac_approx")) for e in entries}
+    assert keys == {
+        ("precondition", "eigen"),
+        ("precondition", "inverse"),
+        ("factors", "reduce"),
+        ("factors", "expand"),
+    }
+    assert all(e["value"] >= 0 and e["kind"] == "measured" for e in entries)
+    data = with_measurements()
+    data["kfac_host_s"] = entries
+    hw = hardware_from_dict(data)
+    assert hw.model_host("lenet", "factors", "expand") is not None
