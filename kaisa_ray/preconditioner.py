@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -37,8 +36,7 @@ from kaisa_ray.apply import (
     finite_flags,
     param_grads,
 )
-from kaisa_ray.comm import Communicator, unpack_into
-from kaisa_ray.compiling import eager_under_compile
+from kaisa_ray.comm import Communicator
 from kaisa_ray.eigenbasis import EKFACEigenbasis
 from kaisa_ray.enums import (
     AssignmentStrategy,
@@ -52,6 +50,7 @@ from kaisa_ray.enums import (
     Scaling,
 )
 from kaisa_ray.errors import ConfigurationError
+from kaisa_ray.factor_hooks import FactorHooks
 from kaisa_ray.hyperparams import (
     FloatParam,
     IntParam,
@@ -294,8 +293,6 @@ class KFACPreconditioner:
         self.symmetry_aware = options.symmetry_aware
         self.update_factors_in_hook = options.update_factors_in_hook
         self.loglevel = options.loglevel
-        self._grad_scaler = options.grad_scaler
-        self._grad_scale_cache: tuple[int, float] | None = None
         # Host seconds per phase (kaisa_ray.timing); read and zero with times.reset().
         self.times = PhaseTimes()
 
@@ -316,7 +313,7 @@ class KFACPreconditioner:
                 "unfreeze a layer, or train this model with the base optimizer alone."
             )
         self._layers: list[KFACLayer] = []
-        self._by_module: dict[nn.Module, KFACLayer] = {}
+        registered: list[tuple[nn.Module, KFACLayer]] = []
         for reg in found:
             layer = KFACLayer(
                 reg.name,
@@ -335,7 +332,7 @@ class KFACPreconditioner:
                 adam_eps=self.adam_eps,
             )
             self._layers.append(layer)
-            self._by_module[reg.module] = layer
+            registered.append((reg.module, layer))
         self._by_name = {layer.name: layer for layer in self._layers}
 
         # FSDP2 (checked now: a sharding K-FAC cannot take is refused before the first step)
@@ -364,9 +361,18 @@ class KFACPreconditioner:
             device=self._layers[0].helper.weight().device,
         )
 
-        self._handles = []
-        for module in self._by_module:
-            self._handles.append(module.register_forward_hook(self._forward_hook))
+        self._hooks = FactorHooks(
+            registered,
+            self._comm,
+            self.times,
+            self._products,
+            update_in_hook=options.update_factors_in_hook,
+            accumulation_steps=options.accumulation_steps,
+            factor_scale=options.factor_scale,
+            world_size=self.world_size,
+            symmetry_aware=options.symmetry_aware,
+            grad_scaler=options.grad_scaler,
+        )
 
         names = [layer.name for layer in self._layers]
         # When each layer updates: fixed (the reference) or adapted to measured staleness.
@@ -477,81 +483,14 @@ class KFACPreconditioner:
     def _plan_step(self, step: int) -> None:
         """Which layers update their factors on ``step`` (the forward hooks need it before
         ``step()``), and the factor buckets the communicator launches for them."""
-        self._factor_now = self.schedule.factor_layers(step)
-        self._factor_step = bool(self._factor_now)
-        self._comm.use_factor_buckets(self.plan.schedule.restricted(self._factor_now, ()))
+        now = self.schedule.factor_layers(step)
+        self._hooks.plan(step, now)
+        self._comm.use_factor_buckets(self.plan.schedule.restricted(now, ()))
 
-    # -- hooks -----------------------------------------------------------------------------
-
-    def _grad_scale(self) -> float:
-        if self._grad_scaler is None:
-            return 1.0
-        if self._grad_scale_cache is not None and self._grad_scale_cache[0] == self._steps:
-            return self._grad_scale_cache[1]
-        scaler = self._grad_scaler
-        get: Callable[[], float] = getattr(scaler, "get_scale", scaler)  # type: ignore[arg-type]
-        scale = float(get())
-        if not scale > 0:
-            scale = 1.0  # a disabled GradScaler reports 1.0; anything else is not a scale
-        self._grad_scale_cache = (self._steps, scale)
-        return scale
-
-    def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not (module.training and self._factor_step and torch.is_grad_enabled()):
-            return
-        if not isinstance(output, torch.Tensor) or not output.requires_grad or not args:
-            return
-        layer = self._by_module[module]
-        if layer.name not in self._factor_now:
-            return
-        self._take_input(layer, args[0])
-        # EKFAC's diagonal needs this forward's input beside its output gradient
-        inputs = args[0] if layer.fits_diagonal else None
-        output.register_hook(functools.partial(self._on_grad, layer, inputs))  # type: ignore[no-untyped-call]
-
-    # Factor work runs eagerly under torch.compile: a graph break at the hook, on factor steps
-    # only (on other steps the hook returns before it, inside the compiled graph).
-    @eager_under_compile
-    def _take_input(self, layer: KFACLayer, inputs: torch.Tensor) -> None:
-        with torch.no_grad(), self.times.phase("factors"), self._products():
-            if self.update_factors_in_hook:
-                layer.add_input(inputs)
-            else:
-                layer.save_input(inputs)
-
-    @eager_under_compile
-    def _on_grad(self, layer: KFACLayer, inputs: torch.Tensor | None, grad: torch.Tensor) -> None:
-        with torch.no_grad():
-            if not self.update_factors_in_hook:
-                layer.save_grad_output(grad, inputs)
-                return
-            with self.times.phase("factors"), self._products():
-                layer.add_grad_output(grad, self._g_divisor())
-                if inputs is not None:
-                    layer.add_fitted_diagonal(inputs, grad, self._g_divisor())
-            if layer.batch_complete(self.accumulation_steps):
-                # Final for this step: start its share of the factor all-reduce now, so
-                # communication overlaps the rest of backpropagation.
-                with self.times.phase("communication"):
-                    self._comm.factor_ready(layer.name, self._batch_part)
-
-    def _g_divisor(self) -> float:
-        """Divisor of output gradients. Reference scaling: the loss scale, and the world size,
-        because each rank's loss is a mean over its own shard: dividing by W gives the
-        gradients of the mean over the global batch, so factors (and the meaning of damping)
-        do not depend on W. Fisher scaling: the loss scale over the accumulation steps (each
-        micro-batch's loss is divided by them); the layer then multiplies by the examples the
-        loss averages over, which gives per-example gradients at any W."""
-        if self.factor_scale is FactorScale.FISHER:
-            return self._grad_scale() / self.accumulation_steps
-        return self._grad_scale() * self.world_size
-
-    def _batch_part(self, name: str, part: str) -> torch.Tensor | None:
-        return self._by_name[name].batch_part(part)
-
-    def _store_reduced(self, name: str, part: str, flat: torch.Tensor) -> None:
-        buffer = self._by_name[name].reduced_buffer(part, flat.dtype, flat.device)
-        unpack_into(buffer, flat, self.symmetry_aware and part != "s")
+    @property
+    def _factor_now(self) -> frozenset[str]:
+        """The layers whose factors the current step updates."""
+        return self._hooks.now
 
     # -- the step --------------------------------------------------------------------------
 
@@ -574,14 +513,11 @@ class KFACPreconditioner:
         decided on the device (read ``skipped_steps`` or ``last_grad_scale`` to wait).
         """
         sharded = self._sharded_now()
-        factor_step = self._factor_step
+        factor_step = bool(self._factor_now)
         if factor_step:
             if not self.update_factors_in_hook:
-                with self.times.phase("factors"), self._products():
-                    for layer in self._layers:
-                        layer.factor_saved(self._g_divisor())
-            with self.times.phase("communication"):
-                self._comm.reduce_factors(self._batch_part, self._store_reduced)
+                self._hooks.factor_saved()
+            self._hooks.reduce()
         if sharded is None:
             self._step(factor_step)
             return
@@ -666,7 +602,7 @@ class KFACPreconditioner:
                 self._tracker.after_decompositions(
                     step, decompose, stale, preconditioned, self._comm, self.schedule
                 )
-        if self._factor_step or decompose:  # the step waited for the device anyway
+        if factor_step or decompose:  # the step waited for the device anyway
             self._setter.warn_skipped(self._steps)
 
         # What this step updated: with ``plan.calls_at`` it names the step's collectives.
@@ -886,9 +822,7 @@ class KFACPreconditioner:
 
     def remove_hooks(self) -> None:
         """Detach from the model (the preconditioner is unusable afterwards)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._hooks.remove()
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in sorted(self._hyperparameters().items()))

@@ -136,7 +136,7 @@ def measure_kernels(
     opt.step()
 
     layers = []
-    divisor = preconditioner._g_divisor()
+    divisor = preconditioner._hooks.g_divisor()
     with torch.no_grad(), preconditioner._products():
         for layer in preconditioner.layers:
             x, grad = captured[layer.name]

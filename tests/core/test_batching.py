@@ -382,7 +382,7 @@ def test_a_compiled_model_trains_with_kfac_as_the_eager_one() -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # The hooks found the factor methods disabled for dynamo (run eagerly), although the
     # preconditioner was built before torch.compile loaded dynamo.
-    for method in (compiled._take_input, compiled._on_grad):
+    for method in (compiled._hooks.take_input, compiled._hooks.on_grad):
         assert getattr(method.__func__, "_torchdynamo_disable", False), method
 
 
@@ -398,7 +398,7 @@ def test_importing_kaisa_ray_does_not_load_dynamo() -> None:
         "pre = KFACPreconditioner(model)\n"
         "model(torch.randn(8, 4)).sum().backward()\n"
         "pre.step()\n"
-        "assert not hasattr(pre._take_input.__func__, '_torchdynamo_disable')\n"
+        "assert not hasattr(pre._hooks.take_input.__func__, '_torchdynamo_disable')\n"
         "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n"
     )
     done = subprocess.run(
