@@ -238,11 +238,15 @@ def live(
             }
         )
     # The same forecast with the stand-in's fixed costs (``kfac_overhead_s``) in place of the
-    # model's own (``kfac_host_s``, measured on a GPU): what the model's own change, one run.
+    # model's own (``kfac_host_s``, measured on a GPU): what the model's own change, one run;
+    # and with the host's times from one-sample steps back to back (``steady_host``).
     stand_in = (
         hardware_from_dict({k: v for k, v in profile.items() if k != "kfac_host_s"})
         if profile.get("kfac_host_s")
         else None
+    )
+    steady = (
+        hardware_from_dict(steady_host(profile, device, models)) if device.type == "cuda" else None
     )
     out = []
     for case in cases:
@@ -252,8 +256,34 @@ def live(
         row = {"case": case.label, "measured": found, "predicted": predict(case, hardware)}
         if stand_in is not None:
             row["predicted_stand_in"] = predict(case, stand_in)
+        if steady is not None:
+            row["predicted_steady"] = predict(case, steady)
         out.append(row)
     return {"profile": profile, "rows": out, "terms": terms}
+
+
+def steady_host(profile: dict[str, Any], device: torch.device, models: tuple[str, ...]) -> Any:
+    """``profile`` with each model's host times (the plain step's ``host_step_s`` and
+    K-FAC's ``kfac_host_s``) taken again from one-sample steps back to back
+    (``tuner.measure.steady_seconds``) instead of each waited for."""
+    import copy
+
+    from kaisa_train.plan_cli import _model_to_time
+    from tuner.node_training import measured, model_kfac_host, training_rate
+
+    where = "one-sample steps back to back (plan_check.steady_host)"
+    out = copy.deepcopy(profile)
+    for name in dict.fromkeys(model.split(":", 1)[0] for model in models):
+        timed = _model_to_time(f"{name}:1")
+        _, host = training_rate(timed.build, device, "fp32", 30, timed.example, 1, steady=True)
+        for entry in out.get("training", []):
+            if entry.get("model") == name and entry.get("precision") == "fp32" and host:
+                entry["host_step_s"] = measured(host, f"{name}: the host's step", where)
+        out["kfac_host_s"] = [
+            *(e for e in out.get("kfac_host_s", []) if e.get("model") != name),
+            *model_kfac_host(timed, device, 30, where, steady=True),
+        ]
+    return out
 
 
 def _first_order(case: Case) -> str:
@@ -427,6 +457,34 @@ def render(result: dict[str, Any]) -> str:
             "",
         ]
         parts += [f"- {term}" for term in terms] + [""]
+        steadied = [item for item in result[key]["rows"] if "predicted_steady" in item]
+        if steadied:
+            parts += [
+                table(
+                    f"**{title}: the mean step with the host's times from one-sample steps "
+                    "each waited for (the profile's) and back to back**",
+                    [
+                        "configuration",
+                        "measured",
+                        "waited for",
+                        "÷ measured",
+                        "back to back",
+                        "÷ measured",
+                    ],
+                    [
+                        [
+                            item["case"],
+                            f"{item['measured']['mean']:.2f}",
+                            f"{item['predicted']['mean']:.2f}",
+                            f"{item['predicted']['mean'] / item['measured']['mean']:.2f}",
+                            f"{item['predicted_steady']['mean']:.2f}",
+                            f"{item['predicted_steady']['mean'] / item['measured']['mean']:.2f}",
+                        ]
+                        for item in steadied
+                    ],
+                ),
+                "",
+            ]
         compared = [item for item in result[key]["rows"] if "predicted_stand_in" in item]
         if compared:
             parts += [

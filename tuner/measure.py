@@ -43,6 +43,20 @@ def median_seconds(run: Callable[[], object], device: torch.device, repeats: int
     return statistics.median(times)
 
 
+def steady_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Mean wall seconds of ``run`` called ``repeats`` times back to back after a warm-up,
+    the device synchronised once before and once after: where the host decides (a step whose
+    kernels the device finishes before the host has launched the next), the host's steady
+    time per call, without the wait for the device that ``median_seconds`` takes per call."""
+    run()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    sync(device)
+    return (time.perf_counter() - start) / repeats
+
+
 def _slowest_median(run: Callable[[], object], device: torch.device, repeats: int) -> float:
     """The slowest rank's median seconds of the collective ``run``, after a barrier: every
     rank waits for the slowest, so that is what a collective costs; collective."""

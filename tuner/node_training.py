@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
-from tuner.measure import median_seconds
+from tuner.measure import median_seconds, steady_seconds
 
 
 def measured(value: float, what: str, where: str) -> dict[str, Any]:
@@ -81,7 +81,7 @@ NEVER = 10**9  # an interval that never comes round again after the first step
 
 
 def model_kfac_host(
-    timed: ModelToTime, device: torch.device, repeats: int, where: str
+    timed: ModelToTime, device: torch.device, repeats: int, where: str, *, steady: bool = False
 ) -> list[dict[str, Any]]:
     """``kfac_host_s`` entries of the profile: the seconds K-FAC's preconditioning (per
     compute method) and one factor update of every layer (per approximation) add to a step
@@ -90,7 +90,9 @@ def model_kfac_host(
     batch; ``training_rate`` times the plain step's host time the same way). Each is a
     difference of whole-step medians: the quiet K-FAC step (factors and decompositions
     never updated after the first step) over the plain step; a step that updates every
-    layer's factors (the inverse method) over the inverse method's quiet step."""
+    layer's factors (the inverse method) over the inverse method's quiet step. ``steady``:
+    steps back to back (``steady_seconds``) instead of each waited for (``median_seconds``),
+    for benchmarks that compare the two."""
     from kaisa_ray import KFACPreconditioner
 
     model, x, y = _model_and_batch(timed.build, device, timed.example, 1)
@@ -112,7 +114,8 @@ def model_kfac_host(
         try:
             for _ in range(3):  # the first step updates the factors and decompositions
                 step(preconditioner)
-            return median_seconds(functools.partial(step, preconditioner), device, repeats)
+            timer = steady_seconds if steady else median_seconds
+            return timer(functools.partial(step, preconditioner), device, repeats)
         finally:
             if preconditioner is not None:
                 preconditioner.remove_hooks()
@@ -166,6 +169,7 @@ def training_rate(
     repeats: int,
     example: Callable[[int], torch.Tensor] | None = None,
     batch: int = 32,
+    steady: bool = False,
 ) -> tuple[float, float | None]:
     """Samples per second of training ``build()``'s model at ``batch`` (SGD with momentum,
     random data of ``example(batch)``'s shape; default: ResNet-50's 224×224 images), with a
@@ -197,7 +201,10 @@ def training_rate(
     # before the host has launched them all, so that the host's Python and launches decide
     # it (the same operations as at any batch). A single step timed from the host's side
     # read 16-25% over a whole step on lent H200s (benchmarks/README.md, runs 8 and 9).
-    return rate, median_seconds(functools.partial(step, x[:1], y[:1]), device, repeats)
+    # ``steady``: one-sample steps back to back (``steady_seconds``), for benchmarks that
+    # compare the two.
+    timer = steady_seconds if steady else median_seconds
+    return rate, timer(functools.partial(step, x[:1], y[:1]), device, repeats)
 
 
 def training_entry(

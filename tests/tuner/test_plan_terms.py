@@ -436,7 +436,17 @@ def test_a_bad_model_host_cost_is_named(entry: dict[str, Any], problem: str) -> 
     assert any(p.startswith(problem) for p in raised.value.problems), raised.value.problems
 
 
-def test_the_models_own_host_costs_are_timed_on_the_model() -> None:
+def test_steady_seconds_runs_its_calls_back_to_back_after_one_warm_up() -> None:
+    from tuner.measure import steady_seconds
+
+    calls: list[int] = []
+    seconds = steady_seconds(lambda: calls.append(1), torch.device("cpu"), 7)
+    assert len(calls) == 8
+    assert seconds >= 0
+
+
+@pytest.mark.parametrize("steady", [False, True])
+def test_the_models_own_host_costs_are_timed_on_the_model(steady: bool) -> None:
     """``model_kfac_host`` (what ``measure-node --model`` runs on a GPU) on LeNet on this CPU:
     an entry per method and per approximation, each a measured, non-negative difference of
     whole steps, that the profile's loader takes; the model keeps no hook."""
@@ -444,7 +454,7 @@ def test_the_models_own_host_costs_are_timed_on_the_model() -> None:
     from tuner.node_training import model_kfac_host
 
     timed = _model_to_time("lenet:8")
-    entries = model_kfac_host(timed, torch.device("cpu"), 3, "this test's CPU")
+    entries = model_kfac_host(timed, torch.device("cpu"), 3, "this test's CPU", steady=steady)
     keys = {(e["phase"], e.get("compute_method") or e.get("kfac_approx")) for e in entries}
     assert keys == {
         ("precondition", "eigen"),
