@@ -23,21 +23,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from kaisa_ray import batching, checkpoint
+from kaisa_ray import checkpoint
 from kaisa_ray.apply import (
     GradientSetter,
-    finite_flags,
-    param_grads,
 )
 from kaisa_ray.comm import Communicator
-from kaisa_ray.eigenbasis import EKFACEigenbasis
+from kaisa_ray.curvature_updates import (
+    all_finite,
+    fold_factors,
+    matmul_precision,
+    update_decompositions,
+)
 from kaisa_ray.enums import (
     AssignmentStrategy,
     ComputeMethod,
@@ -58,7 +61,7 @@ from kaisa_ray.hyperparams import (
     resolve_int,
 )
 from kaisa_ray.intervals import AdaptiveIntervals, IntervalChange, IntervalSchedule
-from kaisa_ray.kfac_layer import KFACLayer, fold_all
+from kaisa_ray.kfac_layer import KFACLayer
 from kaisa_ray.layers import describe_shapes
 from kaisa_ray.options import (
     DAMPING,
@@ -78,20 +81,6 @@ from kaisa_ray.timing import PhaseTimes
 from kaisa_ray.tracking import StalenessTracker
 
 logger = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def _precision(precision: str) -> Iterator[None]:
-    """Run the products inside at ``torch.set_float32_matmul_precision(precision)``."""
-    before = torch.get_float32_matmul_precision()
-    if before == precision:
-        yield
-        return
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
 
 
 class KFACPreconditioner:
@@ -574,22 +563,40 @@ class KFACPreconditioner:
         grads_finite: bool | None = None  # known where the step waits for the device anyway
         if factor_step:
             with times.phase("factors"):
-                grads_finite = self._fold_factors(active)
-        else:
-            for layer in self._layers:
-                layer.reset_batch()
-            self._comm.reset()
+                grads_finite, skipped = fold_factors(
+                    self._layers, active, self._rows, self.factor_decay
+                )
+            if skipped:
+                self.skipped_factor_updates += 1
+                logger.log(
+                    self.loglevel,
+                    "K-FAC step %d: non-finite factors or gradients; "
+                    "the running averages skip this step",
+                    step,
+                )
+        for layer in self._layers:
+            layer.reset_batch()
+        self._comm.reset()
 
         stale: dict[str, torch.Tensor] = {}
         if self.measures_staleness and (self._factor_now or decompose):
             if grads_finite is None:
-                grads_finite = self._grads_finite(active, [])[0]
+                grads_finite = all_finite(active, [], self._rows)[0]
             with times.phase("staleness"):
                 stale = self._tracker.before_decompositions(
                     self._factor_now, decompose, grads_finite, damping, self._products
                 )
         if decompose:
-            self._update_decompositions(damping, decompose)
+            update_decompositions(
+                self._layers,
+                decompose,
+                damping,
+                assignment=self.assignment,
+                rank=self.rank,
+                comm=self._comm,
+                schedule=self.plan.schedule.restricted(self._factor_now, decompose),
+                times=times,
+            )
 
         preconditioned: Mapping[str, torch.Tensor] = {}
         if active:
@@ -610,51 +617,6 @@ class KFACPreconditioner:
         self._steps += 1
         self._plan_step(self._steps)
 
-    def _fold_factors(self, active: list[KFACLayer]) -> bool:
-        """Fold this step's (reduced) batch factors into the running averages, unless a
-        factor or a gradient is not finite; returns whether every gradient is finite."""
-        step = self._steps
-        ready = [(layer, b) for layer in self._layers if (b := layer.batch_factors()) is not None]
-        # EKFAC: the diagonals fitted in bases this rank holds (the same ranks as the bases)
-        fitted = [
-            (layer.decomposition, s)
-            for layer in self._layers
-            if isinstance(layer.decomposition, EKFACEigenbasis)
-            and layer.decomposition.s is not None
-            and (s := layer.fitted_batch()) is not None
-        ]
-        factors = [t for _, pair in ready for t in pair] + [s for _, s in fitted]
-        grads_finite, factors_finite = self._grads_finite(active, factors)
-        if ready:
-            if grads_finite and factors_finite:
-                fold_all(ready, self.factor_decay)
-                for decomposition, diagonal in fitted:
-                    decomposition.fold(diagonal, self.factor_decay)
-            else:
-                self.skipped_factor_updates += 1
-                logger.log(
-                    self.loglevel,
-                    "K-FAC step %d: non-finite factors or gradients; "
-                    "the running averages skip this step",
-                    step,
-                )
-        for layer in self._layers:
-            layer.reset_batch()
-        self._comm.reset()
-        return grads_finite
-
-    def _grads_finite(
-        self, active: list[KFACLayer], factors: list[torch.Tensor]
-    ) -> tuple[bool, bool]:
-        """Whether every gradient (over all ranks' rows where FSDP2 leaves each rank only
-        some rows of each layer) and whether every one of ``factors`` is finite."""
-        if self._rows is not None:
-            factors_finite = all(finite_flags(factors))
-            return self._rows.grads_finite(), factors_finite
-        grads = param_grads(active)
-        flags = finite_flags(grads + factors)
-        return all(flags[: len(grads)]), all(flags[len(grads) :])
-
     # -- staleness --------------------------------------------------------------------------
 
     def staleness(self) -> list[LayerStaleness]:
@@ -668,46 +630,6 @@ class KFACPreconditioner:
     def interval_changes(self) -> list[IntervalChange]:
         """The layers' moves between rungs since the last call (adaptive intervals)."""
         return self._tracker.interval_changes()
-
-    def _update_decompositions(self, damping: float, decompose: frozenset[str]) -> None:
-        """Each layer's A and G on their assigned ranks (batched by shape), then broadcast in
-        the worker groups (the layers in ``decompose``: those whose decomposition interval
-        divides the step)."""
-        rank = self.rank
-        times = self.times
-        sched = self.plan.schedule.restricted(self._factor_now, decompose)
-        with times.phase("decompositions"), _precision("highest"):
-            work: list[tuple[KFACLayer, str, torch.Tensor, float | torch.Tensor]] = []
-            for layer in self._layers:
-                if layer.name not in decompose:
-                    continue
-                if self.assignment.is_grad_worker(layer.name, rank):
-                    layer.decomposition.leave_basis()
-                place = self.assignment.placements[layer.name]
-                if rank not in (place.a_rank, place.g_rank):
-                    continue
-                a, g = layer.factors()
-                damp_a, damp_g = layer.factor_dampings(a, g, damping)
-                if rank == place.a_rank:
-                    work.append((layer, "A", a, damp_a))
-                if rank == place.g_rank:
-                    work.append((layer, "G", g, damp_g))
-            batching.decompose(work)
-            del work
-
-        def get(name: str, part: str) -> torch.Tensor:
-            return self._by_name[name].decomposition.tensors()[part]
-
-        def put(name: str, part: str, flat: torch.Tensor) -> None:
-            layer = self._by_name[name]
-            layer.decomposition.set_part(part, flat.view(layer.part_shape(part)).clone())
-
-        with times.phase("communication"):
-            self._comm.broadcast(self._comm.mine(sched.decomposition_buckets), get, put)
-        with times.phase("decompositions"):
-            for layer in self._layers:
-                if layer.name in decompose and self.assignment.is_grad_worker(layer.name, rank):
-                    layer.decomposition.finish(damping)
 
     def _preconditions(self, layer: KFACLayer) -> bool:
         return self.assignment.is_grad_worker(layer.name, self.rank)
@@ -726,7 +648,7 @@ class KFACPreconditioner:
 
     def _products(self) -> contextlib.AbstractContextManager[None]:
         """K-FAC's factor and preconditioning products at ``matmul_precision``."""
-        return _precision(self.matmul_precision)
+        return matmul_precision(self.matmul_precision)
 
     # -- accounting, checkpoints -----------------------------------------------------------
 

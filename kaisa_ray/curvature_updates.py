@@ -1,0 +1,129 @@
+"""What a K-FAC step does to the curvature when it updates it: on a factor step, the reduced
+batch factors folded into the running averages (unless a factor or a gradient is not finite);
+on a decomposition step, each layer's factors decomposed on the ranks the plan assigns them
+(batched by shape) and broadcast in the layer's worker group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from kaisa_ray import batching
+from kaisa_ray.apply import finite_flags, param_grads
+from kaisa_ray.assignment import Assignment
+from kaisa_ray.comm import Communicator
+from kaisa_ray.eigenbasis import EKFACEigenbasis
+from kaisa_ray.kfac_layer import KFACLayer, fold_all
+from kaisa_ray.schedule import Schedule
+from kaisa_ray.sharding import RowExchange
+from kaisa_ray.timing import PhaseTimes
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str) -> Iterator[None]:
+    """Run the products inside at ``torch.set_float32_matmul_precision(precision)``."""
+    before = torch.get_float32_matmul_precision()
+    if before == precision:
+        yield
+        return
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def all_finite(
+    active: Sequence[KFACLayer], factors: list[torch.Tensor], rows: RowExchange | None
+) -> tuple[bool, bool]:
+    """Whether every gradient of ``active`` (over all ranks' rows where FSDP2 leaves each
+    rank only some rows of each layer: ``rows``) and whether every one of ``factors`` is
+    finite (one wait for the device)."""
+    if rows is not None:
+        factors_finite = all(finite_flags(factors))
+        return rows.grads_finite(), factors_finite
+    grads = param_grads(list(active))
+    flags = finite_flags(grads + factors)
+    return all(flags[: len(grads)]), all(flags[len(grads) :])
+
+
+def fold_factors(
+    layers: Sequence[KFACLayer],
+    active: Sequence[KFACLayer],
+    rows: RowExchange | None,
+    factor_decay: float,
+) -> tuple[bool, bool]:
+    """Fold this step's (reduced) batch factors, and EKFAC's fitted diagonals in the bases
+    this rank holds, into the running averages, unless a factor or a gradient is not finite.
+    Returns whether every gradient is finite, and whether the averages skipped this step
+    (there were factors, and something was not finite)."""
+    ready = [(layer, b) for layer in layers if (b := layer.batch_factors()) is not None]
+    fitted = [
+        (layer.decomposition, s)
+        for layer in layers
+        if isinstance(layer.decomposition, EKFACEigenbasis)
+        and layer.decomposition.s is not None
+        and (s := layer.fitted_batch()) is not None
+    ]
+    factors = [t for _, pair in ready for t in pair] + [s for _, s in fitted]
+    grads_finite, factors_finite = all_finite(active, factors, rows)
+    if not ready:
+        return grads_finite, False
+    if not (grads_finite and factors_finite):
+        return grads_finite, True
+    fold_all(ready, factor_decay)
+    for decomposition, diagonal in fitted:
+        decomposition.fold(diagonal, factor_decay)
+    return grads_finite, False
+
+
+def update_decompositions(
+    layers: Sequence[KFACLayer],
+    decompose: frozenset[str],
+    damping: float,
+    *,
+    assignment: Assignment,
+    rank: int,
+    comm: Communicator,
+    schedule: Schedule,
+    times: PhaseTimes,
+) -> None:
+    """Each of ``decompose``'s layers' A and G decomposed on their assigned ranks (batched by
+    shape, at matmul precision 'highest'), then broadcast in the worker groups as ``schedule``
+    (the step's restricted schedule) says; its gradient workers finish the new state."""
+    by_name = {layer.name: layer for layer in layers}
+    with times.phase("decompositions"), matmul_precision("highest"):
+        work: list[tuple[KFACLayer, str, torch.Tensor, float | torch.Tensor]] = []
+        for layer in layers:
+            if layer.name not in decompose:
+                continue
+            if assignment.is_grad_worker(layer.name, rank):
+                layer.decomposition.leave_basis()
+            place = assignment.placements[layer.name]
+            if rank not in (place.a_rank, place.g_rank):
+                continue
+            a, g = layer.factors()
+            damp_a, damp_g = layer.factor_dampings(a, g, damping)
+            if rank == place.a_rank:
+                work.append((layer, "A", a, damp_a))
+            if rank == place.g_rank:
+                work.append((layer, "G", g, damp_g))
+        batching.decompose(work)
+        del work
+
+    def get(name: str, part: str) -> torch.Tensor:
+        return by_name[name].decomposition.tensors()[part]
+
+    def put(name: str, part: str, flat: torch.Tensor) -> None:
+        layer = by_name[name]
+        layer.decomposition.set_part(part, flat.view(layer.part_shape(part)).clone())
+
+    with times.phase("communication"):
+        comm.broadcast(comm.mine(schedule.decomposition_buckets), get, put)
+    with times.phase("decompositions"):
+        for layer in layers:
+            if layer.name in decompose and assignment.is_grad_worker(layer.name, rank):
+                layer.decomposition.finish(damping)
