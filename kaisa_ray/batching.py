@@ -31,13 +31,7 @@ from typing import Any
 
 import torch
 
-from kaisa_ray.decomposition import (
-    EigenDecomposition,
-    InverseDecomposition,
-    eigen_denominator,
-    eigen_precondition,
-    inverse_precondition,
-)
+from kaisa_ray.decomposition import EigenDecomposition, InverseDecomposition
 from kaisa_ray.eigenbasis import (
     AdamEigenbasis,
     EKFACEigenbasis,
@@ -46,6 +40,7 @@ from kaisa_ray.eigenbasis import (
 from kaisa_ray.enums import ComputeMethod
 from kaisa_ray.kfac_layer import KFACLayer
 from kaisa_ray.layers import LayerHelper
+from kaisa_ray.products import eigen_denominator, eigen_precondition, inverse_precondition
 
 Solver = Callable[..., Sequence[Any]]
 

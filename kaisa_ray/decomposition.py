@@ -24,7 +24,6 @@ is kept and a warning says which layer and factor.
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -33,104 +32,18 @@ from typing import Any
 import torch
 
 from kaisa_ray.errors import user_stacklevel
+from kaisa_ray.products import eigen_denominator, eigen_precondition, inverse_precondition
+from kaisa_ray.solvers import (
+    inverse_from_cholesky,
+    members_finite,
+    per_group,
+    robust_damped_inverse,
+    robust_eigh,
+    stack_dampings,
+    working_dtype,
+)
 
 logger = logging.getLogger(__name__)
-
-
-def working_dtype(dtype: torch.dtype) -> torch.dtype:
-    """At least float32: half-precision factors are decomposed in float32."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _attempt_dtypes(dtype: torch.dtype) -> list[torch.dtype]:
-    first = working_dtype(dtype)
-    return [first] if first == torch.float64 else [first, torch.float64]
-
-
-def robust_eigh(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Eigenvalues (clamped at 0) and eigenvectors of symmetric ``factor``, or ``None``."""
-    for dtype in _attempt_dtypes(factor.dtype):
-        try:
-            eigenvalues, eigenvectors = torch.linalg.eigh(factor.to(dtype))
-        except RuntimeError:  # torch.linalg.LinAlgError
-            logger.debug("eigh failed in %s; retrying in higher precision", dtype)
-            continue
-        if all_finite(eigenvalues) and all_finite(eigenvectors):
-            return eigenvalues.clamp(min=0.0), eigenvectors
-    return None
-
-
-def pi_ratio(a_diagonal: torch.Tensor, g_diagonal: torch.Tensor) -> torch.Tensor:
-    """π per group, ``(k, 1, 1)``, from the diagonals (or eigenvalues) ``(k, n)`` of A and G:
-    ``sqrt(mean(A) / mean(G))``, 1 where either factor has no positive trace."""
-    mean_a = a_diagonal.to(torch.float64).mean(dim=-1)
-    mean_g = g_diagonal.to(torch.float64).mean(dim=-1)
-    valid = (mean_a > 0) & (mean_g > 0)
-    ratio = torch.where(valid, mean_a / torch.where(valid, mean_g, 1.0), 1.0).sqrt()
-    return ratio.to(a_diagonal.dtype).reshape(-1, 1, 1)
-
-
-def _per_group(damping: float | torch.Tensor, like: torch.Tensor) -> float | torch.Tensor:
-    """A scalar damping, or per-group values ``(k, 1, 1)`` cast to ``like``'s dtype."""
-    return damping if isinstance(damping, float) else damping.to(like.dtype)
-
-
-def robust_damped_inverse(
-    factor: torch.Tensor, damping: float | torch.Tensor
-) -> torch.Tensor | None:
-    """``(factor + damping·I)⁻¹`` through Cholesky (the matrix is SPD), or ``None``; a tensor
-    damping is per group, ``(k, 1, 1)``."""
-    # Written for its transient memory (at most two n×n temporaries beside the factor, as the
-    # eigen method): the damping goes onto a copy's diagonal in place, each temporary is let go
-    # of as soon as the next exists, the symmetrisation halves in place.
-    per_group = _per_group(damping, factor)
-    on_diagonal = per_group if isinstance(per_group, float) else per_group.reshape(-1, 1)
-    for dtype in _attempt_dtypes(factor.dtype):
-        damped = factor.clone()
-        damped.diagonal(dim1=-2, dim2=-1).add_(on_diagonal)
-        damped = damped.to(dtype)
-        chol, info = torch.linalg.cholesky_ex(damped)
-        del damped
-        if bool((info != 0).any()):
-            logger.debug("Cholesky failed in %s; retrying in higher precision", dtype)
-            continue
-        holder = [chol]
-        del chol
-        inverse = inverse_from_cholesky(holder)
-        inverse = (inverse + inverse.transpose(-1, -2)).div_(2)
-        if all_finite(inverse):
-            return inverse
-    return None
-
-
-def inverse_from_cholesky(holder: list[torch.Tensor]) -> torch.Tensor:
-    """``(L Lᵀ)⁻¹`` from the lower Cholesky factors ``(..., n, n)`` that ``holder`` alone
-    refers to (taken out of it, so that they are let go of as soon as they are used: two
-    n×n temporaries at a time per matrix, as ``torch.cholesky_inverse``).
-
-    On CUDA ``L⁻ᵀ L⁻¹``: one triangular solve against the identity, then one product. Not
-    ``torch.cholesky_inverse`` there: its batched path launches thousands of small kernels (a
-    decomposition step of ResNet-50's factors: 9,364 launches, host-bound). On CPU, where
-    LAPACK's inverse is the faster, ``torch.cholesky_inverse``."""
-    if holder[-1].device.type == "cuda":
-        return inverse_by_solve(holder)
-    return torch.cholesky_inverse(holder.pop())
-
-
-def inverse_by_solve(holder: list[torch.Tensor]) -> torch.Tensor:
-    """``L⁻ᵀ L⁻¹`` for the lower Cholesky factors ``holder`` alone refers to (taken out)."""
-    chol = holder.pop()
-    eye = torch.eye(chol.shape[-1], dtype=chol.dtype, device=chol.device)
-    inverse_l = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
-    del chol
-    inverse: torch.Tensor = inverse_l.mT @ inverse_l
-    return inverse
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether no element is NaN or infinite, without an n-element temporary: a NaN or an
-    infinity makes the sum one; only a finite sum's overflow needs the element-wise check."""
-    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 class Decomposition(ABC):
@@ -244,86 +157,6 @@ class Decomposition(ABC):
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
-def eigen_denominator(
-    da: torch.Tensor, dg: torch.Tensor, damping: float | torch.Tensor, pi: bool
-) -> torch.Tensor:
-    """``λ_G λ_Aᵀ + γ``, or with π-damping ``(λ_G + √γ/π)(λ_A + π√γ)ᵀ``: ``(k, g, a)`` from
-    eigenvalues ``da`` ``(k, a)`` and ``dg`` ``(k, g)`` (any number of stacked groups ``k``;
-    ``damping`` a float or a scalar on the device)."""
-    if not pi:
-        return dg.unsqueeze(-1) * da.unsqueeze(-2) + damping
-    ratio = pi_ratio(da, dg)  # (k, 1, 1)
-    root = damping.sqrt() if isinstance(damping, torch.Tensor) else math.sqrt(damping)
-    denominator: torch.Tensor = (dg.unsqueeze(-1) + root / ratio) * (
-        da.unsqueeze(-2) + ratio * root
-    )
-    return denominator
-
-
-def eigen_precondition(
-    grad: torch.Tensor,
-    qa: torch.Tensor,
-    qg: torch.Tensor,
-    *,
-    dgda: torch.Tensor | None = None,
-    denominator: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``Q_G [(Q_Gᵀ ∇W Q_A) ⊙ dgda] Q_Aᵀ`` (or ``/ denominator``) for ``(k, g, a)`` gradients
-    already in the decompositions' dtype: one layer's groups, or several layers' stacked
-    (into ``out`` where given)."""
-    rotated = _mm(_mm(qg.transpose(-1, -2), grad), qa)
-    if dgda is not None:
-        rotated = rotated * dgda
-    elif denominator is not None:
-        rotated = rotated / denominator
-    else:
-        raise ValueError("eigen_precondition needs dgda or denominator")
-    return _mm(_mm(qg, rotated), qa.transpose(-1, -2), out=out)
-
-
-def inverse_precondition(
-    grad: torch.Tensor, a_inv: torch.Tensor, g_inv: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` for ``(k, g, a)`` gradients in the inverses' dtype (into
-    ``out`` where given)."""
-    return _mm(_mm(g_inv, grad), a_inv, out=out)
-
-
-def _mm(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ y``: ``bmm`` where both are ``(b, ·, ·)`` stacks of one length, the kernel that
-    ``matmul`` reaches there too (the same values) without the broadcasting views it launches
-    first (a shape group's step is a handful of operations, and each costs the host time)."""
-    if x.dim() == 3 and y.dim() == 3 and x.shape[0] == y.shape[0]:
-        return torch.bmm(x, y) if out is None else torch.bmm(x, y, out=out)
-    return x @ y if out is None else torch.matmul(x, y, out=out)
-
-
-def _stack_dampings(
-    dampings: list[float | torch.Tensor], groups: int, like: torch.Tensor
-) -> float | torch.Tensor:
-    """One damping for every stacked matrix: a float if all are the same float, else
-    ``(n·k, 1, 1)`` values."""
-    if all(isinstance(d, float) for d in dampings) and len(set(dampings)) == 1:
-        first = dampings[0]
-        return float(first) if isinstance(first, float) else float(first.item())
-    parts = [
-        torch.full((groups, 1, 1), d, dtype=like.dtype, device=like.device)
-        if isinstance(d, float)
-        else d.to(like.dtype).reshape(groups, 1, 1)
-        for d in dampings
-    ]
-    return torch.cat(parts)
-
-
-def _members_finite(stacked: torch.Tensor, members: int) -> list[bool]:
-    """Per member of ``(members·k, ...)`` matrices, whether all of its values are finite: one
-    sum per matrix (a NaN or an infinity makes it non-finite), exact check where it is not."""
-    sums = stacked.reshape(members, -1).sum(dim=-1)
-    finite = torch.isfinite(sums).tolist()
-    return [bool(ok) or all_finite(stacked.reshape(members, -1)[i]) for i, ok in enumerate(finite)]
-
-
 class EigenDecomposition(Decomposition):
     """Eigendecompositions of A and G; optionally the damped eigenvalue outer product.
 
@@ -364,7 +197,7 @@ class EigenDecomposition(Decomposition):
         if batched is None:
             return [None] * n
         values, vectors = batched
-        finite = zip(_members_finite(values, n), _members_finite(vectors, n), strict=True)
+        finite = zip(members_finite(values, n), members_finite(vectors, n), strict=True)
         return [
             (values[i].clamp(min=0.0), vectors[i]) if a and b else None
             for i, (a, b) in enumerate(finite)
@@ -463,7 +296,7 @@ class InverseDecomposition(Decomposition):
         ``owned``: ``factors`` is a copy the call may overwrite (else it copies them)."""
         n, k, d, _ = factors.shape
         stacked = factors.reshape(n * k, d, d)
-        damping = _stack_dampings(dampings, k, stacked)
+        damping = stack_dampings(dampings, k, stacked)
         # The transient memory of robust_damped_inverse for n members (the copy is the
         # caller's stacked factors where it owns them).
         damped = stacked if owned else stacked.clone()
@@ -481,7 +314,7 @@ class InverseDecomposition(Decomposition):
         del chol
         inverse = inverse_from_cholesky(holder)
         inverse = (inverse + inverse.transpose(-1, -2)).div_(2).reshape(n, k, d, d)
-        finite = _members_finite(inverse, n)
+        finite = members_finite(inverse, n)
         return [inverse[i] if factored[i] and finite[i] else None for i in range(n)]
 
     @staticmethod
@@ -508,7 +341,7 @@ class InverseDecomposition(Decomposition):
                 return
             k, n, _ = like.shape
             eye = torch.eye(n, dtype=self.inv_dtype, device=like.device)
-            result = (eye / (1.0 + _per_group(damping, eye))).expand(k, n, n)
+            result = (eye / (1.0 + per_group(damping, eye))).expand(k, n, n)
         self._keep(part, result)
 
     def compute_a(self, a_factor: torch.Tensor, damping: float | torch.Tensor) -> None:

@@ -12,10 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kaisa_ray.decomposition import (
-    EigenDecomposition,
-    eigen_precondition,
-)
+from kaisa_ray.decomposition import EigenDecomposition
+from kaisa_ray.products import eigen_precondition
 
 __all__ = [
     "AdamEigenbasis",

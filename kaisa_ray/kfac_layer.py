@@ -23,12 +23,12 @@ from kaisa_ray.decomposition import (
     Decomposition,
     EigenDecomposition,
     InverseDecomposition,
-    pi_ratio,
 )
 from kaisa_ray.eigenbasis import AdamEigenbasis, EKFACEigenbasis
 from kaisa_ray.ekfac import fitted_diagonal
 from kaisa_ray.enums import ComputeMethod, FactorScale, RunningAverage, Scaling
 from kaisa_ray.layers import LayerHelper
+from kaisa_ray.solvers import pi_ratio
 from kaisa_ray.staleness import relative_change, sketch
 
 

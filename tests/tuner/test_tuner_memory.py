@@ -102,7 +102,7 @@ def test_the_inverse_method_holds_at_most_two_factor_sized_temporaries() -> None
     temporary), as the eigen method's outputs do; it held six before 2026-11-26 (the identity,
     the damped copy, its Cholesky factor, the inverse, its symmetrised sum, the halved
     result), which made the inverse method's peak the larger one under a memory budget."""
-    from kaisa_ray.decomposition import robust_damped_inverse
+    from kaisa_ray.solvers import robust_damped_inverse
 
     torch.manual_seed(0)
     x = torch.randn(1000, 300)

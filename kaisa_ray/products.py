@@ -1,0 +1,67 @@
+"""The preconditioning products of the two methods (``kaisa_ray.decomposition`` states
+them): ``Q_G [(Q_Gᵀ ∇W Q_A) / (λ_G λ_Aᵀ + γ)] Q_Aᵀ`` and ``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` for
+``(k, g, a)`` gradients, one layer's groups or several layers' stacked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kaisa_ray.solvers import pi_ratio
+
+
+def eigen_denominator(
+    da: torch.Tensor, dg: torch.Tensor, damping: float | torch.Tensor, pi: bool
+) -> torch.Tensor:
+    """``λ_G λ_Aᵀ + γ``, or with π-damping ``(λ_G + √γ/π)(λ_A + π√γ)ᵀ``: ``(k, g, a)`` from
+    eigenvalues ``da`` ``(k, a)`` and ``dg`` ``(k, g)`` (any number of stacked groups ``k``;
+    ``damping`` a float or a scalar on the device)."""
+    if not pi:
+        return dg.unsqueeze(-1) * da.unsqueeze(-2) + damping
+    ratio = pi_ratio(da, dg)  # (k, 1, 1)
+    root = damping.sqrt() if isinstance(damping, torch.Tensor) else math.sqrt(damping)
+    denominator: torch.Tensor = (dg.unsqueeze(-1) + root / ratio) * (
+        da.unsqueeze(-2) + ratio * root
+    )
+    return denominator
+
+
+def eigen_precondition(
+    grad: torch.Tensor,
+    qa: torch.Tensor,
+    qg: torch.Tensor,
+    *,
+    dgda: torch.Tensor | None = None,
+    denominator: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``Q_G [(Q_Gᵀ ∇W Q_A) ⊙ dgda] Q_Aᵀ`` (or ``/ denominator``) for ``(k, g, a)`` gradients
+    already in the decompositions' dtype: one layer's groups, or several layers' stacked
+    (into ``out`` where given)."""
+    rotated = _mm(_mm(qg.transpose(-1, -2), grad), qa)
+    if dgda is not None:
+        rotated = rotated * dgda
+    elif denominator is not None:
+        rotated = rotated / denominator
+    else:
+        raise ValueError("eigen_precondition needs dgda or denominator")
+    return _mm(_mm(qg, rotated), qa.transpose(-1, -2), out=out)
+
+
+def inverse_precondition(
+    grad: torch.Tensor, a_inv: torch.Tensor, g_inv: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` for ``(k, g, a)`` gradients in the inverses' dtype (into
+    ``out`` where given)."""
+    return _mm(_mm(g_inv, grad), a_inv, out=out)
+
+
+def _mm(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ y``: ``bmm`` where both are ``(b, ·, ·)`` stacks of one length, the kernel that
+    ``matmul`` reaches there too (the same values) without the broadcasting views it launches
+    first (a shape group's step is a handful of operations, and each costs the host time)."""
+    if x.dim() == 3 and y.dim() == 3 and x.shape[0] == y.shape[0]:
+        return torch.bmm(x, y) if out is None else torch.bmm(x, y, out=out)
+    return x @ y if out is None else torch.matmul(x, y, out=out)
