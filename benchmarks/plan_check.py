@@ -269,7 +269,8 @@ def steady_host(profile: dict[str, Any], device: torch.device, models: tuple[str
     import copy
 
     from kaisa_train.plan_cli import _model_to_time
-    from tuner.node_training import measured, model_kfac_host, training_rate
+    from tuner.node_kfac import model_kfac_host
+    from tuner.node_training import measured, training_rate
 
     where = "one-sample steps back to back (plan_check.steady_host)"
     out = copy.deepcopy(profile)

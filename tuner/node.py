@@ -35,11 +35,11 @@ from kaisa_ray.enums import ComputeMethod, Precision
 from kaisa_ray.errors import ConfigurationError
 from tuner.hardware import hardware_from_dict
 from tuner.measure import median_seconds
+from tuner.node_kfac import OVERHEAD_LAYERS, kfac_overheads, model_kfac_host
 from tuner.node_training import (
     ModelToTime,
     measured,
     model_factor_work,
-    model_kfac_host,
     training_entry,
     training_rate,
 )
@@ -58,73 +58,9 @@ def _spd(n: int, count: int, generator: torch.Generator) -> torch.Tensor:
     return (x.transpose(-1, -2) @ x / (2 * n) + 1e-3 * torch.eye(n)).unsqueeze(1)
 
 
-OVERHEAD_LAYERS = 16
-
-
 def _ladder(sizes: tuple[int, ...], quick: bool, largest: int | None) -> tuple[int, ...]:
     chosen = QUICK_SIZES if quick else sizes
     return tuple(n for n in chosen if largest is None or n <= largest) or chosen[:1]
-
-
-def _tiny_stack(distinct: bool) -> torch.nn.Sequential:
-    """``OVERHEAD_LAYERS`` Linear layers of width 8 (one shape group) or of widths 8, 9, ...
-    (a group each): K-FAC's work on them is its fixed cost per layer and per group."""
-    widths = [8 + (i if distinct else 0) for i in range(OVERHEAD_LAYERS + 1)]
-    return torch.nn.Sequential(
-        *(torch.nn.Linear(widths[i], widths[i + 1]) for i in range(OVERHEAD_LAYERS))
-    )
-
-
-def _train_step(
-    model: torch.nn.Module, x: torch.Tensor, optimizer: torch.optim.Optimizer, pre: Any
-) -> None:
-    optimizer.zero_grad(set_to_none=True)
-    model(x).square().mean().backward()
-    if pre is not None:
-        pre.step()
-    optimizer.step()
-
-
-def _tiny_kfac(model: torch.nn.Module, every: int) -> Any:
-    """The preconditioner ``kfac_overheads`` times on a tiny stack: the inverse method,
-    factors updated every ``every`` steps (0: none, a plain step), never decomposed again."""
-    from kaisa_ray import KFACPreconditioner
-
-    if not every:
-        return None
-    return KFACPreconditioner(
-        model,
-        factor_update_steps=every,
-        inv_update_steps=10**9,
-        compute_method=ComputeMethod.INVERSE,
-        damping=0.1,
-    )
-
-
-def kfac_overheads(device: torch.device, repeats: int) -> tuple[float, float, float]:
-    """K-FAC's fixed seconds (hooks, Python, launches, small operations) where its
-    arithmetic is negligible: (a factor update, per layer; preconditioning a step, per layer;
-    per shape group besides), from whole training steps of tiny Linear stacks with
-    K-FAC (``_tiny_kfac``) quiet, and updating factors every step."""
-    found: dict[tuple[bool, str], float] = {}
-    for distinct in (False, True):
-        torch.manual_seed(0)
-        model = _tiny_stack(distinct).to(device)
-        x = torch.randn(4, 8, device=device)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-        for label, every in (("plain", 0), ("quiet", 10**9), ("factors", 1)):
-            preconditioner = _tiny_kfac(model, every)
-            step = functools.partial(_train_step, model, x, optimizer, preconditioner)
-            for _ in range(3):
-                step()
-            found[distinct, label] = median_seconds(step, device, max(repeats, 21))
-            if preconditioner is not None:
-                preconditioner.remove_hooks()
-    layers = OVERHEAD_LAYERS
-    per_group = max(0.0, found[True, "quiet"] - found[False, "quiet"]) / (layers - 1)
-    per_layer = max(0.0, found[False, "quiet"] - found[False, "plain"] - per_group) / layers
-    factors = max(0.0, found[True, "factors"] - found[True, "quiet"]) / layers
-    return factors, per_layer, per_group
 
 
 def extraction_rate(device: torch.device, repeats: int, quick: bool = False) -> float:

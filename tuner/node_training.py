@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
+from kaisa_ray.enums import KFACApprox, Precision
 from tuner.measure import median_seconds, steady_seconds
 
 
@@ -22,7 +22,7 @@ def measured(value: float, what: str, where: str) -> dict[str, Any]:
     return {"value": float(value), "kind": "measured", "source": f"{what}; {where}"}
 
 
-def _model_and_batch(
+def model_and_batch(
     build: Callable[[], torch.nn.Module],
     device: torch.device,
     example: Callable[[int], torch.Tensor] | None,
@@ -54,7 +54,7 @@ def model_factor_work(
 
     found = []
     for approx in (KFACApprox.REDUCE.value, KFACApprox.EXPAND.value):
-        model, x, y = _model_and_batch(timed.build, device, timed.example, timed.batch)
+        model, x, y = model_and_batch(timed.build, device, timed.example, timed.batch)
         kernels = measure_kernels(model, x, y, repeats=repeats, kfac_approx=approx)
         work = sum(layer.a_factor_s + layer.g_factor_s for layer in kernels.layers)
         what = f"{timed.name} at batch {timed.batch}: every K-FAC layer's {approx} factor work"
@@ -64,99 +64,6 @@ def model_factor_work(
                 "batch": timed.batch,
                 "kfac_approx": approx,
                 "factor_work_s": measured(work, what, where),
-            }
-        )
-    return found
-
-
-# The preconditioner ``model_kfac_host`` times: the JobSpec's curvature (its defaults).
-HOST_CURVATURE: dict[str, Any] = {
-    "running_average": "debiased",
-    "factor_scale": "fisher",
-    "pi_damping": True,
-    "damping": 0.1,
-    "kl_clip": None,
-}
-NEVER = 10**9  # an interval that never comes round again after the first step
-
-
-def model_kfac_host(
-    timed: ModelToTime, device: torch.device, repeats: int, where: str, *, steady: bool = False
-) -> list[dict[str, Any]]:
-    """``kfac_host_s`` entries of the profile: the seconds K-FAC's preconditioning (per
-    compute method) and one factor update of every layer (per approximation) add to a step
-    of ``timed``'s model when the host decides it: steps of one sample, whose kernels the
-    device finishes before the host has launched them all (the same operations as at any
-    batch; ``training_rate`` times the plain step's host time the same way). Each is a
-    difference of whole-step medians: the quiet K-FAC step (factors and decompositions
-    never updated after the first step) over the plain step; a step that updates every
-    layer's factors (the inverse method) over the inverse method's quiet step. ``steady``:
-    steps back to back (``steady_seconds``) instead of each waited for (``median_seconds``),
-    for benchmarks that compare the two."""
-    from kaisa_ray import KFACPreconditioner
-
-    model, x, y = _model_and_batch(timed.build, device, timed.example, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-
-    def step(preconditioner: KFACPreconditioner | None) -> None:
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(x)
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)
-        )
-        loss.backward()  # type: ignore[no-untyped-call]
-        if preconditioner is not None:
-            preconditioner.step()
-        optimizer.step()
-
-    def seconds(**options: Any) -> float:
-        preconditioner = KFACPreconditioner(model, **HOST_CURVATURE, **options) if options else None
-        try:
-            for _ in range(3):  # the first step updates the factors and decompositions
-                step(preconditioner)
-            timer = steady_seconds if steady else median_seconds
-            return timer(functools.partial(step, preconditioner), device, repeats)
-        finally:
-            if preconditioner is not None:
-                preconditioner.remove_hooks()
-
-    plain = seconds()
-    quiet = {
-        method: seconds(compute_method=method, factor_update_steps=NEVER, inv_update_steps=NEVER)
-        for method in (ComputeMethod.EIGEN.value, ComputeMethod.INVERSE.value)
-    }
-    found = [
-        {
-            "model": timed.name,
-            "phase": "precondition",
-            "compute_method": method,
-            **measured(
-                max(0.0, quiet[method] - plain),
-                f"{timed.name}: what the {method} method's preconditioning adds to a "
-                "one-sample step (the host's time)",
-                where,
-            ),
-        }
-        for method in quiet
-    ]
-    for approx in (KFACApprox.REDUCE.value, KFACApprox.EXPAND.value):
-        updating = seconds(
-            compute_method=ComputeMethod.INVERSE.value,
-            kfac_approx=approx,
-            factor_update_steps=1,
-            inv_update_steps=NEVER,
-        )
-        found.append(
-            {
-                "model": timed.name,
-                "phase": "factors",
-                "kfac_approx": approx,
-                **measured(
-                    max(0.0, updating - quiet[ComputeMethod.INVERSE.value]),
-                    f"{timed.name}: what a {approx} factor update of every layer adds to a "
-                    "one-sample step (the host's time)",
-                    where,
-                ),
             }
         )
     return found
@@ -176,7 +83,7 @@ def training_rate(
     cross-entropy loss over the model's last output dimension; on a GPU also the seconds the
     host takes to issue one step (its Python and launches: a step takes the longer of that and
     the device's time)."""
-    model, x, y = _model_and_batch(build, device, example, batch)
+    model, x, y = model_and_batch(build, device, example, batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     autocast = torch.autocast(
         device.type, dtype=torch.bfloat16, enabled=precision == Precision.BF16

@@ -22,7 +22,7 @@ from tuner.hardware import (
     HardwareProfileError,
     hardware_from_dict,
 )
-from tuner.node import OVERHEAD_LAYERS, _tiny_kfac, _tiny_stack, _train_step
+from tuner.node_kfac import OVERHEAD_LAYERS, _tiny_kfac, _tiny_stack, _train_step
 
 MEASURED = {"kind": "measured", "source": "measured here, for a test"}
 
@@ -451,7 +451,7 @@ def test_the_models_own_host_costs_are_timed_on_the_model(steady: bool) -> None:
     an entry per method and per approximation, each a measured, non-negative difference of
     whole steps, that the profile's loader takes; the model keeps no hook."""
     from kaisa_train.plan_cli import _model_to_time
-    from tuner.node_training import model_kfac_host
+    from tuner.node_kfac import model_kfac_host
 
     timed = _model_to_time("lenet:8")
     entries = model_kfac_host(timed, torch.device("cpu"), 3, "this test's CPU", steady=steady)
