@@ -230,8 +230,8 @@ def _measured_factor_work(workload: Workload, hardware: Hardware) -> float | Non
 
 def factor_seconds(workload: Workload, hardware: Hardware, work: float | None = None) -> float:
     """One factor update of every layer: ``factor_work_seconds`` (``work`` where the caller
-    has it) once per forward-backward pass, and K-FAC's fixed cost per layer (added on a CPU,
-    the longer of the two on a GPU: ``Hardware.host_is_device``)."""
+    has it) once per forward-backward pass, and K-FAC's fixed cost of it (``_factor_host``;
+    added on a CPU, the longer of the two on a GPU: ``Hardware.host_is_device``)."""
     seconds = factor_work_seconds(workload, hardware) if work is None else work
     fixed = _factor_host(workload, hardware)
     total = seconds + fixed if hardware.host_is_device else max(seconds, fixed)
@@ -339,14 +339,14 @@ def _terms(workload: Workload, hardware: Hardware) -> tuple[str, ...]:
         else "estimate, operations counted in this code at the profile's kernel latency "
         "(no kfac_overhead_s in the profile)"
     )
+    factor_host = hardware.model_host(workload.model, "factors", str(workload.kfac_approx))
     own = [
         phase
-        for phase, variant in (
-            ("factors", workload.kfac_approx),
-            ("precondition", workload.compute_method),
+        for phase, seconds in (
+            ("factors", factor_host),
+            ("precondition", _precondition_host(workload, hardware)),
         )
-        if hardware.model_host(workload.model, phase, str(variant)) is not None
-        and (phase == "factors" or _precondition_host(workload, hardware) is not None)
+        if seconds is not None
     ]
     if own:
         fixed = (
