@@ -11,7 +11,8 @@
 # "l" (the tests, the plan, the step costs of every method, EKFAC included), "m" (the tests,
 # the step before and after, b32 fp32 and bf16, the transformer), "n" (m without EKFAC),
 # "o" (the plan against this GPU, the 1/10 step too), "p" (traces, fp32 against bf16),
-# "q" (n's step costs with one process on the GPU).
+# "q" (n's step costs with one process on the GPU), "r" (the gpu tests, then o: the plan with
+# the model's own host costs, the stand-in's and host times taken back to back).
 # Expects the pydantic wheels in .whl (the image has torch but not pydantic) and the commit
 # before the change's kaisa_ray in .old (`git archive <commit> kaisa_ray | tar -x -C .old`).
 # The lent machine's copy has no history of its own: COMMIT=<hash> names what the tables
@@ -176,8 +177,11 @@ open('$OUT/node.yaml', 'w').write(yaml.safe_dump(profile, sort_keys=False, width
             "transformer 10.7M b64 fp32: AdamW" --skip "highest" "graphs" "eigenbasis" "EKFAC" \
             --json "$OUT/gpu_step.json")
         ;;
-    o)  # the plan against this GPU: batch 32 and 64 at 10/100, batch 32 at 1/10
+    o | r)  # the plan against this GPU: batch 32 and 64 at 10/100, batch 32 at 1/10 (r: the
+        # gpu tests first)
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        [ "$stage" = r ] && run 150 tests python3 -m pytest -q -p no:cacheprovider -m gpu \
+            tests/core/test_gpu.py -rA --tb=short
         (cd benchmarks && run 320 plan_vs_gpu python3 plan_vs_gpu.py --rounds 1 \
             ${COMMIT:+--commit "$COMMIT"} --json "$OUT/plan_vs_gpu.json")
         ;;
