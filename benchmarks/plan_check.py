@@ -458,63 +458,50 @@ def render(result: dict[str, Any]) -> str:
             "",
         ]
         parts += [f"- {term}" for term in terms] + [""]
-        steadied = [item for item in result[key]["rows"] if "predicted_steady" in item]
-        if steadied:
-            parts += [
-                table(
-                    f"**{title}: the mean step with the host's times from one-sample steps "
-                    "each waited for (the profile's) and back to back**",
-                    [
-                        "configuration",
-                        "measured",
-                        "waited for",
-                        "÷ measured",
-                        "back to back",
-                        "÷ measured",
-                    ],
-                    [
-                        [
-                            item["case"],
-                            f"{item['measured']['mean']:.2f}",
-                            f"{item['predicted']['mean']:.2f}",
-                            f"{item['predicted']['mean'] / item['measured']['mean']:.2f}",
-                            f"{item['predicted_steady']['mean']:.2f}",
-                            f"{item['predicted_steady']['mean'] / item['measured']['mean']:.2f}",
-                        ]
-                        for item in steadied
-                    ],
-                ),
-                "",
-            ]
-        compared = [item for item in result[key]["rows"] if "predicted_stand_in" in item]
-        if compared:
-            parts += [
-                table(
-                    f"**{title}: the mean step with the model's own fixed costs (kfac_host_s) "
-                    "and with the stand-in's (kfac_overhead_s)**",
-                    [
-                        "configuration",
-                        "measured",
-                        "own",
-                        "own ÷ measured",
-                        "stand-in",
-                        "stand-in ÷ measured",
-                    ],
-                    [
-                        [
-                            item["case"],
-                            f"{item['measured']['mean']:.2f}",
-                            f"{item['predicted']['mean']:.2f}",
-                            f"{item['predicted']['mean'] / item['measured']['mean']:.2f}",
-                            f"{item['predicted_stand_in']['mean']:.2f}",
-                            f"{item['predicted_stand_in']['mean'] / item['measured']['mean']:.2f}",
-                        ]
-                        for item in compared
-                    ],
-                ),
-                "",
-            ]
+        parts += _compared(
+            result[key]["rows"],
+            "predicted_steady",
+            f"**{title}: the mean step with the host's times from one-sample steps each waited "
+            "for (the profile's) and back to back**",
+            ("waited for", "back to back"),
+        )
+        parts += _compared(
+            result[key]["rows"],
+            "predicted_stand_in",
+            f"**{title}: the mean step with the model's own fixed costs (kfac_host_s) and with "
+            "the stand-in's (kfac_overhead_s)**",
+            ("own", "stand-in"),
+        )
     return "\n".join(parts).rstrip()
+
+
+def _compared(
+    items: list[dict[str, Any]], other: str, header: str, names: tuple[str, str]
+) -> list[str]:
+    """A table of each case's measured mean step beside the profile's prediction and the
+    prediction stored under ``other`` (none where no case has it)."""
+    rows = [
+        [
+            item["case"],
+            f"{item['measured']['mean']:.2f}",
+            *(
+                value
+                for key in ("predicted", other)
+                for value in (
+                    f"{item[key]['mean']:.2f}",
+                    f"{item[key]['mean'] / item['measured']['mean']:.2f}",
+                )
+            ),
+        ]
+        for item in items
+        if other in item
+    ]
+    if not rows:
+        return []
+    columns = ["configuration", "measured"]
+    for name in names:
+        columns += [name, f"{name} ÷ measured"]
+    return [table(header, columns, rows), ""]
 
 
 def main() -> int:

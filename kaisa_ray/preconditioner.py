@@ -275,12 +275,10 @@ class KFACPreconditioner:
         self._factor_decay = options.factor_decay
         self._kl_clip = options.kl_clip
         self._lr = options.lr
-        self.accumulation_steps = options.accumulation_steps
         self.allreduce_bucket_cap_mb = options.allreduce_bucket_cap_mb
         self.colocate_factors = options.colocate_factors
         self.compute_eigenvalue_outer_product = options.compute_eigenvalue_outer_product
         self.symmetry_aware = options.symmetry_aware
-        self.update_factors_in_hook = options.update_factors_in_hook
         self.loglevel = options.loglevel
         # Host seconds per phase (kaisa_ray.timing); read and zero with times.reset().
         self.times = PhaseTimes()
@@ -433,6 +431,24 @@ class KFACPreconditioner:
     @cuda_graphs.setter
     def cuda_graphs(self, value: bool) -> None:
         self._preconditioning.cuda_graphs = value
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Forward/backward passes per optimizer step (the factor hooks' setting)."""
+        return self._hooks.accumulation_steps
+
+    @accumulation_steps.setter
+    def accumulation_steps(self, value: int) -> None:
+        self._hooks.accumulation_steps = value
+
+    @property
+    def update_factors_in_hook(self) -> bool:
+        """Whether the hooks build the batch factors (else ``step()`` does)."""
+        return self._hooks.update_in_hook
+
+    @update_factors_in_hook.setter
+    def update_factors_in_hook(self, value: bool) -> None:
+        self._hooks.update_in_hook = value
 
     @property
     def steps(self) -> int:

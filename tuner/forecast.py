@@ -333,12 +333,13 @@ def _terms(workload: Workload, hardware: Hardware) -> tuple[str, ...]:
             "table in the profile)"
         )
     kinds = sorted({hardware.overhead(name)[1] for name in OVERHEAD_OPERATIONS})
-    fixed = "K-FAC's fixed cost per layer and shape group (hooks, Python, launches): " + (
+    stand_in = (
         "the profile's kfac_overhead_s"
         if "estimate" not in kinds
         else "estimate, operations counted in this code at the profile's kernel latency "
         "(no kfac_overhead_s in the profile)"
     )
+    fixed = f"K-FAC's fixed cost per layer and shape group (hooks, Python, launches): {stand_in}"
     factor_host = hardware.model_host(workload.model, "factors", str(workload.kfac_approx))
     own = [
         phase
@@ -352,7 +353,7 @@ def _terms(workload: Workload, hardware: Hardware) -> tuple[str, ...]:
         fixed = (
             f"K-FAC's fixed cost of {' and '.join(own)} (hooks, Python, launches): "
             f"{workload.model}'s own, timed on one-sample steps (measure-node --model, "
-            "kfac_host_s)" + ("" if len(own) == 2 else "; the rest: " + fixed.split(": ", 1)[1])
+            "kfac_host_s)" + ("" if len(own) == 2 else f"; the rest: {stand_in}")
         )
     rate = hardware.extract_elements_per_s
     extraction = (

@@ -35,6 +35,7 @@ PRECISIONS = tuple(p.value for p in Precision)
 TF32 = "tf32"  # float32 products at matmul precision 'high' (TensorFloat-32 on NVIDIA GPUs)
 PRODUCT_PRECISIONS = (*PRECISIONS, TF32)
 METHODS = tuple(m.value for m in ComputeMethod)
+APPROACHES = tuple(str(member) for member in KFACApprox)
 # Operations K-FAC runs per layer (or shape group) beyond its products, as counted with
 # torch.profiler on this code (tests/tuner/test_plan_terms.py counts them again): the fallback of a
 # profile that did not measure ``kfac_overhead_s``, each operation at the kernel latency. On one
@@ -470,10 +471,9 @@ def _factor_work(
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             problems.append(f"{where}.batch: {batch!r} must be a positive whole number")
             continue
-        approaches = [str(member) for member in KFACApprox]
-        if approx not in approaches:
+        if approx not in APPROACHES:
             problems.append(
-                f"{where}.kfac_approx: {approx!r} is not one of {', '.join(approaches)}"
+                f"{where}.kfac_approx: {approx!r} is not one of {', '.join(APPROACHES)}"
             )
             continue
         work = _number(entry.get("factor_work_s"), f"{where}.factor_work_s", problems)
@@ -483,7 +483,6 @@ def _factor_work(
     return found
 
 
-APPROACHES = tuple(str(member) for member in KFACApprox)
 # K-FAC's host phases a profile measures on a model, and the field that names each one's variant
 HOST_PHASES = {"precondition": ("compute_method", METHODS), "factors": ("kfac_approx", APPROACHES)}
 
