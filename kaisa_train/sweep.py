@@ -18,7 +18,7 @@ workers are not placed within ``scaling.resource_timeout_s`` (in a sweep 120 s u
 says) fails saying so, and an interrupted sweep (Ctrl-C) says which trials it cut short.
 
 Progress goes to the progress sink under the sweep's run name, as the service and the CLI
-read it (``records.py``): ``sweep-start`` (the plan), one ``trial`` record per trial event
+read it (``kaisa_train.records``): ``sweep-start`` (the plan), one ``trial`` record per trial event
 (state, params, step, metrics, error) and ``sweep`` at the end (every trial, and the best
 one's spec and checkpoint).
 """

@@ -6,7 +6,7 @@ job (``train``, the loop below), profile it for ``kfac: auto`` (``profile``) or 
 candidate strategies (``measure``). The loop runs on a ``Session`` (``session.py``): a rank
 of the Ray Train worker group here, this process alone for ``kaisa-ray example``.
 
-Rank 0 sends the progress records (``records.py``): ``worker`` (every rank), ``profiling``,
+Rank 0 sends the progress records (``kaisa_train.records``): ``worker`` (every rank), ``profiling``,
 ``tuner``, ``start``, a ``step`` record every ``progress_every`` steps, ``eval`` at every
 evaluation and ``end``; Ray Train's controller sends ``checkpoint`` (``trainer.py``).
 """

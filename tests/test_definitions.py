@@ -3,7 +3,7 @@
 - Each member of a closed set (job and trial states, strategies, compute methods, Conv2d
   approximations, precisions, directions) is written as a string in one Python module only:
   the one that defines its enum. Everyone else uses the enum.
-- A record kind is written only in ``kaisa_train/records.py``: no other module builds a
+- A record kind is written only in ``kaisa_train/records/``: no other module builds a
   record as ``{"kind": "..."}`` or compares a kind with a string.
 - The dashboard's scripts hold no copy of those sets (they read ``GET /v1/registry``).
 - ``RecordKind``, the record classes and the ``Record`` union agree.
@@ -22,6 +22,7 @@ import pytest
 from kaisa_ray.enums import (
     ComputeMethod,
     DistributedStrategy,
+    EvalMetric,
     KFACApprox,
     OptimizerName,
     Precision,
@@ -32,7 +33,6 @@ from kaisa_train import records
 from kaisa_train.records import (
     PHASE_FIELDS,
     Direction,
-    EvalMetric,
     EvalRecord,
     RecordKind,
     StepRecord,
@@ -65,7 +65,7 @@ CLOSED_SETS: list[type[enum.Enum]] = [
     StreamSource,
     ImageMode,
 ]
-RECORDS = ROOT / "kaisa_train" / "records.py"
+RECORDS = ROOT / "kaisa_train" / "records"
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -189,7 +189,8 @@ def test_record_kinds_are_written_in_the_records_module_only() -> None:
         lines = [
             line
             for line in kind_literals(path)
-            if path != RECORDS and not (where in NOT_RECORDS and NOT_RECORDS[where] in line)
+            if RECORDS not in path.parents
+            and not (where in NOT_RECORDS and NOT_RECORDS[where] in line)
         ]
         if lines:
             offenders[where] = lines
