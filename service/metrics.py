@@ -40,8 +40,8 @@ class _JobsCollector(Collector):
         for job in self.store.active():
             if job.state is not JobState.RUNNING:
                 continue
-            rate = job.latest.get("samples_per_s")
-            if isinstance(rate, int | float):
+            rate = job.latest.samples_per_s
+            if rate is not None:
                 throughput.add_metric([job.id, job.name], float(rate))
             if job.total_steps:
                 progress.add_metric([job.id, job.name], job.step / job.total_steps)

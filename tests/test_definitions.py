@@ -31,9 +31,12 @@ from kaisa_ray.enums import (
 from kaisa_ray.timing import PHASES
 from kaisa_train import records
 from kaisa_train.records import (
+    EVAL_LATEST,
     PHASE_FIELDS,
+    STEP_LATEST,
     Direction,
     EvalRecord,
+    LatestMetrics,
     RecordKind,
     StepRecord,
     TrialRecord,
@@ -218,6 +221,15 @@ def test_every_kind_has_one_record_class_in_the_union() -> None:
         name = cls.__name__
         assert name.endswith("Record"), name
         assert name in records.__all__, name
+
+
+def test_a_job_s_latest_metrics_are_fields_of_its_records_with_their_types() -> None:
+    own = {"step", "checkpoint_step"}
+    assert set(LatestMetrics.model_fields) == STEP_LATEST | EVAL_LATEST | own
+    for fields, cls in ((STEP_LATEST, StepRecord), (EVAL_LATEST, EvalRecord)):
+        for name in fields:
+            kept = LatestMetrics.model_fields[name].annotation
+            assert kept == cls.model_fields[name].annotation, (name, cls.__name__)
 
 
 def test_a_step_record_has_a_field_for_every_k_fac_phase() -> None:

@@ -40,9 +40,12 @@ from kaisa_train.records.base import (
 )
 from kaisa_train.records.sweeps import SweepRecord, SweepStartRecord, TrialOutcome, TrialRecord
 from kaisa_train.records.training import (
+    EVAL_LATEST,
+    STEP_LATEST,
     CheckpointRecord,
     EndRecord,
     EvalRecord,
+    LatestMetrics,
     ProfilingRecord,
     StartRecord,
     StepRecord,
@@ -61,7 +64,9 @@ from kaisa_train.records.tuning import (
 )
 
 __all__ = [
+    "EVAL_LATEST",
     "PHASE_FIELDS",
+    "STEP_LATEST",
     "TRIAL_METRICS",
     "AdaptiveChoice",
     "CandidateRow",
@@ -72,6 +77,7 @@ __all__ = [
     "IntervalChangeRow",
     "IntervalsRecord",
     "KFACChoice",
+    "LatestMetrics",
     "LayerIntervals",
     "MeasuredRecord",
     "ProfilingRecord",

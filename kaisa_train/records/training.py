@@ -1,12 +1,13 @@
 """The records of a training run: a worker started, training began, a window of steps, an
-evaluation, a checkpoint, the end."""
+evaluation, a checkpoint, the end; and what a job keeps of them as its latest metrics."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
+from kaisa_ray.enums import EvalMetric
 from kaisa_train.records.base import BaseRecord, RecordKind
 
 
@@ -83,3 +84,52 @@ class CheckpointRecord(BaseRecord):
 class EndRecord(BaseRecord):
     kind: Literal[RecordKind.END] = RecordKind.END
     step: int
+
+
+class LatestMetrics(BaseModel):
+    """A job's latest metrics: the newest step record's window, the newest evaluation, the
+    step reached and the step of the newest checkpoint. Fields no record has set yet are
+    unset (``numbers`` leaves them out); each field means what the record's field means."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    step: int | None = Field(default=None, description="the step reached")
+    checkpoint_step: int | None = Field(default=None, description="the newest checkpoint's step")
+    loss: float | None = None
+    accuracy: float | None = Field(default=None, description="training accuracy")
+    lr: float | None = None
+    samples_per_s: float | None = Field(default=None, description="over every worker")
+    ms_per_step: float | None = None
+    kfac_ms_per_step: float | None = None
+    data_wait_ms: float | None = Field(default=None, description="per step, waiting for data")
+    skipped_rows: int | None = Field(default=None, description="records skipped so far")
+    test_loss: float | None = None
+    test_accuracy: float | None = None
+
+    def taking(self, record: StepRecord | EvalRecord) -> LatestMetrics:
+        """These metrics with what ``record`` set of them (its step aside)."""
+        names = (STEP_LATEST if isinstance(record, StepRecord) else EVAL_LATEST) & (
+            record.model_fields_set
+        )
+        return self.model_copy(update={name: getattr(record, name) for name in names})
+
+    def numbers(self) -> dict[str, float | int | None]:
+        """The fields set, by name (what the API shows and the store keeps)."""
+        return self.model_dump(exclude_unset=True)
+
+
+STEP_LATEST = frozenset(
+    {
+        "loss",
+        "accuracy",
+        "lr",
+        "samples_per_s",
+        "ms_per_step",
+        "kfac_ms_per_step",
+        "data_wait_ms",
+        "skipped_rows",
+    }
+)
+"""The fields of a step record a job's latest metrics keep."""
+EVAL_LATEST = frozenset({EvalMetric.TEST_LOSS.value, EvalMetric.TEST_ACCURACY.value})
+"""The fields of an evaluation record a job's latest metrics keep."""

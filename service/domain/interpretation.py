@@ -9,11 +9,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kaisa_ray.enums import EvalMetric
 from kaisa_train.records import (
     CheckpointRecord,
     EvalRecord,
     IntervalsRecord,
+    LatestMetrics,
     ProfilingRecord,
     RecordKind,
     StartRecord,
@@ -33,17 +33,6 @@ from service.model.job_data import Job, Metric, Progress
 from service.model.lifecycle import IllegalTransitionError, JobEvent, JobState, transition
 from service.runner import RayJobInfo, RayJobStatus
 
-STEP_FIELDS = (
-    "loss",
-    "accuracy",
-    "lr",
-    "samples_per_s",
-    "ms_per_step",
-    "kfac_ms_per_step",
-    "data_wait_ms",
-    "skipped_rows",
-)
-EVAL_FIELDS = (EvalMetric.TEST_LOSS.value, EvalMetric.TEST_ACCURACY.value)
 EVENT_OF = {
     RecordKind.STEP: "progress",
     RecordKind.EVAL: "eval",
@@ -82,6 +71,7 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
     state, attempts = job.state, job.attempts
     progress = reading.progress
     sweep = job.sweep
+    latest = LatestMetrics()  # what this batch sets
 
     def fire(event: JobEvent) -> None:
         nonlocal state
@@ -123,7 +113,7 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
                 m for m in progress.metrics if m.step is None or m.step <= record.from_step
             ]
         elif isinstance(record, TunerRecord):
-            progress.tuner = values
+            progress.tuner = record
             reading.updates.append((EVENT_OF[record.kind], data))
         elif isinstance(record, StepRecord | EvalRecord):
             metric = Metric(
@@ -135,10 +125,9 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
             )
             progress.metrics.append(metric)
             data["seq"] = metric.seq  # the page knows by it which streamed points it has read
-            names = STEP_FIELDS if isinstance(record, StepRecord) else EVAL_FIELDS
-            progress.latest.update({k: values[k] for k in names if k in values})
             progress.step = max(progress.step or 0, record.step)
-            progress.latest["step"] = progress.step
+            latest = latest.taking(record).model_copy(update={"step": progress.step})
+            progress.latest = latest
             reading.updates.append((EVENT_OF[record.kind], data))
         elif isinstance(record, IntervalsRecord):
             # Each layer's K-FAC intervals over time: kept as metrics, read back by kind.
@@ -153,7 +142,8 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
             )
             reading.updates.append((EVENT_OF[record.kind], data))
         elif isinstance(record, CheckpointRecord):
-            progress.latest["checkpoint_step"] = record.step
+            latest = latest.model_copy(update={"checkpoint_step": record.step})
+            progress.latest = latest
         elif isinstance(record, SweepStartRecord | TrialRecord | SweepRecord):
             sweep = merge_sweep(sweep, record, spec=job.spec)
             progress.sweep = sweep

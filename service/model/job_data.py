@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kaisa_train.records import LatestMetrics, TunerRecord
 from service.model.lifecycle import JobEvent, JobState
 
 
@@ -29,8 +30,8 @@ class Job:
     failure_reason: str | None
     step: int
     total_steps: int | None
-    latest: dict[str, Any]
-    tuner: dict[str, Any] | None
+    latest: LatestMetrics
+    tuner: TunerRecord | None  # kfac: auto's decision
     sweep: dict[str, Any] | None  # a sweep job's plan, trials and best (see service.domain.sweeps)
     cursor: int
     attempts: int
@@ -66,8 +67,8 @@ class Progress:
     metrics: list[Metric] = field(default_factory=list)
     step: int | None = None
     total_steps: int | None = None
-    latest: dict[str, Any] = field(default_factory=dict)
-    tuner: dict[str, Any] | None = None
+    latest: LatestMetrics | None = None  # merged into the stored metrics
+    tuner: TunerRecord | None = None
     sweep: dict[str, Any] | None = None  # the whole sweep view, merged (replaces the stored one)
     attempts: int | None = None
     events: list[JobEvent] = field(default_factory=list)  # state changes, in order

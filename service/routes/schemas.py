@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from kaisa_ray.enums import ComputeMethod, KFACApprox, Precision
 from kaisa_train.records import (
@@ -262,14 +262,14 @@ def job_view(job: Job, queue_position: int | None = None) -> JobView:
     )
     if succeeded:
         percent = 100.0
-    tuner = _tuner(job)
+    tuner = job.tuner
     return JobView(
         id=job.id,
         name=job.name,
         state=job.state,
         queue_position=queue_position,
         progress=ProgressView(step=job.step, total=total, percent=percent, target_met=target_met),
-        metrics={k: v for k, v in job.latest.items() if isinstance(v, int | float) or v is None},
+        metrics=job.latest.numbers(),
         decision=tuner.chosen if tuner else None,
         tuner=tuner,
         failure_reason=job.failure_reason,
@@ -280,17 +280,6 @@ def job_view(job: Job, queue_position: int | None = None) -> JobView:
         finished_at=_when(job.finished_at),
         spec=job.spec,
     )
-
-
-def _tuner(job: Job) -> TunerRecord | None:
-    """The job's stored tuner record, read as one (None, logged, if it does not read)."""
-    if job.tuner is None:
-        return None
-    try:
-        return TunerRecord.model_validate(job.tuner)
-    except ValidationError as err:
-        logger.warning("job %s: its tuner record does not read: %s", job.id, err)
-        return None
 
 
 def _is_number(value: Any) -> bool:

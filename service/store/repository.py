@@ -9,18 +9,21 @@ same database transaction as the new state: the history can never disagree with 
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from sqlalchemy import create_engine, delete, func, make_url, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from kaisa_train.records import LatestMetrics, TunerRecord
 from service.errors import JobConflictError, JobNotFoundError
 from service.model.cleaning import plain_text
 from service.model.job_data import Job, Metric, Progress, Transition
@@ -36,6 +39,9 @@ from service.store.database import migrate, private_file, sqlite_file, sqlite_pr
 from service.store.rows import HeartbeatRow, JobRow, MetricRow, TransitionRow
 
 __all__ = ["JobStore", "new_job_id"]
+
+logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
 
 
 def job_of(row: JobRow) -> Job:
@@ -54,8 +60,8 @@ def job_of(row: JobRow) -> Job:
         failure_reason=row.failure_reason,
         step=row.step,
         total_steps=row.total_steps,
-        latest=dict(row.latest or {}),
-        tuner=row.tuner,
+        latest=_stored(LatestMetrics, row.id, "latest metrics", row.latest) or LatestMetrics(),
+        tuner=_stored(TunerRecord, row.id, "tuner record", row.tuner),
         sweep=row.sweep,
         cursor=row.cursor,
         attempts=row.attempts,
@@ -63,6 +69,18 @@ def job_of(row: JobRow) -> Job:
         seq_base=row.seq_base or 0,
         resources=row.resources,
     )
+
+
+def _stored(model: type[M], job_id: str, what: str, value: Any) -> M | None:
+    """A JSON column read as its model: None where it is empty, or (logged) where it does not
+    read, so that one odd row never keeps a job from being listed."""
+    if not value:
+        return None
+    try:
+        return model.model_validate(value)
+    except ValidationError as err:
+        logger.warning("job %s: its stored %s do not read: %s", job_id, what, err)
+        return None
 
 
 def _move(session: Session, row: JobRow, event: JobEvent, reason: str | None) -> None:
@@ -426,10 +444,10 @@ class JobStore:
                 row.step = progress.step
             if progress.total_steps is not None:
                 row.total_steps = progress.total_steps
-            if progress.latest:
-                row.latest = {**(row.latest or {}), **progress.latest}
+            if progress.latest is not None:
+                row.latest = {**(row.latest or {}), **progress.latest.numbers()}
             if progress.tuner is not None:
-                row.tuner = progress.tuner
+                row.tuner = progress.tuner.values()
             if progress.sweep is not None:
                 row.sweep = progress.sweep
             if progress.attempts is not None:

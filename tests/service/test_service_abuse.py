@@ -23,6 +23,7 @@ from support.fake_runner import FakeRunner
 from support.polling import wait_for
 from support.service_app import Service, spec, start
 
+from kaisa_train.records import LatestMetrics
 from kaisa_train.reference import DOC, render
 from service.cli import main
 from service.domain.admission import Capacity, admit
@@ -276,7 +277,7 @@ def test_admission_counts_the_cluster_cpus_of_workers_and_drivers() -> None:
             spec={"scaling": {"workers": workers, "cpus_per_worker": 1}},
             idempotency_key=None, submission_id=None, created_at=0, updated_at=0,
             started_at=None, finished_at=None, failure_reason=None, step=0, total_steps=None,
-            latest={}, tuner=None, sweep=None, cursor=0, attempts=0,
+            latest=LatestMetrics(), tuner=None, sweep=None, cursor=0, attempts=0,
         )  # fmt: skip
 
     capacity = Capacity(cpus=4, driver_cpus=0.25)

@@ -28,12 +28,14 @@ from sqlalchemy import (
     text,
 )
 
+from kaisa_train.records import LatestMetrics
 from service.errors import JobConflictError, JobNotFoundError
 from service.model.job_data import Job, Metric, Progress, Transition
 from service.model.lifecycle import IllegalTransitionError, JobEvent, JobState
 from service.store.database import MIGRATIONS
 from service.store.repository import JobStore
 from service.store.rows import Base, JobRow, MetricRow, TransitionRow
+from tests.support.service_app import TUNER
 
 
 def spec(name: str = "job", **extra: Any) -> dict[str, Any]:
@@ -171,7 +173,7 @@ def test_a_database_made_at_revision_0001_is_upgraded_in_place(tmp_path: Path) -
             {
                 "spec": '{"name": "kept", "stop": {"max_steps": 100}}',
                 "latest": '{"loss": 0.5, "step": 20}',
-                "tuner": '{"chosen": {"strategy": "comm-opt"}}',
+                "tuner": TUNER.model_dump_json(exclude={"kind"}, exclude_unset=True),
             },
         )
         connection.execute(
@@ -209,8 +211,8 @@ def test_a_database_made_at_revision_0001_is_upgraded_in_place(tmp_path: Path) -
             None,
         )
         assert (job.step, job.total_steps, job.cursor, job.attempts) == (20, 100, 7, 1)
-        assert job.latest == {"loss": 0.5, "step": 20}
-        assert job.tuner == {"chosen": {"strategy": "comm-opt"}}
+        assert job.latest == LatestMetrics(loss=0.5, step=20)
+        assert job.tuner == TUNER
         assert job.sweep is None
         assert [(t.from_state, t.to_state, t.event) for t in opened.transitions("old")] == [
             (None, JobState.QUEUED, "submit"),
@@ -267,7 +269,7 @@ def test_create_stores_a_queued_job(store: JobStore) -> None:
     assert (job.step, job.total_steps, job.latest, job.tuner, job.sweep) == (
         0,
         None,
-        {},
+        LatestMetrics(),
         None,
         None,
     )
@@ -480,7 +482,7 @@ def test_an_illegal_event_raises_and_changes_nothing(store: JobStore) -> None:
 
 def test_add_progress_stores_metrics_and_what_they_change(store: JobStore) -> None:
     job = new(store)
-    tuner = {"chosen": {"strategy": "comm-opt"}, "candidates": []}
+    tuner = TUNER
     stored = store.add_progress(
         job.id,
         Progress(
@@ -488,13 +490,13 @@ def test_add_progress_stores_metrics_and_what_they_change(store: JobStore) -> No
             metrics=[step(1, 10, loss=2.0), step(2, 20, loss=1.5)],
             step=20,
             total_steps=100,
-            latest={"loss": 1.5, "step": 20},
+            latest=LatestMetrics(loss=1.5, step=20),
             tuner=tuner,
             attempts=1,
         ),
     )
     assert (stored.cursor, stored.step, stored.total_steps) == (3, 20, 100)
-    assert stored.latest == {"loss": 1.5, "step": 20}
+    assert stored.latest == LatestMetrics(loss=1.5, step=20)
     assert stored.tuner == tuner
     assert stored.attempts == 1
     assert store.get(job.id) == stored
@@ -503,12 +505,13 @@ def test_add_progress_stores_metrics_and_what_they_change(store: JobStore) -> No
         Progress(
             cursor=4,
             metrics=[Metric(seq=3, kind="eval", step=20, at=1.8e9, values={"test_accuracy": 0.5})],
-            latest={"test_accuracy": 0.5},
+            latest=LatestMetrics(test_accuracy=0.5),
         ),
     )
     # What a batch does not say stays as it was; latest metrics merge.
     assert (later.cursor, later.step, later.total_steps, later.attempts) == (4, 20, 100, 1)
-    assert later.latest == {"loss": 1.5, "step": 20, "test_accuracy": 0.5}
+    assert later.latest == LatestMetrics(loss=1.5, step=20, test_accuracy=0.5)
+    assert later.latest.numbers() == {"loss": 1.5, "step": 20, "test_accuracy": 0.5}
     assert later.tuner == tuner
     assert later.state is JobState.QUEUED  # progress never moves the state
     assert [m.seq for m in store.metrics(job.id)] == [1, 2, 3]
@@ -519,7 +522,7 @@ def test_add_progress_stores_the_sweep_view(store: JobStore) -> None:
     stored = store.add_progress(job.id, Progress(cursor=2, step=1, total_steps=2, sweep=SWEEP))
     assert (stored.sweep, stored.step, stored.total_steps) == (SWEEP, 1, 2)
     assert store.get(job.id) == stored
-    later = store.add_progress(job.id, Progress(cursor=3, latest={"loss": 1.0}))
+    later = store.add_progress(job.id, Progress(cursor=3, latest=LatestMetrics(loss=1.0)))
     assert later.sweep == SWEEP  # a batch without sweep records keeps it
     ended = {**SWEEP, "best": {"trial_id": "t_00000"}, "best_spec": {"name": "best"}}
     assert store.add_progress(job.id, Progress(cursor=4, sweep=ended)).sweep == ended
@@ -542,7 +545,7 @@ def test_add_progress_is_idempotent_on_repeated_seqs(store: JobStore) -> None:
 def test_an_older_cursor_changes_nothing(store: JobStore) -> None:
     job = new(store)
     newer = store.add_progress(
-        job.id, Progress(cursor=5, metrics=[step(4, 50)], step=50, latest={"loss": 1.0})
+        job.id, Progress(cursor=5, metrics=[step(4, 50)], step=50, latest=LatestMetrics(loss=1.0))
     )
     stale = store.add_progress(
         job.id,
@@ -551,8 +554,8 @@ def test_an_older_cursor_changes_nothing(store: JobStore) -> None:
             metrics=[step(2, 30)],
             step=30,
             total_steps=7,
-            latest={"loss": 9.0},
-            tuner={"chosen": {}},
+            latest=LatestMetrics(loss=9.0),
+            tuner=TUNER,
             attempts=4,
         ),
     )
@@ -660,8 +663,8 @@ def test_everything_survives_closing_and_reopening(tmp_path: Path) -> None:
             metrics=[step(0, 5, loss=1.0), step(1, 10, loss=0.5)],
             step=10,
             total_steps=20,
-            latest={"loss": 0.5},
-            tuner={"chosen": {"strategy": "mem-opt"}},
+            latest=LatestMetrics(loss=0.5),
+            tuner=TUNER,
             sweep=SWEEP,
             attempts=1,
         ),
@@ -676,7 +679,7 @@ def test_everything_survives_closing_and_reopening(tmp_path: Path) -> None:
         assert second.get(job.id) == done
         assert done.submission_id == "kaisa-ray-sid"
         assert done.failure_reason == "out of memory"
-        assert done.tuner == {"chosen": {"strategy": "mem-opt"}}
+        assert done.tuner == TUNER
         assert done.sweep == SWEEP
         assert second.transitions(job.id) == history
         assert second.metrics(job.id) == points

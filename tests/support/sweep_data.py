@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from kaisa_train.records import LatestMetrics
 from kaisa_train.spec import parse_job_spec
 from service.domain.interpretation import Reading, interpret
 from service.model.job_data import Job
@@ -150,7 +151,7 @@ def queued(spec: dict[str, Any] | None = None) -> Job:
         failure_reason=None,
         step=0,
         total_steps=None,
-        latest={},
+        latest=LatestMetrics(),
         tuner=None,
         sweep=None,
         cursor=0,
