@@ -21,7 +21,6 @@ never enter the running averages, and a failed ``eigh`` falls back instead of cr
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -34,6 +33,7 @@ from kaisa_ray import checkpoint
 from kaisa_ray.apply import (
     GradientSetter,
 )
+from kaisa_ray.assembly import described, kfac_layers, require_cuda
 from kaisa_ray.comm import Communicator
 from kaisa_ray.curvature_updates import (
     all_finite,
@@ -54,6 +54,7 @@ from kaisa_ray.enums import (
 )
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.factor_hooks import FactorHooks
+from kaisa_ray.fsdp_watch import ShardingWatch
 from kaisa_ray.hyperparams import (
     FloatParam,
     IntParam,
@@ -62,7 +63,6 @@ from kaisa_ray.hyperparams import (
 )
 from kaisa_ray.intervals import AdaptiveIntervals, IntervalChange, IntervalSchedule
 from kaisa_ray.kfac_layer import KFACLayer
-from kaisa_ray.layers import describe_shapes
 from kaisa_ray.options import (
     DAMPING,
     FACTOR_DECAY,
@@ -74,7 +74,7 @@ from kaisa_ray.options import (
 from kaisa_ray.plan import Options, Plan, build_plan
 from kaisa_ray.preconditioning import Preconditioning
 from kaisa_ray.registration import discover
-from kaisa_ray.sharding import RowExchange, ShardedGradients, gradient_keeper, sharded_layers
+from kaisa_ray.sharding import RowExchange, ShardedGradients, sharded_layers
 from kaisa_ray.staleness import PROBES, LayerStaleness
 from kaisa_ray.strategy import resolve_grad_worker_fraction
 from kaisa_ray.timing import PhaseTimes
@@ -299,27 +299,8 @@ class KFACPreconditioner:
                 f"{', '.join(skipped) or 'no parametrised modules'}). Loosen skip_layers, "
                 "unfreeze a layer, or train this model with the base optimizer alone."
             )
-        self._layers: list[KFACLayer] = []
-        registered: list[tuple[nn.Module, KFACLayer]] = []
-        for reg in found:
-            layer = KFACLayer(
-                reg.name,
-                reg.helper,
-                compute_method=self.compute_method,
-                outer_product=options.compute_eigenvalue_outer_product,
-                factor_dtype=reg.factor_dtype,
-                inv_dtype=reg.inv_dtype,
-                running_average=self.running_average,
-                factor_scale=self.factor_scale,
-                pi_damping=options.pi_damping,
-                factor_samples=options.factor_samples,
-                staleness_probes=PROBES if self.measures_staleness else 0,
-                scaling=self.scaling,
-                adam_betas=self.adam_betas,
-                adam_eps=self.adam_eps,
-            )
-            self._layers.append(layer)
-            registered.append((reg.module, layer))
+        self._layers = kfac_layers(found, options)
+        registered = [(reg.module, layer) for reg, layer in zip(found, self._layers, strict=True)]
         self._by_name = {layer.name: layer for layer in self._layers}
 
         # FSDP2 (checked now: a sharding K-FAC cannot take is refused before the first step)
@@ -380,18 +361,9 @@ class KFACPreconditioner:
         )
 
         if options.cuda_graphs:
-            devices = {lay.helper.weight().device.type for lay in self._layers}
-            if devices != {"cuda"}:
-                raise ConfigurationError(
-                    "cuda_graphs=True replays the preconditioning from a CUDA graph, but the "
-                    f"model's registered layers are on {', '.join(sorted(devices)) or 'no device'}"
-                    ": move the model to the GPU (model.cuda()) before building the "
-                    "preconditioner, or leave cuda_graphs off."
-                )
-        # FSDP2: the type of the first layer's weight when last looked, and the whole
-        # gradients' keeper if it was sharded (the rows' exchange with fewer gradient
-        # workers than ranks); the exchange while a step runs
-        self._sharding: tuple[type, ShardedGradients | RowExchange | None] | None = None
+            require_cuda(self._layers)
+        # FSDP2: whether it shards the layers now, and the rows' exchange while a step runs
+        self._sharding = ShardingWatch(self._layers, self.rank, self.world_size)
         self._rows: RowExchange | None = None
         self._steps = 0
         self.skipped_factor_updates = 0
@@ -414,10 +386,7 @@ class KFACPreconditioner:
             options.loglevel,
             "KFACPreconditioner preconditions %d layers: %s; leaves to the optimizer: %s",
             len(self._layers),
-            ", ".join(
-                f"{lay.name} {type(lay.helper.module).__name__} [{describe_shapes(lay.helper)}]"
-                for lay in self._layers
-            ),
+            described(self._layers),
             ", ".join(skipped) or "nothing",
         )
 
@@ -547,26 +516,9 @@ class KFACPreconditioner:
     def _sharded_now(self) -> ShardedGradients | RowExchange | None:
         """Whole gradients for a model FSDP2 shards (built sharded or sharded since), else None:
         whether the first layer's weight is a ``DTensor`` decides, checked every step."""
-        weight = self._layers[0].helper.weight()
-        if self._sharding is not None and type(weight) is self._sharding[0]:
-            return self._sharding[1]
-        modules = [(layer.name, layer.helper.module) for layer in self._layers]
-        if not sharded_layers(modules, self.world_size):
-            self._sharding = (type(weight), None)
-            return None
-        if self.cuda_graphs:
-            raise ConfigurationError(
-                "cuda_graphs=True is not available for a model sharded by FSDP2 (the step "
-                "gathers each layer's gradient first): leave cuda_graphs off."
-            )
-        if self.plan.options.parallel is not Parallel.FSDP:  # sharded since it was built
-            options = dataclasses.replace(self.plan.options, parallel=Parallel.FSDP)
-            self.plan = build_plan(
-                self.plan.layers, self.world_size, self.grad_worker_fraction, options
-            )
-        helpers = {layer.name: layer.helper for layer in self._layers}
-        keeper = gradient_keeper(helpers, self.plan, self._comm, self.rank, self.world_size)
-        self._sharding = (type(weight), keeper)
+        keeper, self.plan = self._sharding.now(
+            self.plan, self._comm, self.grad_worker_fraction, cuda_graphs=self.cuda_graphs
+        )
         return keeper
 
     def _step(self, factor_step: bool) -> None:

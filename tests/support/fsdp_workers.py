@@ -316,6 +316,6 @@ def job_in_bf16(rank: int, world_size: int) -> dict[str, object]:
         "shard": str(layer.weight.dtype),
         "grad": str(layer.weight.grad.dtype),
         "factor": str(training.preconditioner.layers[2].a_factor.dtype),  # type: ignore[union-attr]
-        "rows_mode": type(training.preconditioner._sharding[1]).__name__,  # type: ignore[index]
+        "rows_mode": type(training.preconditioner._sharding.keeper).__name__,
         "losses": losses,
     }
