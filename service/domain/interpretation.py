@@ -64,7 +64,7 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
 
     A sweep job's records (``service.domain.sweeps``): ``sweep-start`` → RUN, with the trials
     planned as its total; each ``trial`` record and the final ``sweep`` record merge into
-    the job's sweep view (the one stored, ``job.sweep``: records come in batches), and its
+    the job's sweep state (the one stored, ``job.sweep``: records come in batches), and its
     step is the number of trials that are over.
     """
     reading = Reading(progress=Progress(cursor=cursor))
@@ -150,8 +150,8 @@ def interpret(job: Job, records: list[dict[str, Any]], cursor: int) -> Reading:
             progress.step = trials_ended(sweep)
             if isinstance(record, SweepStartRecord):
                 fire(JobEvent.RUN)
-                planned = sweep.get("trials_planned")
-                if isinstance(planned, int) and 0 <= planned <= 2**53:
+                planned = sweep.trials_planned
+                if planned is not None and 0 <= planned <= 2**53:
                     progress.total_steps = planned
             else:
                 reading.updates.append((EVENT_OF[record.kind], data))

@@ -11,6 +11,7 @@ from typing import Any
 
 from kaisa_train.records import LatestMetrics, TunerRecord
 from service.model.lifecycle import JobEvent, JobState
+from service.model.sweep_state import SweepState
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class Job:
     total_steps: int | None
     latest: LatestMetrics
     tuner: TunerRecord | None  # kfac: auto's decision
-    sweep: dict[str, Any] | None  # a sweep job's plan, trials and best (see service.domain.sweeps)
+    sweep: SweepState | None  # a sweep job's plan, trials and best
     cursor: int
     attempts: int
     resumes: int = 0  # graceful restarts it was resumed after
@@ -69,7 +70,7 @@ class Progress:
     total_steps: int | None = None
     latest: LatestMetrics | None = None  # merged into the stored metrics
     tuner: TunerRecord | None = None
-    sweep: dict[str, Any] | None = None  # the whole sweep view, merged (replaces the stored one)
+    sweep: SweepState | None = None  # the whole sweep state, merged (replaces the stored one)
     attempts: int | None = None
     events: list[JobEvent] = field(default_factory=list)  # state changes, in order
     # Worker groups that started from a checkpoint at step ``from_step``, the start record

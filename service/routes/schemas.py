@@ -21,7 +21,7 @@ from kaisa_train.records import (
     Unit,
 )
 from service.domain.metric_views import ChartView, ColumnView, MetricView
-from service.domain.sweeps import ended, plan
+from service.domain.sweeps import plan
 from service.model.job_data import Job, Metric, Transition
 from service.model.lifecycle import JobState
 
@@ -302,50 +302,49 @@ def _metrics(values: Any) -> dict[str, float | int | None]:
 
 def sweep_view(job: Job) -> SweepView | None:
     """The job's sweep as the API shows it; before its first record, the plan in its spec."""
-    view = job.sweep
-    if view is None:
+    state = job.sweep
+    if state is None:
         if job.spec.get("sweep") is None:
             return None
-        view = plan(job.spec["sweep"])
+        state = plan(job.spec["sweep"])
     trials = [
         TrialView(
             trial_id=trial_id,
-            state=trial.get("state", TrialState.RUNNING),
-            params=_numbers(trial.get("params")),
-            step=trial.get("step"),
-            metrics=_metrics(trial.get("metrics")),
-            value=trial.get("value"),
-            error=trial.get("error"),
-            checkpoint=trial.get("checkpoint"),
+            state=trial.state,
+            params=_numbers(trial.params),
+            step=trial.step,
+            metrics=_metrics(trial.metrics),
+            value=trial.value,
+            error=trial.error,
+            checkpoint=trial.checkpoint,
         )
-        for trial_id, trial in sorted((view.get("trials") or {}).items())
+        for trial_id, trial in sorted(state.trials.items())
     ]
-    best = view.get("best")
+    best = state.best
     return SweepView(
-        metric=view.get("metric") or SweepMetric.TEST_ACCURACY,
-        mode=view.get("mode")
-        or SweepMetric(view.get("metric") or SweepMetric.TEST_ACCURACY).direction,
-        trials_planned=view.get("trials_planned"),
-        concurrent=view.get("concurrent"),
-        space=dict(view.get("space") or {}),
-        trials_ended=ended(view),
+        metric=state.metric,
+        mode=state.mode,
+        trials_planned=state.trials_planned,
+        concurrent=state.concurrent,
+        space=state.space,
+        trials_ended=state.trials_ended,
         trials=trials,
         best=None
         if best is None
         else BestTrialView(
-            trial_id=str(best.get("trial_id")),
-            params=_numbers(best.get("params")),
-            value=best.get("value"),
-            step=best.get("step"),
-            metrics=_metrics(best.get("metrics")),
-            checkpoint=best.get("checkpoint"),
-            run=best.get("run"),
+            trial_id=best.trial_id,
+            params=_numbers(best.params),
+            value=best.value,
+            step=best.step,
+            metrics=_metrics(best.metrics),
+            checkpoint=best.checkpoint,
+            run=best.run,
         ),
-        best_spec=view.get("best_spec"),
+        best_spec=state.best_spec,
         best_spec_yaml=None
-        if view.get("best_spec") is None
-        else yaml.safe_dump(view["best_spec"], sort_keys=False),
-        seconds=view.get("seconds"),
+        if state.best_spec is None
+        else yaml.safe_dump(state.best_spec, sort_keys=False),
+        seconds=state.seconds,
     )
 
 

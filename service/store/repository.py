@@ -35,6 +35,7 @@ from service.model.lifecycle import (
     JobState,
     transition,
 )
+from service.model.sweep_state import SweepState
 from service.store.database import migrate, private_file, sqlite_file, sqlite_pragmas
 from service.store.rows import HeartbeatRow, JobRow, MetricRow, TransitionRow
 
@@ -62,7 +63,7 @@ def job_of(row: JobRow) -> Job:
         total_steps=row.total_steps,
         latest=_stored(LatestMetrics, row.id, "latest metrics", row.latest) or LatestMetrics(),
         tuner=_stored(TunerRecord, row.id, "tuner record", row.tuner),
-        sweep=row.sweep,
+        sweep=_stored(SweepState, row.id, "sweep state", row.sweep),
         cursor=row.cursor,
         attempts=row.attempts,
         resumes=row.resumes or 0,
@@ -79,7 +80,7 @@ def _stored(model: type[M], job_id: str, what: str, value: Any) -> M | None:
     try:
         return model.model_validate(value)
     except ValidationError as err:
-        logger.warning("job %s: its stored %s do not read: %s", job_id, what, err)
+        logger.warning("job %s: the stored %s is unreadable, shown as none: %s", job_id, what, err)
         return None
 
 
@@ -449,7 +450,7 @@ class JobStore:
             if progress.tuner is not None:
                 row.tuner = progress.tuner.values()
             if progress.sweep is not None:
-                row.sweep = progress.sweep
+                row.sweep = progress.sweep.stored()
             if progress.attempts is not None:
                 row.attempts = progress.attempts
             row.updated_at = time.time()

@@ -26,12 +26,14 @@ from sqlalchemy import (
     inspect,
     select,
     text,
+    update,
 )
 
-from kaisa_train.records import LatestMetrics
+from kaisa_train.records import LatestMetrics, TrialOutcome, TrialState
 from service.errors import JobConflictError, JobNotFoundError
 from service.model.job_data import Job, Metric, Progress, Transition
 from service.model.lifecycle import IllegalTransitionError, JobEvent, JobState
+from service.model.sweep_state import SweepState
 from service.store.database import MIGRATIONS
 from service.store.repository import JobStore
 from service.store.rows import Base, JobRow, MetricRow, TransitionRow
@@ -71,16 +73,16 @@ def step(seq: int, at_step: int, **values: Any) -> Metric:
     return Metric(seq=seq, kind="step", step=at_step, at=1.8e9 + seq, values=values)
 
 
-SWEEP = {
-    "trials_planned": 2,
-    "metric": "test_accuracy",
-    "mode": "max",
-    "space": {"optimizer.lr": {"loguniform": [0.001, 0.1]}},
-    "concurrent": 1,
-    "trials": {"t_00000": {"state": "SUCCEEDED", "params": {"optimizer.lr": 0.01}, "step": 10}},
-    "best": None,
-    "best_spec": None,
-}
+SWEEP = SweepState.model_validate(
+    {
+        "trials_planned": 2,
+        "metric": "test_accuracy",
+        "mode": "max",
+        "space": {"optimizer.lr": {"loguniform": [0.001, 0.1]}},
+        "concurrent": 1,
+        "trials": {"t_00000": {"state": "SUCCEEDED", "params": {"optimizer.lr": 0.01}, "step": 10}},
+    }
+)
 
 
 def rows(store: JobStore, column: Any, job_id: str) -> int:
@@ -524,9 +526,36 @@ def test_add_progress_stores_the_sweep_view(store: JobStore) -> None:
     assert store.get(job.id) == stored
     later = store.add_progress(job.id, Progress(cursor=3, latest=LatestMetrics(loss=1.0)))
     assert later.sweep == SWEEP  # a batch without sweep records keeps it
-    ended = {**SWEEP, "best": {"trial_id": "t_00000"}, "best_spec": {"name": "best"}}
+    best = TrialOutcome(trial_id="t_00000", state=TrialState.SUCCEEDED, value=0.9)
+    ended = SWEEP.model_copy(update={"best": best, "best_spec": {"name": "best"}})
     assert store.add_progress(job.id, Progress(cursor=4, sweep=ended)).sweep == ended
     assert store.get(job.id).sweep == ended
+
+
+def test_a_stored_sweep_reads_as_its_state_and_an_odd_one_as_none(
+    store: JobStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What the column held before the state was typed (a trial without value, checkpoint or
+    run; no mode) reads as the state; a value that does not read leaves the job listed."""
+    kept, odd = new(store, "kept"), new(store, "odd")
+    before = {
+        "trials_planned": 2,
+        "metric": "test_loss",
+        "space": {},
+        "trials": {"t_1": {"state": "FAILED", "params": {}, "metrics": {}, "error": "nan"}},
+    }
+    with store.engine.begin() as connection:
+        connection.execute(update(JobRow).where(JobRow.id == kept.id).values(sweep=before))
+        connection.execute(
+            update(JobRow).where(JobRow.id == odd.id).values(sweep={"trials": "none"})
+        )
+    state = store.get(kept.id).sweep
+    assert state is not None
+    assert (state.mode, state.trials_ended, state.trials["t_1"].error) == ("min", 1, "nan")
+    with caplog.at_level("WARNING"):
+        assert store.get(odd.id).sweep is None
+    assert f"job {odd.id}: the stored sweep state is unreadable" in caplog.text
+    assert {job.id for job in store.page()[0]} == {kept.id, odd.id}
 
 
 def test_add_progress_is_idempotent_on_repeated_seqs(store: JobStore) -> None:

@@ -36,11 +36,12 @@ from support.sweep_data import (
 )
 
 import kaisa_train.cli as train_cli
-from kaisa_train.records import TrialRecord, TrialState, parse_record
+from kaisa_train.records import TrialOutcome, TrialRecord, TrialState, parse_record
 from service.cli import main as kaisa_ray_cli
 from service.domain.interpretation import interpret
 from service.domain.sweeps import ended, merge, plan
 from service.model.lifecycle import JobEvent, JobState
+from service.model.sweep_state import TrialEntry
 from service.runner import entrypoint
 
 # -- the entrypoint ----------------------------------------------------------------------
@@ -102,7 +103,7 @@ def test_a_sweep_in_three_batches() -> None:
     assert job.state is JobState.RUNNING
     assert (job.step, job.total_steps) == (0, 3)
     assert job.sweep is not None
-    assert {k: v for k, v in job.sweep.items() if k != "trials"} == {
+    assert job.sweep.model_dump(mode="json", exclude={"trials"}) == {
         "trials_planned": 3,
         "concurrent": 2,
         "metric": "test_accuracy",
@@ -112,21 +113,19 @@ def test_a_sweep_in_three_batches() -> None:
         "best_spec": None,
         "seconds": None,
     }
-    assert job.sweep["trials"] == {
-        A: {
-            "state": "RUNNING",
-            "params": A_PARAMS,
-            "step": 20,
-            "metrics": {"test_accuracy": 0.6, "test_loss": 1.1, "train_s": 4.0},
-            "error": None,
-        },
-        B: {
-            "state": "RUNNING",
-            "params": B_PARAMS,
-            "step": 20,
-            "metrics": {"test_accuracy": 0.3, "test_loss": 2.0, "train_s": 4.2},
-            "error": None,
-        },
+    assert job.sweep.trials == {
+        A: TrialEntry(
+            state=TrialState.RUNNING,
+            params=A_PARAMS,
+            step=20,
+            metrics={"test_accuracy": 0.6, "test_loss": 1.1, "train_s": 4.0},
+        ),
+        B: TrialEntry(
+            state=TrialState.RUNNING,
+            params=B_PARAMS,
+            step=20,
+            metrics={"test_accuracy": 0.3, "test_loss": 2.0, "train_s": 4.2},
+        ),
     }
     # Every trial record goes to the event streams as it came (with its time), in order.
     assert [kind for kind, _ in first.updates] == ["trial"] * 4
@@ -145,19 +144,13 @@ def test_a_sweep_in_three_batches() -> None:
     assert job.state is JobState.RUNNING
     assert (job.step, job.total_steps) == (3, 3)  # succeeded, stopped early, failed
     assert job.sweep is not None
-    trials = job.sweep["trials"]
-    assert {t: trials[t]["state"] for t in trials} == {A: "SUCCEEDED", B: "STOPPED", C: "FAILED"}
+    trials = job.sweep.trials
+    assert {t: trials[t].state for t in trials} == {A: "SUCCEEDED", B: "STOPPED", C: "FAILED"}
     # What the first batch said of B stays: the second only merges onto it.
-    assert trials[B]["params"] == B_PARAMS
-    assert trials[B]["metrics"] == {"test_accuracy": 0.3, "test_loss": 2.0, "train_s": 4.2}
-    assert (trials[A]["step"], trials[A]["metrics"]["test_accuracy"]) == (60, 0.8)
-    assert trials[C] == {
-        "state": "FAILED",
-        "params": C_PARAMS,
-        "step": None,
-        "metrics": {},
-        "error": DIVERGED,
-    }
+    assert trials[B].params == B_PARAMS
+    assert trials[B].metrics == {"test_accuracy": 0.3, "test_loss": 2.0, "train_s": 4.2}
+    assert (trials[A].step, trials[A].metrics["test_accuracy"]) == (60, 0.8)
+    assert trials[C] == TrialEntry(state=TrialState.FAILED, params=C_PARAMS, error=DIVERGED)
     assert [data["state"] for _, data in second.updates] == [
         "STOPPED",
         "RUNNING",
@@ -171,15 +164,15 @@ def test_a_sweep_in_three_batches() -> None:
     assert third.events == []  # the end of the job is Ray's to say
     assert (job.step, job.total_steps) == (3, 3)
     assert job.sweep is not None
-    assert job.sweep["best"] == BEST
-    assert job.sweep["best_spec"] == BEST_SPEC
-    assert job.sweep["seconds"] == 42.5
-    trials = job.sweep["trials"]
-    assert (trials[A]["value"], trials[A]["checkpoint"]) == (0.8, BEST["checkpoint"])
-    assert trials[A]["metrics"] == {"test_accuracy": 0.8, "test_loss": 0.6, "train_s": 11.5}
-    assert trials[B]["run"] == f"job-1.{B}"
-    assert trials[C]["error"] == DIVERGED
-    assert "value" not in trials[C]  # a failed trial has no value
+    assert job.sweep.best == TrialOutcome.model_validate(BEST)
+    assert job.sweep.best_spec == BEST_SPEC
+    assert job.sweep.seconds == 42.5
+    trials = job.sweep.trials
+    assert (trials[A].value, trials[A].checkpoint) == (0.8, BEST["checkpoint"])
+    assert trials[A].metrics == {"test_accuracy": 0.8, "test_loss": 0.6, "train_s": 11.5}
+    assert trials[B].run == f"job-1.{B}"
+    assert trials[C].error == DIVERGED
+    assert trials[C].value is None  # a failed trial has no value
     assert [kind for kind, _ in third.updates] == ["sweep"]
     assert third.updates[0][1] == {**RESULT, "time": 1.8e9 + len(FIRST) + len(SECOND)}
 
@@ -204,7 +197,7 @@ def test_interpret_leaves_the_stored_sweep_as_it_was() -> None:
     reading = interpret(job, numbered(SECOND, job.cursor), job.cursor + len(SECOND))
     assert job.sweep == before
     assert reading.progress.sweep is not None
-    assert reading.progress.sweep["trials"][A]["state"] == "SUCCEEDED"
+    assert reading.progress.sweep.trials[A].state is TrialState.SUCCEEDED
 
 
 def test_progress_counts_only_trials_that_are_over() -> None:
@@ -223,8 +216,8 @@ def test_a_trial_that_is_over_stays_over() -> None:
     late = {"kind": "trial", "trial": B, "state": "RUNNING", "step": 40, "test_accuracy": 0.35}
     _, job = read(job, [late])
     assert job.sweep is not None
-    assert job.sweep["trials"][B]["state"] == "STOPPED"
-    assert job.sweep["trials"][B]["step"] == 40
+    assert job.sweep.trials[B].state is TrialState.STOPPED
+    assert job.sweep.trials[B].step == 40
     assert job.step == 3
 
 
@@ -233,17 +226,17 @@ def test_a_trial_before_the_plan_takes_the_plan_from_the_spec() -> None:
     reading, job = read(queued(spec), [FIRST[1]])
     assert reading.events == []  # only sweep-start says the sweep runs
     assert job.sweep is not None
-    assert (job.sweep["trials_planned"], job.sweep["metric"], job.sweep["mode"]) == (
+    assert (job.sweep.trials_planned, job.sweep.metric, job.sweep.mode) == (
         5,
         "test_loss",
         "min",
     )
-    assert job.sweep["space"] == SPACE
-    assert list(job.sweep["trials"]) == [A]
+    assert job.sweep.space == SPACE
+    assert list(job.sweep.trials) == [A]
     _, job = read(job, [START])
     assert (job.state, job.total_steps) == (JobState.RUNNING, 3)  # the record has the last word
     assert job.sweep is not None
-    assert list(job.sweep["trials"]) == [A]
+    assert list(job.sweep.trials) == [A]
 
 
 def test_a_diverged_trial_s_nan_becomes_null() -> None:
@@ -252,7 +245,7 @@ def test_a_diverged_trial_s_nan_becomes_null() -> None:
     record = {"kind": "trial", "trial": C, "state": "RUNNING", "step": 3, "test_loss": math.nan}
     reading, job = read(queued(), [START, record])
     assert job.sweep is not None
-    assert job.sweep["trials"][C]["metrics"] == {"test_loss": None}
+    assert job.sweep.trials[C].metrics == {"test_loss": None}
     json.dumps(reading.updates[0][1], allow_nan=False)
     assert reading.updates[0][1]["test_loss"] is None
 
@@ -271,7 +264,7 @@ def test_an_ordinary_job_has_no_sweep() -> None:
 
 
 def test_the_plan_of_a_spec() -> None:
-    assert plan(sweep_spec()["sweep"]) == {
+    assert plan(sweep_spec()["sweep"]).model_dump(mode="json") == {
         "trials_planned": 3,
         "concurrent": 2,
         "metric": "test_accuracy",
@@ -282,8 +275,8 @@ def test_the_plan_of_a_spec() -> None:
         "best_spec": None,
         "seconds": None,
     }
-    assert plan({"metric": "time_to_target", "space": SPACE})["mode"] == "min"
-    assert plan(sweep_spec(metric="test_loss", mode="max")["sweep"])["mode"] == "max"
+    assert plan({"metric": "time_to_target", "space": SPACE}).mode == "min"
+    assert plan(sweep_spec(metric="test_loss", mode="max")["sweep"]).mode == "max"
 
 
 def test_ended_counts_the_final_states() -> None:
