@@ -51,7 +51,8 @@ from kaisa_ray.plan import plan
 from kaisa_train.shapes import workload
 from tuner.cost import price
 from tuner.forecast import Workload, factor_work_seconds, forecast_profile, group_products
-from tuner.hardware import Hardware, hardware_from_dict
+from tuner.hardware import Hardware
+from tuner.hardware_file import hardware_from_dict
 from tuner.kernels import measure_kernels
 
 HERE = Path(__file__).resolve().parent

@@ -44,7 +44,8 @@ from kaisa_train.shape_table import PLANNING, stored_workload
 from tuner.choice import DEFAULT_INTERVALS, NoFeasibleCandidateError, choose
 from tuner.cost import Candidate, Profile, prices
 from tuner.forecast import Basis, Workload, forecast_profile, sharded_transient
-from tuner.hardware import Hardware, hardware_from_dict
+from tuner.hardware import Hardware
+from tuner.hardware_file import hardware_from_dict
 from tuner.topology import Topology
 
 HARDWARE_DIR = Path(__file__).with_name("hardware")

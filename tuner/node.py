@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 
 from kaisa_ray.enums import ComputeMethod, Precision
 from kaisa_ray.errors import ConfigurationError
-from tuner.hardware import hardware_from_dict
+from tuner.hardware_file import hardware_from_dict
 from tuner.measure import median_seconds
 from tuner.node_kfac import OVERHEAD_LAYERS, kfac_overheads, model_kfac_host
 from tuner.node_training import (

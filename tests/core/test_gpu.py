@@ -331,7 +331,7 @@ def test_measure_node_times_a_models_own_kfac_host_costs_on_cuda() -> None:
     from kaisa_train.planning import hardware_file
     from kaisa_train.shapes import workload
     from tuner.forecast import forecast_profile
-    from tuner.hardware import hardware_from_dict
+    from tuner.hardware_file import hardware_from_dict
     from tuner.node import measure
 
     base = yaml.safe_load(hardware_file("a100-80gb-hdr").read_text())

@@ -16,7 +16,8 @@ from kaisa_ray.plan import plan
 from kaisa_train.planning import HARDWARE_DIR, hardware_names, load_hardware
 from tuner.choice import choose
 from tuner.cost import CubicFit, LinkFit, Profile
-from tuner.hardware import KINDS, HardwareProfileError, LinkLevel, Sourced, hardware_from_dict
+from tuner.hardware import KINDS, HardwareProfileError, LinkLevel, Sourced
+from tuner.hardware_file import hardware_from_dict
 from tuner.topology import Topology
 
 PRESETS = ["a100-80gb-hdr", "h100-80gb-ndr"]

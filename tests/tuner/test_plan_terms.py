@@ -17,11 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 from kaisa_train.planning import hardware_file
 from kaisa_train.shapes import workload
 from tuner.forecast import forecast_profile, precondition_seconds
-from tuner.hardware import (
-    OVERHEAD_OPERATIONS,
-    HardwareProfileError,
-    hardware_from_dict,
-)
+from tuner.hardware import OVERHEAD_OPERATIONS, HardwareProfileError
+from tuner.hardware_file import hardware_from_dict
 from tuner.node_kfac import OVERHEAD_LAYERS, _tiny_kfac, _tiny_stack, _train_step
 
 MEASURED = {"kind": "measured", "source": "measured here, for a test"}
