@@ -106,6 +106,15 @@ ADAM_INTERVALS = {**INTERVALS, 2048: (1, 5), 8192: (1, 5)}
 # (heavyball's precondition_frequency 2), at 8192 where the row above is level with SOAP.
 ADAM_EIGENBASIS_2 = "K-FAC (Adam eigenbasis, 1/2)"
 ADAM_INTERVALS_2 = {batch: (1, 2) for batch in INTERVALS}
+# ... and every step (added 2026-12-06): at 8192 a step is over a second on this CPU and the
+# eigendecompositions of LeNet's factors a few tens of ms, so fresh bases cost little there.
+ADAM_EIGENBASIS_1 = "K-FAC (Adam eigenbasis, 1/1)"
+ADAM_INTERVALS_1 = {batch: (1, 1) for batch in INTERVALS}
+ADAM_ROWS = {
+    ADAM_EIGENBASIS: ADAM_INTERVALS,
+    ADAM_EIGENBASIS_2: ADAM_INTERVALS_2,
+    ADAM_EIGENBASIS_1: ADAM_INTERVALS_1,
+}
 # kfac.scaling: ekfac (EKFAC, George et al. 2018): the "K-FAC" form (the KL clip κ its step
 # size, on SGD lr 1 with Nesterov momentum, the eigen method) with the per-example second
 # moments in the eigenbasis in place of the eigenvalue products (no π-damping: the damping is
@@ -124,6 +133,7 @@ OPTIMIZERS = (
     QM_FLOOR,
     ADAM_EIGENBASIS,
     ADAM_EIGENBASIS_2,
+    ADAM_EIGENBASIS_1,
     EKFAC,
     ADAMW_EKFAC,
     *PEERS,
@@ -142,6 +152,7 @@ GRIDS: dict[str, list[float]] = {
     QM_FLOOR: [0.1],
     ADAM_EIGENBASIS: [2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2],
     ADAM_EIGENBASIS_2: [2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2],
+    ADAM_EIGENBASIS_1: [2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2],
     EKFAC: [3e-4, 1e-3, 3e-3, 1e-2, 3e-2],  # the KL clip, on SGD lr 1, as "K-FAC"
     ADAMW_EKFAC: [5e-4, 1e-3, 2e-3, 4e-3, 8e-3],  # AdamW's lr, as "AdamW + K-FAC"
     "SOAP": [7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2],  # heavyball's default 3e-3 in the middle
@@ -199,7 +210,7 @@ def spec(
         opt = {"name": "sgd"}  # unused: K-FAC takes the step
     elif optimizer in ("AdamW", "AdamW + K-FAC", DAMPED, ADAMW_EKFAC):
         opt = {"name": "adamw", "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
-    elif optimizer in (ADAM_EIGENBASIS, ADAM_EIGENBASIS_2):
+    elif optimizer in ADAM_ROWS:
         opt = {"name": "sgd", "lr": step_size, "momentum": 0.0, "schedule": schedule}
     elif optimizer in PEERS:
         opt = {"name": PEERS[optimizer], "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
@@ -210,9 +221,7 @@ def spec(
         # "AdamW + K-FAC", the transformer benchmark's form: AdamW normalises the
         # preconditioned gradients' scale itself, so no KL clip.
         clip = {"K-FAC": step_size, EKFAC: step_size, "K-FAC (lr)": KL_CLIP}.get(optimizer)
-        fus, ius = {ADAM_EIGENBASIS: ADAM_INTERVALS, ADAM_EIGENBASIS_2: ADAM_INTERVALS_2}.get(
-            optimizer, INTERVALS
-        )[batch]
+        fus, ius = ADAM_ROWS.get(optimizer, INTERVALS)[batch]
         kfac = {
             **KFAC,
             "damping": damping,
@@ -223,7 +232,7 @@ def spec(
         # The κ form ran the eigen method (the JobSpec's default), the others the inverse
         # method.
         kfac["compute_method"] = "eigen" if optimizer == "K-FAC" else "inverse"
-        if optimizer in (ADAM_EIGENBASIS, ADAM_EIGENBASIS_2):
+        if optimizer in ADAM_ROWS:
             kfac["compute_method"] = "eigen"
             kfac["scaling"] = "adam-eigenbasis"
         if optimizer in (EKFAC, ADAMW_EKFAC):
@@ -347,6 +356,7 @@ def plot(entries: list[Entry], steps_path: Path, curve_path: Path) -> None:
         "PSGD Kron": "black",
         ADAM_EIGENBASIS: "gold",
         ADAM_EIGENBASIS_2: "goldenrod",
+        ADAM_EIGENBASIS_1: "darkgoldenrod",
         EKFAC: "darkblue",
         ADAMW_EKFAC: "magenta",
     }
