@@ -96,6 +96,14 @@ MIN_DAMPING = 1e-3
 # The peers a user would try instead (heavyball, the ``peers`` extra; kfac: off), each on a
 # grid of 5 lrs a factor 2 apart around heavyball's default, as AdamW's.
 PEERS = {"SOAP": "soap", "Muon": "muon", "PSGD Kron": "psgd-kron"}
+# SOAP with its eigenbases refreshed every step (heavyball's precondition_frequency 1, against
+# its default 2; added 2026-12-06): the cadence "K-FAC (Adam eigenbasis, 1/1)" runs at, so
+# that the two compare at the same freshness of their bases.
+SOAP_1 = "SOAP (bases every step)"
+PEER_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    **{name: (optimizer, {}) for name, optimizer in PEERS.items()},
+    SOAP_1: ("soap", {"precondition_frequency": 1}),
+}
 # kfac.scaling: adam-eigenbasis (SOAP's recipe on K-FAC's factors): Adam's moments in the eigen
 # method's bases, on SGD without momentum, whose lr is the step size.
 ADAM_EIGENBASIS = "K-FAC (Adam eigenbasis)"
@@ -137,6 +145,7 @@ OPTIMIZERS = (
     EKFAC,
     ADAMW_EKFAC,
     *PEERS,
+    SOAP_1,
 )
 GRIDS: dict[str, list[float]] = {
     "SGD": [0.0125, 0.025, 0.05, 0.1, 0.2],
@@ -158,6 +167,7 @@ GRIDS: dict[str, list[float]] = {
     "SOAP": [7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2],  # heavyball's default 3e-3 in the middle
     "Muon": [6.25e-4, 1.25e-3, 2.5e-3, 5e-3, 1e-2],  # 2.5e-3
     "PSGD Kron": [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3],  # 1e-3
+    SOAP_1: [7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2],  # SOAP's
 }
 # "K-FAC (lr)": the same curvature on SGD's own lr grid with the JobSpec's KL clip, as the
 # one-process ablation (optimizers_fashion_mnist.py --ablation) ran it, and the inverse method:
@@ -212,8 +222,9 @@ def spec(
         opt = {"name": "adamw", "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
     elif optimizer in ADAM_ROWS:
         opt = {"name": "sgd", "lr": step_size, "momentum": 0.0, "schedule": schedule}
-    elif optimizer in PEERS:
-        opt = {"name": PEERS[optimizer], "lr": step_size, "weight_decay": 0.0, "schedule": schedule}
+    elif optimizer in PEER_OPTIONS:
+        name, options = PEER_OPTIONS[optimizer]
+        opt = {"name": name, "lr": step_size, "weight_decay": 0.0, "schedule": schedule, **options}
     else:  # SGD's lr; under the "K-FAC" form 1, the clip being the step size
         sgd_lr = 1.0 if optimizer in ("K-FAC", EKFAC) else step_size
         opt = {"name": "sgd", "lr": sgd_lr, "momentum": 0.9, "schedule": schedule}
@@ -354,6 +365,7 @@ def plot(entries: list[Entry], steps_path: Path, curve_path: Path) -> None:
         "SOAP": "tab:olive",
         "Muon": "tab:cyan",
         "PSGD Kron": "black",
+        SOAP_1: "olive",
         ADAM_EIGENBASIS: "gold",
         ADAM_EIGENBASIS_2: "goldenrod",
         ADAM_EIGENBASIS_1: "darkgoldenrod",

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from batch_size_study import OPTIMIZERS, RESULTS, spec, tuned_lr
+from batch_size_study import OPTIMIZERS, RESULTS, SOAP_1, spec, tuned_lr
 from report import git_commit, machine, table, write_block
 from targets import Entry, Study, median_or_none
 from torch import nn
@@ -138,7 +138,7 @@ def priced(
     with compiled rows for SOAP and Muon (PSGD Kron's step does not compile on CPU) unless
     ``--no-compiled``: the rows' points, their mean ms a step, and median steps × that in s."""
     points = dict(points)
-    for peer in ("SOAP", "Muon"):
+    for peer in ("SOAP", "Muon", SOAP_1):
         if peer in points and args.compiled:
             points[peer + COMPILED] = points[peer]
     names = list(points)

@@ -130,8 +130,11 @@ def _peer(spec: OptimizerSpec, params: Iterable[nn.Parameter]) -> torch.optim.Op
             "'kaisa-ray[peers]'"
         ) from err
     heavyball.utils.compile_mode = None
+    options: dict[str, Any] = {}
+    if spec.precondition_frequency is not None:
+        options["precondition_frequency"] = spec.precondition_frequency
     optimizer: torch.optim.Optimizer = getattr(heavyball, PEERS[spec.name])(
-        list(params), lr=spec.lr, weight_decay=spec.weight_decay
+        list(params), lr=spec.lr, weight_decay=spec.weight_decay, **options
     )
     return optimizer
 

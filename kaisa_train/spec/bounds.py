@@ -46,6 +46,7 @@ LIMITS: dict[str, str] = {
     "dataset.data_dir": "a path longer than the system's 4096-byte limit cannot exist",
     "optimizer.lr": "a learning rate above 10000 only diverges",
     "optimizer.weight_decay": "a weight decay above 10 erases the weights",
+    "optimizer.precondition_frequency": "an interval above a million steps never refreshes",
     "optimizer.schedule.warmup_steps": STEPS_REASON,
     "optimizer.schedule.step_every": STEPS_REASON,
     "kfac.factor_update_steps": "an interval above a million steps never updates the factors",

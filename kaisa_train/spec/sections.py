@@ -295,6 +295,25 @@ class OptimizerSpec(StrictModel):
     nesterov: bool = True
     weight_decay: Annotated[float, Field(ge=0, le=10)] = 0.0
     schedule: ScheduleSpec = ScheduleSpec()
+    precondition_frequency: Annotated[
+        int | None,
+        Field(
+            gt=0,
+            le=10**6,
+            description="``soap`` only: refresh its eigenbases every so many steps (heavyball's "
+            "``precondition_frequency``; unset, heavyball's default, 2)",
+        ),
+    ] = None
+
+    @model_validator(mode="after")
+    def _soap_only(self) -> OptimizerSpec:
+        if self.precondition_frequency is not None and self.name is not OptimizerName.SOAP:
+            raise ValueError(
+                f"precondition_frequency is SOAP's eigenbasis interval, and optimizer {self.name} "
+                "has none: set name: soap, or leave precondition_frequency out (K-FAC's own "
+                "interval is kfac.inv_update_steps)"
+            )
+        return self
 
 
 class ScalingSpec(StrictModel):

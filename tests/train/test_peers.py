@@ -91,3 +91,19 @@ def test_each_peer_trains_lenet_and_follows_the_job_s_lr(name: str) -> None:
         group["lr"] = 0.0
     step(0)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_soap_s_eigenbasis_interval_reaches_heavyball_and_only_soap_has_one() -> None:
+    """``optimizer.precondition_frequency``: SOAP's bases every so many steps (heavyball's
+    ``precondition_frequency``, default 2); on another optimizer an error naming the fix."""
+    net = nn.Linear(4, 3)
+    every = build_optimizer(
+        OptimizerSpec(name="soap", lr=3e-3, precondition_frequency=1), net.parameters()
+    )
+    default = build_optimizer(OptimizerSpec(name="soap", lr=3e-3), net.parameters())
+    assert (every.precond_schedule, default.precond_schedule) == (1.0, 0.5)  # type: ignore[attr-defined]
+    for name in ("adamw", "muon"):
+        with pytest.raises(ValueError, match="set name: soap, or leave precondition_frequency"):
+            OptimizerSpec(name=name, precondition_frequency=1)
+    with pytest.raises(ValueError, match="greater than 0"):
+        OptimizerSpec(name="soap", precondition_frequency=0)
