@@ -19,6 +19,7 @@ from kaisa_train.records import (
     SweepMetric,
     SweepRecord,
     SweepStartRecord,
+    TrialOutcome,
     TrialRecord,
     TrialState,
 )
@@ -130,7 +131,7 @@ def _result(view: SweepState, record: SweepRecord, data: Mapping[str, Any]) -> N
     for outcome in data.get("trials") or []:
         entry = view.trials.setdefault(str(outcome["trial_id"]), TrialEntry())
         _update(entry, outcome, outcome.get("metrics") or {}, ("value", "checkpoint", "run"))
-    best = record.best
-    view.best = None if best is None else type(best).model_validate(data["best"])
+    # The best trial as the JSON has it (its NaN as None), not as the record does.
+    view.best = None if record.best is None else TrialOutcome.model_validate(data["best"])
     best_spec = data.get("best_spec")
     view.best_spec = copy.deepcopy(dict(best_spec)) if isinstance(best_spec, Mapping) else None
