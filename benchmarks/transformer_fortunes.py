@@ -86,12 +86,22 @@ ADAM_EIGENBASIS_REDUCED = "K-FAC (Adam eigenbasis, 1/5, tokens reduced)"
 # with the bases every 10.
 ADAM_EIGENBASIS_4 = "K-FAC (Adam eigenbasis, 1/5, 4 sequences)"
 ADAM_EIGENBASIS_2_10 = "K-FAC (Adam eigenbasis, 2/10, 8 sequences)"
+# The 4-sequence row with its bases refreshed as SOAP refreshes its own (added 2026-12-07:
+# kfac.basis_update: power-qr, one power iteration from the basis held and a QR instead of
+# an eigh after the first), about half the decompositions' cost.
+ADAM_EIGENBASIS_4_QR = "K-FAC (Adam eigenbasis, 1/5, 4 sequences, power-QR)"
 FRESH_INTERVALS = {
     ADAM_EIGENBASIS_FRESH: {"factor_update_steps": 1, "inv_update_steps": 10},
     ADAM_EIGENBASIS_FRESHER: {"factor_update_steps": 1, "inv_update_steps": 5},
     ADAM_EIGENBASIS_SAMPLED: {"factor_update_steps": 1, "inv_update_steps": 5, "factor_samples": 8},
     ADAM_EIGENBASIS_4: {"factor_update_steps": 1, "inv_update_steps": 5, "factor_samples": 4},
     ADAM_EIGENBASIS_2_10: {"factor_update_steps": 2, "inv_update_steps": 10, "factor_samples": 8},
+    ADAM_EIGENBASIS_4_QR: {
+        "factor_update_steps": 1,
+        "inv_update_steps": 5,
+        "factor_samples": 4,
+        "basis_update": "power-qr",
+    },
     ADAM_EIGENBASIS_REDUCED: {
         "factor_update_steps": 1,
         "inv_update_steps": 5,
@@ -108,6 +118,7 @@ GRIDS = {
     ADAM_EIGENBASIS_SAMPLED: [1e-3, 2e-3, 4e-3, 8e-3],
     ADAM_EIGENBASIS_4: [1e-3, 2e-3, 4e-3, 8e-3],
     ADAM_EIGENBASIS_2_10: [1e-3, 2e-3, 4e-3, 8e-3],
+    ADAM_EIGENBASIS_4_QR: [1e-3, 2e-3, 4e-3, 8e-3],
     ADAM_EIGENBASIS_REDUCED: [1e-3, 2e-3, 4e-3, 8e-3],
     # kfac.update: quadratic-model: no lr to tune; its one setting, the starting damping,
     # adapts, so it runs untuned at the JobSpec's 0.1 (the step sizes here are that damping).

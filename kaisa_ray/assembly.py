@@ -31,6 +31,7 @@ def kfac_layers(found: Sequence[Registered], options: PreconditionerOptions) -> 
             scaling=options.scaling,
             adam_betas=options.adam_betas,
             adam_eps=options.adam_eps,
+            basis_update=options.basis_update,
         )
         for reg in found
     ]

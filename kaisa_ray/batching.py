@@ -381,18 +381,27 @@ def shape_groups(layers: Sequence[KFACLayer]) -> list[ShapeGroup]:
 def decompose(
     work: Sequence[tuple[KFACLayer, str, torch.Tensor, float | torch.Tensor]],
 ) -> None:
-    """Decompose ``(layer, 'A' or 'G', factor, damping)`` items, batched by method and factor
-    shape, each chunk's stacked factors no larger than the largest factor alone (so that the
-    temporaries of a batched ``eigh`` or Cholesky stay those of one layer)."""
-    by_shape: dict[tuple[bool, tuple[int, ...], torch.dtype, torch.device], list[int]] = {}
-    for index, (layer, _, factor, _) in enumerate(work):
-        eigen = isinstance(layer.decomposition, EigenDecomposition)
-        key = (eigen, tuple(factor.shape), factor.dtype, factor.device)
+    """Decompose ``(layer, 'A' or 'G', factor, damping)`` items, batched by method (a basis
+    refreshed by a power iteration being a method of its own) and factor shape, each chunk's
+    stacked factors no larger than the largest factor alone (so that the temporaries of a
+    batched ``eigh``, Cholesky or QR stay those of one layer)."""
+    Key = tuple[ComputeMethod, bool, tuple[int, ...], torch.dtype, torch.device]
+    by_shape: dict[Key, list[int]] = {}
+    for index, (layer, which, factor, _) in enumerate(work):
+        d = layer.decomposition
+        eigen = isinstance(d, EigenDecomposition)
+        method = ComputeMethod.EIGEN if eigen else ComputeMethod.INVERSE
+        refresh = isinstance(d, EigenDecomposition) and d.refreshes(which)
+        key = (method, refresh, tuple(factor.shape), factor.dtype, factor.device)
         by_shape.setdefault(key, []).append(index)
     largest = max((item[2].numel() for item in work), default=0)
-    for (eigen, shape, _, _), indices in by_shape.items():
+    for (method, refresh, shape, _, _), indices in by_shape.items():
         per_chunk = max(1, largest // max(1, torch.Size(shape).numel()))
-        solve: Solver = EigenDecomposition.solve_many if eigen else InverseDecomposition.solve_many
+        solve: Solver = (
+            EigenDecomposition.solve_many
+            if method is ComputeMethod.EIGEN
+            else InverseDecomposition.solve_many
+        )
         for start in range(0, len(indices), per_chunk):
             chunk = [work[i] for i in indices[start : start + per_chunk]]
             # One member: its factor as it is (no copy); several: a stacked copy, which the
@@ -401,9 +410,28 @@ def decompose(
             factors = (
                 torch.stack([item[2] for item in chunk]) if owned else chunk[0][2].unsqueeze(0)
             )
-            results = solve(factors, [item[3] for item in chunk], owned=owned)
+            if refresh:
+                results = _refresh(factors, chunk)
+            else:
+                results = solve(factors, [item[3] for item in chunk], owned=owned)
             del factors
             for (layer, which, factor, damping), result in zip(chunk, results, strict=True):
                 if result is None:  # on its own in float64, as an unbatched layer would be
                     result = layer.decomposition.retry(factor, damping)
                 layer.decomposition.accept(which, result, factor, damping)
+
+
+def _refresh(
+    factors: torch.Tensor,
+    chunk: Sequence[tuple[KFACLayer, str, torch.Tensor, float | torch.Tensor]],
+) -> Sequence[Any]:
+    """Each member's basis refreshed from the one it holds (``refresh_many``), stacked."""
+    bases = torch.stack([_eigen(layer).basis(which) for layer, which, _, _ in chunk])
+    return EigenDecomposition.refresh_many(factors, bases)
+
+
+def _eigen(layer: KFACLayer) -> EigenDecomposition:
+    d = layer.decomposition
+    if not isinstance(d, EigenDecomposition):
+        raise TypeError(f"layer {layer.name!r} has no eigen bases to refresh")
+    return d

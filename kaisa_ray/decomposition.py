@@ -18,7 +18,10 @@ methods compute the same thing: ``(G + √γ/π I)⁻¹ ∇W (A + π√γ I)⁻�
 
 Decompositions run in float32 at least. If ``eigh`` (or the Cholesky factorisation behind
 the inverse) fails, it is retried in float64; if that fails too, the previous decomposition
-is kept and a warning says which layer and factor.
+is kept and a warning says which layer and factor. With ``basis_update='power-qr'`` a basis
+already held is refreshed by one power iteration and QR instead of ``eigh``
+(``kaisa_ray.solvers.power_qr``), its Rayleigh quotients standing in for the eigenvalues;
+a refresh that is not finite falls back to ``eigh``.
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ from typing import Any
 
 import torch
 
+from kaisa_ray.enums import BasisUpdate
 from kaisa_ray.errors import user_stacklevel
 from kaisa_ray.products import eigen_denominator, eigen_precondition, inverse_precondition
 from kaisa_ray.solvers import (
     inverse_from_cholesky,
     members_finite,
     per_group,
+    power_qr,
     robust_damped_inverse,
     robust_eigh,
     stack_dampings,
@@ -167,11 +172,18 @@ class EigenDecomposition(Decomposition):
     """
 
     def __init__(
-        self, *, name: str, inv_dtype: torch.dtype, outer_product: bool, pi: bool = False
+        self,
+        *,
+        name: str,
+        inv_dtype: torch.dtype,
+        outer_product: bool,
+        pi: bool = False,
+        basis_update: BasisUpdate = BasisUpdate.EIGH,
     ) -> None:
         super().__init__(name=name, inv_dtype=inv_dtype)
         self.outer_product = outer_product
         self.pi = pi
+        self.basis_update = basis_update
         self.qa: torch.Tensor | None = None
         self.da: torch.Tensor | None = None
         self.qg: torch.Tensor | None = None
@@ -202,6 +214,40 @@ class EigenDecomposition(Decomposition):
             (values[i].clamp(min=0.0), vectors[i]) if a and b else None
             for i, (a, b) in enumerate(finite)
         ]
+
+    @staticmethod
+    def refresh_many(
+        factors: torch.Tensor, bases: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """``power_qr`` of ``n`` members' ``(n, k, d, d)`` factors from their bases (the same
+        shape) in one batched call; None for a member whose result is not finite (to be
+        decomposed by ``eigh`` instead: ``retry``)."""
+        n, k, d, _ = factors.shape
+        values, vectors = power_qr(factors.reshape(n * k, d, d), bases.reshape(n * k, d, d))
+        values, vectors = values.reshape(n, k, d), vectors.reshape(n, k, d, d)
+        finite = zip(members_finite(values, n), members_finite(vectors, n), strict=True)
+        return [(values[i], vectors[i]) if a and b else None for i, (a, b) in enumerate(finite)]
+
+    def refreshes(self, which: str) -> bool:
+        """Whether ``which`` ('A' or 'G') is refreshed by a power iteration from the basis
+        held (``basis_update='power-qr'`` and a basis to start from) rather than by ``eigh``."""
+        if self.basis_update is not BasisUpdate.POWER_QR:
+            return False
+        return (self.qa if which == "A" else self.qg) is not None
+
+    def basis(self, which: str) -> torch.Tensor:
+        """The basis held for ``which`` ('A' or 'G')."""
+        held = self.qa if which == "A" else self.qg
+        if held is None:
+            raise RuntimeError(f"layer {self.name!r} holds no {which} basis")
+        return held
+
+    def _solve(self, which: str, factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.refreshes(which):
+            (result,) = self.refresh_many(factor.unsqueeze(0), self.basis(which).unsqueeze(0))
+            if result is not None:
+                return result
+        return robust_eigh(factor)
 
     @staticmethod
     def retry(
@@ -239,10 +285,10 @@ class EigenDecomposition(Decomposition):
         self._keep(vectors_part, result[1])
 
     def compute_a(self, a_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
-        self.accept("A", robust_eigh(a_factor), a_factor, damping)
+        self.accept("A", self._solve("A", a_factor), a_factor, damping)
 
     def compute_g(self, g_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
-        self.accept("G", robust_eigh(g_factor), g_factor, damping)
+        self.accept("G", self._solve("G", g_factor), g_factor, damping)
 
     def _denominator(self, da: torch.Tensor, dg: torch.Tensor, damping: float) -> torch.Tensor:
         return eigen_denominator(da, dg, damping, self.pi)

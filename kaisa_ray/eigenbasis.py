@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from kaisa_ray.decomposition import EigenDecomposition
+from kaisa_ray.enums import BasisUpdate
 from kaisa_ray.products import eigen_precondition
 
 __all__ = [
@@ -107,8 +108,12 @@ class _StateInBasis(EigenDecomposition):
     the same reason. The state never travels in a decomposition broadcast: every rank that
     holds the bases updates it alike."""
 
-    def __init__(self, *, name: str, inv_dtype: torch.dtype) -> None:
-        super().__init__(name=name, inv_dtype=inv_dtype, outer_product=False)
+    def __init__(
+        self, *, name: str, inv_dtype: torch.dtype, basis_update: BasisUpdate = BasisUpdate.EIGH
+    ) -> None:
+        super().__init__(
+            name=name, inv_dtype=inv_dtype, outer_product=False, basis_update=basis_update
+        )
         self._old_bases: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @abstractmethod
@@ -153,8 +158,9 @@ class AdamEigenbasis(_StateInBasis):
         inv_dtype: torch.dtype,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
+        basis_update: BasisUpdate = BasisUpdate.EIGH,
     ) -> None:
-        super().__init__(name=name, inv_dtype=inv_dtype)
+        super().__init__(name=name, inv_dtype=inv_dtype, basis_update=basis_update)
         self.betas = betas
         self.eps = eps
         self.m: torch.Tensor | None = None
@@ -217,8 +223,10 @@ class EKFACEigenbasis(_StateInBasis):
     factors' running-average decay (``fold``); a new basis takes it as a second moment
     (``_StateInBasis``). Held where the layer is preconditioned and saved in checkpoints."""
 
-    def __init__(self, *, name: str, inv_dtype: torch.dtype) -> None:
-        super().__init__(name=name, inv_dtype=inv_dtype)
+    def __init__(
+        self, *, name: str, inv_dtype: torch.dtype, basis_update: BasisUpdate = BasisUpdate.EIGH
+    ) -> None:
+        super().__init__(name=name, inv_dtype=inv_dtype, basis_update=basis_update)
         self.s: torch.Tensor | None = None
 
     def _has_state(self) -> bool:

@@ -126,6 +126,19 @@ class Scaling(enum.StrEnum):
     ADAM_EIGENBASIS = "adam-eigenbasis"
 
 
+class BasisUpdate(enum.StrEnum):
+    """How the eigen method's bases are refreshed on a decomposition step after the first:
+    ``eigh``, a full eigendecomposition of each factor; ``power-qr``, one step of subspace
+    iteration from the basis held (``Q ← qr(F Q)``, columns first sorted by their Rayleigh
+    quotients, which stand in for the eigenvalues), SOAP's refresh (Vyas et al. 2024,
+    Algorithm 4) at about half an ``eigh``'s cost. Only for scalings that do not divide by
+    the eigenvalues (``adam-eigenbasis``, ``ekfac``); a factor's first decomposition is an
+    ``eigh`` either way."""
+
+    EIGH = "eigh"
+    POWER_QR = "power-qr"
+
+
 class EvalMetric(enum.StrEnum):
     """What an evaluation measures (the eval record's fields, a stop target's metric)."""
 

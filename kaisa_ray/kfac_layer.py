@@ -26,7 +26,7 @@ from kaisa_ray.decomposition import (
 )
 from kaisa_ray.eigenbasis import AdamEigenbasis, EKFACEigenbasis
 from kaisa_ray.ekfac import fitted_diagonal
-from kaisa_ray.enums import ComputeMethod, FactorScale, RunningAverage, Scaling
+from kaisa_ray.enums import BasisUpdate, ComputeMethod, FactorScale, RunningAverage, Scaling
 from kaisa_ray.layers import LayerHelper
 from kaisa_ray.solvers import pi_ratio
 from kaisa_ray.staleness import relative_change, sketch
@@ -129,6 +129,7 @@ class KFACLayer:
         scaling: Scaling = Scaling.KRONECKER,
         adam_betas: tuple[float, float] = (0.9, 0.95),
         adam_eps: float = 1e-8,
+        basis_update: BasisUpdate = BasisUpdate.EIGH,
     ) -> None:
         self.name = name
         self.helper = helper
@@ -159,10 +160,16 @@ class KFACLayer:
             raise ValueError(f"the {scaling} scaling needs the eigen method's bases")
         if scaling is Scaling.ADAM_EIGENBASIS:
             self.decomposition = AdamEigenbasis(
-                name=name, inv_dtype=inv_dtype, betas=adam_betas, eps=adam_eps
+                name=name,
+                inv_dtype=inv_dtype,
+                betas=adam_betas,
+                eps=adam_eps,
+                basis_update=basis_update,
             )
         elif scaling is Scaling.EKFAC:
-            self.decomposition = EKFACEigenbasis(name=name, inv_dtype=inv_dtype)
+            self.decomposition = EKFACEigenbasis(
+                name=name, inv_dtype=inv_dtype, basis_update=basis_update
+            )
         elif compute_method is ComputeMethod.EIGEN:
             self.decomposition = EigenDecomposition(
                 name=name, inv_dtype=inv_dtype, outer_product=outer_product, pi=pi_damping

@@ -18,6 +18,7 @@ import torch
 
 from kaisa_ray.enums import (
     AssignmentStrategy,
+    BasisUpdate,
     ComputeMethod,
     DistributedStrategy,
     FactorScale,
@@ -97,6 +98,7 @@ class PreconditionerOptions:
     scaling: Scaling = Scaling.KRONECKER
     adam_betas: tuple[float, float] = ADAM_BETAS
     adam_eps: float = ADAM_EPS
+    basis_update: BasisUpdate = BasisUpdate.EIGH
     cuda_graphs: bool = False
 
     @property
@@ -117,6 +119,7 @@ class PreconditionerOptions:
         factor_scale: FactorScale | str = FactorScale.REFERENCE,
         matmul_precision: MatmulPrecision | str = MatmulPrecision.HIGH,
         scaling: Scaling | str = Scaling.KRONECKER,
+        basis_update: BasisUpdate | str = BasisUpdate.EIGH,
         **rest: Any,
     ) -> PreconditionerOptions:
         """The options, every argument checked (``ConfigurationError`` naming a bad one and
@@ -135,6 +138,7 @@ class PreconditionerOptions:
             factor_scale=parse_enum(FactorScale, factor_scale, "factor_scale"),
             matmul_precision=parse_enum(MatmulPrecision, matmul_precision, "matmul_precision"),
             scaling=parse_enum(Scaling, scaling, "scaling"),
+            basis_update=parse_enum(BasisUpdate, basis_update, "basis_update"),
             **rest,
         )
         options._check()
@@ -213,6 +217,13 @@ class PreconditionerOptions:
                 f"scaling={str(self.scaling)!r} keeps {kept} in the eigen method's bases; "
                 f"compute_method={str(self.compute_method)!r} has none. Pass "
                 "compute_method='eigen'."
+            )
+        if self.basis_update is BasisUpdate.POWER_QR and self.scaling is Scaling.KRONECKER:
+            raise ConfigurationError(
+                "basis_update='power-qr' refreshes the bases by one power iteration, which "
+                "only estimates the eigenvalues that scaling='kronecker' divides by: pass "
+                "scaling='adam-eigenbasis' or 'ekfac' (which keep their own scale in the "
+                "bases), or basis_update='eigh'."
             )
         if self.scaling is Scaling.EKFAC and self.pi_damping:
             raise ConfigurationError(

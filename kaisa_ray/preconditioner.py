@@ -43,6 +43,7 @@ from kaisa_ray.curvature_updates import (
 )
 from kaisa_ray.enums import (
     AssignmentStrategy,
+    BasisUpdate,
     ComputeMethod,
     DistributedStrategy,
     FactorScale,
@@ -160,6 +161,10 @@ class KFACPreconditioner:
             place, and ``kl_clip`` is best None).
         adam_betas: the moments' decays (β₁, β₂) under 'adam-eigenbasis'.
         adam_eps: ε added to ``√v̂`` under 'adam-eigenbasis'.
+        basis_update: how a decomposition step after the first refreshes the bases under
+            'adam-eigenbasis' or 'ekfac': 'eigh' (an eigendecomposition of each factor) or
+            'power-qr' (one power iteration from the basis held and a QR factorisation, as
+            SOAP refreshes its bases: about half the cost; ``kaisa_ray.solvers.power_qr``).
         cuda_graphs: replay a step's preconditioning of the layers batched by shape from a
             CUDA graph (``kaisa_ray.graphs``): one launch where Python launched each product
             and check, at the cost of keeping two copies of those layers' gradients between
@@ -203,6 +208,7 @@ class KFACPreconditioner:
         scaling: Scaling | str = Scaling.KRONECKER,
         adam_betas: tuple[float, float] = (0.9, 0.95),
         adam_eps: float = 1e-8,
+        basis_update: BasisUpdate | str = BasisUpdate.EIGH,
         cuda_graphs: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -242,6 +248,7 @@ class KFACPreconditioner:
             scaling=scaling,
             adam_betas=adam_betas,
             adam_eps=adam_eps,
+            basis_update=basis_update,
             cuda_graphs=cuda_graphs,
         )
         self._build(model, options)
@@ -259,6 +266,7 @@ class KFACPreconditioner:
         self.scaling = options.scaling
         self.adam_betas = options.adam_betas
         self.adam_eps = options.adam_eps
+        self.basis_update = options.basis_update
         self.pi_damping = options.pi_damping
         self.factor_samples = options.factor_samples
         self.measures_staleness = options.measures_staleness

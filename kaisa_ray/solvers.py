@@ -1,7 +1,8 @@
 """K-FAC's robust solvers of one factor or a stack of factors: ``eigh`` and the damped
 inverse through Cholesky, each retried in float64 when float32 fails (``None`` when both do,
-and the caller keeps the previous decomposition), π-damping's ratio, and the finiteness
-checks that decide it without an element-wise temporary.
+and the caller keeps the previous decomposition), a basis refreshed by one power iteration
+and QR, π-damping's ratio, and the finiteness checks that decide it without an element-wise
+temporary.
 """
 
 from __future__ import annotations
@@ -34,6 +35,24 @@ def robust_eigh(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
         if all_finite(eigenvalues) and all_finite(eigenvectors):
             return eigenvalues.clamp(min=0.0), eigenvectors
     return None
+
+
+def power_qr(factors: torch.Tensor, bases: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of subspace iteration from ``bases`` (SOAP's refresh, Vyas et al. 2024): the
+    columns of ``Q`` sorted by their Rayleigh quotients ``qᵀFq`` (largest first), then
+    ``Q' = qr(F Q)`` with each column's sign that of ``F q`` (R's diagonal made positive),
+    so that a basis that is already ``F``'s comes back as itself, reordered. Returns
+    ``(quotients, Q')``: the sorted quotients, clamped at 0, stand in for the eigenvalues.
+    ``factors`` and ``bases`` are ``(..., d, d)`` stacks, computed in the working dtype."""
+    dtype = working_dtype(factors.dtype)
+    bases = bases.to(dtype)
+    product = factors.to(dtype) @ bases
+    quotients = (bases * product).sum(dim=-2)
+    order = quotients.argsort(dim=-1, descending=True)
+    product = product.gather(-1, order.unsqueeze(-2).expand_as(product))
+    q, r = torch.linalg.qr(product)
+    signs = torch.where(r.diagonal(dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(dtype)
+    return quotients.gather(-1, order).clamp(min=0.0), q * signs.unsqueeze(-2)
 
 
 def pi_ratio(a_diagonal: torch.Tensor, g_diagonal: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from pydantic import (
 )
 
 from kaisa_ray.enums import (
+    BasisUpdate,
     ComputeMethod,
     DistributedStrategy,
     FactorScale,
@@ -121,6 +122,19 @@ class KFACSpec(StrictModel):
             )
         ),
     ] = Scaling.KRONECKER
+    basis_update: Annotated[
+        BasisUpdate,
+        Field(
+            description=(
+                "How a decomposition step after the first refreshes the factors' eigenbases "
+                "under ``scaling: adam-eigenbasis`` or ``ekfac``: ``eigh``, an "
+                "eigendecomposition of each factor; ``power-qr``, one power iteration from "
+                "the basis held and a QR factorisation, as SOAP refreshes its bases (about "
+                "half the cost of ``eigh``). ``scaling: kronecker`` divides by the "
+                "eigenvalues and needs ``eigh``."
+            )
+        ),
+    ] = BasisUpdate.EIGH
     # K-FAC's own step: kaisa_ray.quadratic.QuadraticModelStep.
     update: Annotated[
         UpdateMode,
@@ -229,6 +243,7 @@ class KFACSpec(StrictModel):
             "factor_samples": self.factor_samples,
             "matmul_precision": self.matmul_precision,
             "scaling": self.scaling,
+            "basis_update": self.basis_update,
         }
 
     @property
@@ -262,6 +277,12 @@ class KFACSpec(StrictModel):
     @model_validator(mode="after")
     def _adam_eigenbasis_needs_the_bases(self) -> KFACSpec:
         if self.scaling is Scaling.KRONECKER:
+            if self.basis_update is BasisUpdate.POWER_QR:
+                raise ValueError(
+                    "basis_update: power-qr only estimates the eigenvalues that scaling: "
+                    "kronecker divides by: set scaling: adam-eigenbasis (or ekfac), or "
+                    "basis_update: eigh"
+                )
             return self
         if self.compute_method is not ComputeMethod.EIGEN:
             kept = "Adam's moments" if self.scaling is Scaling.ADAM_EIGENBASIS else "its diagonal"

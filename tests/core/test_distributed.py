@@ -30,6 +30,7 @@ from support.kfac_workers import (
 METHODS = ("eigen", "inverse")
 ADAM = "adam-eigenbasis"
 EKFAC = "ekfac"
+POWER_QR = "power-qr"
 MODELS = ("mlp", "cnn")
 STRATEGIES = {
     1: ("comm-opt", "mem-opt"),
@@ -56,6 +57,14 @@ EXTRAS: dict[int, list[dict[str, Any]]] = {
         {"model": "pooled", "method": "eigen", "strategy": "comm-opt", "scaling": ADAM},
         # EKFAC's diagonal, fitted on every rank from its examples and reduced with the factors.
         {"model": "pooled", "method": "eigen", "strategy": "comm-opt", "scaling": EKFAC},
+        # The bases refreshed by a power iteration from those the computing rank holds.
+        {
+            "model": "pooled",
+            "method": "eigen",
+            "strategy": "mem-opt",
+            "scaling": ADAM,
+            "basis_update": POWER_QR,
+        },
     ],
     4: [
         {"model": "mlp", "method": "eigen", "strategy": "comm-opt", "curvature": "natural"},
@@ -93,6 +102,22 @@ EXTRAS: dict[int, list[dict[str, Any]]] = {
             "curvature": "natural",
         },
         {"model": "pooled", "method": "eigen", "strategy": "hybrid-opt", "scaling": ADAM},
+        # ... each factor refreshed on its own rank of the layer's column.
+        {
+            "model": "pooled",
+            "method": "eigen",
+            "strategy": 0.5,
+            "scaling": ADAM,
+            "basis_update": POWER_QR,
+            "colocate": False,
+        },
+        {
+            "model": "pooled",
+            "method": "eigen",
+            "strategy": "comm-opt",
+            "scaling": EKFAC,
+            "basis_update": POWER_QR,
+        },
         # ... from the inputs kept for step(), upper triangles of the factors beside the
         # (unsymmetric) diagonal, in tiny buckets.
         {
@@ -120,11 +145,17 @@ def combos_for(world_size: int) -> list[dict[str, Any]]:
 
 @functools.cache
 def reference(
-    model: str, method: str, curvature: str = "reference", scaling: str | None = None
+    model: str,
+    method: str,
+    curvature: str = "reference",
+    scaling: str | None = None,
+    basis_update: str | None = None,
 ) -> list[torch.Tensor]:
     combo = {"model": model, "method": method, "strategy": "comm-opt", "curvature": curvature}
     if scaling is not None:
         combo["scaling"] = scaling
+    if basis_update is not None:
+        combo["basis_update"] = basis_update
     return reference_params(combo)
 
 
@@ -158,6 +189,7 @@ def test_strategies_equal_single_process_kfac(world_size: int) -> None:
             combo["method"],
             combo.get("curvature", "reference"),
             combo.get("scaling"),
+            combo.get("basis_update"),
         )
         assert_relative_close(results[0]["params"], expected)
 
@@ -233,15 +265,25 @@ def test_an_adaptive_schedule_resumes_bit_for_bit(tmp_path: Path) -> None:
     assert per_rank[0][0]["schedule"] == per_rank[1][0]["schedule"]
 
 
-@pytest.mark.parametrize(("scaling", "strategy"), [(ADAM, "mem-opt"), (EKFAC, "comm-opt")])
+@pytest.mark.parametrize(
+    ("scaling", "strategy", "basis_update"),
+    [(ADAM, "mem-opt", "eigh"), (EKFAC, "comm-opt", "eigh"), (ADAM, "comm-opt", POWER_QR)],
+)
 def test_state_in_the_eigenbasis_resumes_bit_for_bit(
-    tmp_path: Path, scaling: str, strategy: str
+    tmp_path: Path, scaling: str, strategy: str, basis_update: str
 ) -> None:
     """Adam's moments under MEM-OPT live on each layer's one gradient worker, EKFAC's
     diagonal under COMM-OPT on every rank; a checkpoint between two basis refreshes (whose
     state was rotated into the new bases) gathers them, and the resumed run goes on exactly
-    as the uninterrupted one."""
-    combo = {"model": "cnn", "method": "eigen", "strategy": strategy, "scaling": scaling}
+    as the uninterrupted one; so do bases refreshed by a power iteration from the ones the
+    checkpoint held."""
+    combo = {
+        "model": "cnn",
+        "method": "eigen",
+        "strategy": strategy,
+        "scaling": scaling,
+        "basis_update": basis_update,
+    }
     per_rank = run_distributed(
         resume_worker, 2, combo=combo, path=str(tmp_path / "kfac.pt"), split=13, timeout=300
     )

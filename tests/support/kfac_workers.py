@@ -113,6 +113,7 @@ def kfac_options(combo: dict[str, Any]) -> dict[str, Any]:
             {"scaling": combo["scaling"], "kl_clip": None} if _adam(combo) else {}
         )
         | ({"scaling": combo["scaling"]} if combo.get("scaling") == "ekfac" else {})
+        | ({"basis_update": combo["basis_update"]} if "basis_update" in combo else {})
     )
 
 
