@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from kaisa_ray.enums import ComputeMethod
+from kaisa_ray.enums import BasisUpdate, ComputeMethod
+from kaisa_ray.solvers import power_qr
 from tuner.cost import CubicFit, LinkFit
 
 DEFAULT_MESSAGE_BYTES = (4 * 2**10, 256 * 2**10, 4 * 2**20, 16 * 2**20)
@@ -115,14 +116,20 @@ def fit_decomposition(
     compute_method: str = ComputeMethod.EIGEN,
     dims: Sequence[int] = DEFAULT_DIMS,
     repeats: int = 3,
+    basis_update: str = BasisUpdate.EIGH,
 ) -> CubicFit:
-    """Seconds to decompose an ``n × n`` float32 factor (``eigh``, or a Cholesky inverse)."""
+    """Seconds to decompose an ``n × n`` float32 factor (``eigh``, or a Cholesky inverse), or
+    with ``basis_update='power-qr'`` to refresh its eigenbasis (what every decomposition
+    after the first costs then)."""
     generator = torch.Generator().manual_seed(0)
     seconds = []
     for n in dims:
         factor = _spd(n, device, generator)
+        basis = torch.linalg.eigh(factor)[1]
 
-        def decompose(f: torch.Tensor = factor) -> object:
+        def decompose(f: torch.Tensor = factor, q: torch.Tensor = basis) -> object:
+            if compute_method == ComputeMethod.EIGEN and basis_update == BasisUpdate.POWER_QR:
+                return power_qr(f, q)
             if compute_method == ComputeMethod.EIGEN:
                 return torch.linalg.eigh(f)
             return torch.cholesky_inverse(torch.linalg.cholesky(f))

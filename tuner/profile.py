@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray.amp import MixedPrecision, optimizer_step
 from kaisa_ray.assignment import LayerShape
-from kaisa_ray.enums import ComputeMethod, Scaling
+from kaisa_ray.enums import BasisUpdate, ComputeMethod, Scaling
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.registration import registered_layers
 from kaisa_ray.strategy import placeable_fractions
@@ -215,7 +215,13 @@ def profile_job(
     dims = tuple(d for d in DEFAULT_DIMS if d <= 2 * largest) or (32, 64)
     if len(dims) < 2:
         dims = (dims[0] // 2, dims[0])
-    decomposition = fit_decomposition(device, compute_method, dims=dims, repeats=2)
+    decomposition = fit_decomposition(
+        device,
+        compute_method,
+        dims=dims,
+        repeats=2,
+        basis_update=str(options.get("basis_update", BasisUpdate.EIGH)),
+    )
     allreduce, broadcast = time_collectives(device)
     contention = compute_contention(device)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from support.harness import run_distributed
 
@@ -30,6 +31,30 @@ def test_decomposition_fits_are_finite_and_non_negative() -> None:
         assert fit.c0 >= 0
         assert math.isfinite(fit.c3)
         assert fit.c3 >= 0
+
+
+def test_a_power_qr_jobs_decomposition_fit_times_the_refresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``basis_update='power-qr'`` the eigen method's fit times ``power_qr`` of a factor
+    from its basis (what each decomposition after the first runs), not ``eigh``."""
+    import tuner.measure
+
+    shapes: list[tuple[int, ...]] = []
+
+    def counted(factor: torch.Tensor, basis: torch.Tensor) -> object:
+        shapes.append(tuple(factor.shape))
+        return real(factor, basis)
+
+    real = tuner.measure.power_qr
+    monkeypatch.setattr(tuner.measure, "power_qr", counted)
+    fit = fit_decomposition(CPU, "eigen", dims=(16, 32), repeats=1, basis_update="power-qr")
+    assert {(16, 16), (32, 32)} <= set(shapes)
+    assert math.isfinite(fit.c3)
+    assert fit.c3 >= 0
+    shapes.clear()
+    fit_decomposition(CPU, "eigen", dims=(16, 32), repeats=1)
+    assert shapes == []
 
 
 def test_precondition_rate_is_positive() -> None:
