@@ -90,7 +90,7 @@ ADAM_EIGENBASIS_2_10 = "K-FAC (Adam eigenbasis, 2/10, 8 sequences)"
 # kfac.basis_update: power-qr, one power iteration from the basis held and a QR instead of
 # an eigh after the first), about half the decompositions' cost.
 ADAM_EIGENBASIS_4_QR = "K-FAC (Adam eigenbasis, 1/5, 4 sequences, power-QR)"
-FRESH_INTERVALS = {
+FRESH_INTERVALS: dict[str, dict[str, Any]] = {
     ADAM_EIGENBASIS_FRESH: {"factor_update_steps": 1, "inv_update_steps": 10},
     ADAM_EIGENBASIS_FRESHER: {"factor_update_steps": 1, "inv_update_steps": 5},
     ADAM_EIGENBASIS_SAMPLED: {"factor_update_steps": 1, "inv_update_steps": 5, "factor_samples": 8},
@@ -242,6 +242,111 @@ def summarize(study: Study, header: str) -> str:
     )
 
 
+FINE_EVERY = 10
+FINE_JSON = RESULTS / "transformer_fortunes_fine.json"
+FINE_ROWS = (
+    "AdamW",
+    "AdamW + K-FAC",
+    ADAM_EIGENBASIS_SAMPLED,
+    ADAM_EIGENBASIS_4,
+    "SOAP",
+    "Muon",
+    "PSGD Kron",
+)
+
+
+def crossing(run: Any, target: float = TARGET) -> float | None:
+    """Where a run's validation loss crossed ``target``, interpolated linearly in steps
+    between the two evaluations around it (None if it never did)."""
+    for (_, before, s0), (_, after, s1) in zip(run.curve, run.curve[1:], strict=False):
+        if before > target >= after:
+            return float(s0 + (before - target) / (before - after) * (s1 - s0))
+    return None
+
+
+def fine(args: argparse.Namespace) -> None:
+    """Steps to the target at a finer grain: every ``FINE_EVERY`` steps instead of 50 (where
+    one evaluation's step is a sixth of a 300-step run), the finals of ``FINE_ROWS`` (or
+    ``--optimizers``) at the lrs the main study tuned, 3 seeds; beside them, the main study's
+    steps and their crossings interpolated between its evaluations."""
+    coarse = Study.stored(args.json)
+    rows = (
+        [o for o in args.optimizers if o in FINE_ROWS]
+        if args.optimizers != list(GRIDS)
+        else list(FINE_ROWS)
+    )
+    lrs = {}
+    for optimizer in rows:
+        best = coarse.best("lm", optimizer)
+        if best is None:
+            raise SystemExit(f"{optimizer!r} has no tuned lr in {args.json}: tune it first")
+        lrs[optimizer] = best.step_size
+    if args.report:
+        study = Study.stored(FINE_JSON)
+    else:
+        started = datetime.datetime.now(datetime.UTC)
+        meta = {"commit": git_commit(), "machine": machine(), "started": started.isoformat()}
+
+        def fine_spec(optimizer: str, lr: float, seed: int, max_steps: int) -> dict[str, Any]:
+            return {**spec(optimizer, lr, seed, max_steps), "eval_every": FINE_EVERY}
+
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        with tempfile.TemporaryDirectory(prefix="kaisa-lm-") as storage:
+            study = Study(FINE_JSON, Path(storage), meta, resume=True)
+            for seed in SEEDS:
+                for optimizer in rows:
+                    study.measure(
+                        "lm", optimizer, lrs[optimizer], "final", seed, fine_spec, MAX_STEPS
+                    )
+        ray.shutdown()
+    table_rows = []
+    for optimizer in rows:
+        finals = study.finals("lm", optimizer)
+        wide = coarse.finals("lm", optimizer)
+        steps = [e.run.steps for e in finals]
+        crossed = [crossing(e.run) for e in wide]
+        table_rows.append(
+            [
+                optimizer,
+                f"lr {lrs[optimizer]:g}",
+                " / ".join("-" if s is None else str(s) for s in steps),
+                _median(steps),
+                " / ".join("-" if e.run.steps is None else str(e.run.steps) for e in wide),
+                " / ".join("-" if c is None else f"{c:.0f}" for c in crossed),
+            ]
+        )
+    meta = study.meta
+    header = (
+        f"Measured {meta['started'][:10]} at commit {meta['commit']} on {meta['machine']}; "
+        f"{WORKERS} Ray Train workers x {PER_WORKER} sequences, validation loss {TARGET} on the "
+        f"whole validation split evaluated every {FINE_EVERY} steps, each row at the lr the "
+        f"main study tuned, seeds {', '.join(map(str, SEEDS))}; beside it the main study's "
+        "finals (evaluated every 50 steps) and where their loss crossed the target, "
+        "interpolated between evaluations."
+    )
+    columns = [
+        "optimizer",
+        "lr",
+        f"steps, every {FINE_EVERY} (seeds)",
+        "median",
+        "steps, every 50 (seeds)",
+        "interpolated crossings (seeds)",
+    ]
+    text = table(header, columns, table_rows)
+    print(text)
+    if args.write:
+        write_block("transformer-fortunes-fine", text)
+
+
+def _median(values: list[int | None]) -> str:
+    found = median_or_none([float(v) for v in values if v is not None])
+    return (
+        "-"
+        if found is None or len(values) != sum(v is not None for v in values)
+        else f"{found:.0f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--resume", action="store_true", help="skip runs already in the JSON")
@@ -260,7 +365,16 @@ def main() -> None:
         "--report", action="store_true", help="run nothing: the table (and --write) from the JSON"
     )
     parser.add_argument("--json", type=Path, default=RESULTS / "transformer_fortunes.json")
+    parser.add_argument(
+        "--fine",
+        action="store_true",
+        help=f"the finals again, evaluated every {FINE_EVERY} steps, at the lrs --json tuned "
+        f"(into {FINE_JSON.name}; with --report, its table)",
+    )
     args = parser.parse_args()
+    if args.fine:
+        fine(args)
+        return
     grids = {o: GRIDS[o] for o in args.optimizers}
     seeds, max_steps = SEEDS, MAX_STEPS
     if args.quick:
