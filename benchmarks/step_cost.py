@@ -191,6 +191,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the transformer benchmark's finals instead of the study's",
     )
     parser.add_argument(
+        "--fine",
+        action="store_true",
+        help="with --transformer: the finals evaluated every 10 steps (transformer_fortunes.py "
+        "--fine) and their rows only",
+    )
+    parser.add_argument(
         "--no-compiled", dest="compiled", action="store_false", help="no compiled peer rows"
     )
     parser.add_argument("--write", action="store_true", help="store the table")
@@ -267,7 +273,8 @@ def transformer(args: argparse.Namespace) -> int:
     validation loss 2.0 in its median steps × the mean step in the same rounds."""
     import transformer_fortunes as lm
 
-    path = lm.RESULTS / "transformer_fortunes.json"
+    # --fine: the rows of the finals evaluated every 10 steps, their steps at that grain
+    path = lm.FINE_JSON if args.fine else lm.RESULTS / "transformer_fortunes.json"
     study = Study(path, Path(), {}, resume=True)
     points: Points = {}
     for name in lm.GRIDS:
