@@ -12,7 +12,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kaisa_ray.assignment import DType, PlannedLayer, itemsize
-from kaisa_ray.enums import AssignmentStrategy, ComputeMethod, Parallel, Scaling
+from kaisa_ray.enums import (
+    AssignmentStrategy,
+    ComputeMethod,
+    FactorReduction,
+    Parallel,
+    Scaling,
+)
 
 __all__ = [
     "STEP_SCALAR_BYTES",
@@ -99,6 +105,12 @@ class Options:
     staleness_probes: int = 0  # columns of each factor's staleness sketch; 0: not measured
     scaling: Scaling = Scaling.KRONECKER
     parallel: Parallel = Parallel.DDP
+    factor_reduction: FactorReduction = FactorReduction.EVERY_UPDATE
+
+    @property
+    def deferred(self) -> bool:
+        """The factors' running averages are all-reduced on decomposition steps only."""
+        return self.factor_reduction is FactorReduction.DEFERRED
 
     @property
     def bucket_cap_bytes(self) -> int:

@@ -152,6 +152,7 @@ class Communicator:
         # identity of the buckets' tuple, kept alive here).
         self._mine: dict[int, tuple[tuple[Bucket, ...], list[Bucket]]] = {}
         self._factor_buckets = self.mine(sched.factor_buckets)
+        self._agree_buckets = self.mine(sched.agree_buckets)
         self.decomposition_buckets = self.mine(sched.decomposition_buckets)
         self.gradient_buckets = self.mine(sched.gradient_buckets)
         self.staleness_buckets = self.mine(sched.staleness_buckets)
@@ -171,8 +172,59 @@ class Communicator:
         return found[1]
 
     def use_factor_buckets(self, sched: Schedule) -> None:
-        """The factor buckets of the coming step (before its forward pass)."""
+        """The factor buckets of the coming step (before its forward pass); with deferred
+        factor reduction, none (its factors are reduced when decomposed), and the agreement
+        to fold where the step folds factors."""
         self._factor_buckets = self.mine(sched.factor_buckets)
+        self._agree_buckets = self.mine(sched.agree_buckets)
+
+    # -- deferred factor reduction ---------------------------------------------------------
+
+    def agree(self, folds: bool) -> bool:
+        """Whether every rank folds this step's batch factors (``folds``: this rank's batch
+        factors and gradients are finite): one all-reduce of the count, so that the ranks'
+        running averages skip the same steps. This rank's answer where it has no agreement
+        to take part in (one rank, or factors reduced every update)."""
+        if not self._agree_buckets:
+            return folds
+        (bucket,) = self._agree_buckets
+        count = torch.tensor([1.0 if folds else 0.0], dtype=torch.float64, device=self.device)
+        in_flight: InFlight = [
+            (bucket, count, dist.all_reduce(count, group=self.group(bucket.group), async_op=True))
+        ]
+        for _ in completed(in_flight):
+            pass
+        return bool(count.item() == len(bucket.group))
+
+    def reduce_averages(
+        self,
+        buckets: Sequence[Bucket],
+        get: Callable[[str, str], torch.Tensor | None],
+        put: Callable[[str, str, torch.Tensor], None],
+    ) -> None:
+        """Average the running factors of ``buckets``' layers over their ranks (deferred
+        factor reduction, before a decomposition): ``get`` gives a layer's 'a' or 'g' (None:
+        zeros), ``put`` takes the average, unpacked."""
+        in_flight: InFlight = []
+        for bucket in buckets:
+            dtype = torch_dtype(bucket.dtype)
+            parts = []
+            for piece in bucket.pieces:
+                value = get(piece.layer, piece.part)
+                if value is None:
+                    parts.append(torch.zeros(piece.numel, dtype=dtype, device=self.device))
+                else:
+                    parts.append(pack(value, self.symmetric))
+            flat = torch.cat([p.to(dtype) for p in parts])
+            work = dist.all_reduce(flat, group=self.group(bucket.group), async_op=True)
+            in_flight.append((bucket, flat, work))
+            del work
+        for bucket, flat in completed(in_flight):
+            flat.div_(len(bucket.group))
+            offset = 0
+            for piece in bucket.pieces:
+                put(piece.layer, piece.part, flat[offset : offset + piece.numel])
+                offset += piece.numel
 
     # -- factor all-reduce -----------------------------------------------------------------
 

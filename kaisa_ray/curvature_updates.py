@@ -7,14 +7,14 @@ on a decomposition step, each layer's factors decomposed on the ranks the plan a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from kaisa_ray import batching
 from kaisa_ray.apply import finite_flags, param_grads
 from kaisa_ray.assignment import Assignment
-from kaisa_ray.comm import Communicator
+from kaisa_ray.comm import Communicator, unpack_into
 from kaisa_ray.eigenbasis import EKFACEigenbasis
 from kaisa_ray.kfac_layer import KFACLayer, fold_all
 from kaisa_ray.schedule import Schedule
@@ -55,11 +55,14 @@ def fold_factors(
     active: Sequence[KFACLayer],
     rows: RowExchange | None,
     factor_decay: float,
+    agree: Callable[[bool], bool] | None = None,
 ) -> tuple[bool, bool]:
     """Fold this step's (reduced) batch factors, and EKFAC's fitted diagonals in the bases
     this rank holds, into the running averages, unless a factor or a gradient is not finite.
     Returns whether every gradient is finite, and whether the averages skipped this step
-    (there were factors, and something was not finite)."""
+    (there were factors, and something was not finite). ``agree`` (deferred factor
+    reduction, where each rank folds its own batch factors): every rank's verdict from this
+    rank's (``Communicator.agree``), called on every factor step."""
     ready = [(layer, b) for layer in layers if (b := layer.batch_factors()) is not None]
     fitted = [
         (layer.decomposition, s)
@@ -70,9 +73,12 @@ def fold_factors(
     ]
     factors = [t for _, pair in ready for t in pair] + [s for _, s in fitted]
     grads_finite, factors_finite = all_finite(active, factors, rows)
+    folds = grads_finite and factors_finite
+    if agree is not None:
+        folds = agree(folds)
     if not ready:
         return grads_finite, False
-    if not (grads_finite and factors_finite):
+    if not folds:
         return grads_finite, True
     fold_all(ready, factor_decay)
     for decomposition, diagonal in fitted:
@@ -95,6 +101,9 @@ def update_decompositions(
     shape, at matmul precision 'highest'), then broadcast in the worker groups as ``schedule``
     (the step's restricted schedule) says; its gradient workers finish the new state."""
     by_name = {layer.name: layer for layer in layers}
+    if schedule.options.deferred:
+        with times.phase("communication"):
+            reduce_averages(by_name, comm, schedule)
     with times.phase("decompositions"), matmul_precision("highest"):
         work: list[tuple[KFACLayer, str, torch.Tensor, float | torch.Tensor]] = []
         for layer in layers:
@@ -127,3 +136,27 @@ def update_decompositions(
         for layer in layers:
             if layer.name in decompose and assignment.is_grad_worker(layer.name, rank):
                 layer.decomposition.finish(damping)
+
+
+def reduce_averages(by_name: Mapping[str, KFACLayer], comm: Communicator, sched: Schedule) -> None:
+    """Deferred factor reduction: the running factors of ``sched``'s factor buckets averaged
+    over the ranks in place, so that every rank holds what the reduction of every batch would
+    have given it (collective: every rank calls it with the same schedule)."""
+
+    def get(name: str, part: str) -> torch.Tensor | None:
+        layer = by_name[name]
+        return layer.a_factor if part == "a" else layer.g_factor
+
+    def put(name: str, part: str, flat: torch.Tensor) -> None:
+        layer = by_name[name]
+        k, dim = layer.helper.groups, layer.helper.a_dim if part == "a" else layer.helper.g_dim
+        held = get(name, part)
+        if held is None:
+            held = torch.empty((k, dim, dim), dtype=layer.factor_dtype, device=flat.device)
+            if part == "a":
+                layer.a_factor = held
+            else:
+                layer.g_factor = held
+        unpack_into(held, flat, comm.symmetric)
+
+    comm.reduce_averages(comm.mine(sched.factor_buckets), get, put)

@@ -26,6 +26,7 @@ from kaisa_ray.curvature_updates import (
     all_finite,
     fold_factors,
     matmul_precision,
+    reduce_averages,
     update_decompositions,
 )
 from kaisa_ray.enums import (
@@ -147,6 +148,7 @@ class KFACEngine:
                 staleness_probes=PROBES if self.measures_staleness else 0,
                 scaling=self.scaling,
                 parallel=Parallel.FSDP if sharded else Parallel.DDP,
+                factor_reduction=options.factor_reduction,
             ),
         )
         self.assignment = self.plan.assignment
@@ -360,7 +362,11 @@ class KFACEngine:
         if factor_step:
             with times.phase("factors"):
                 grads_finite, skipped = fold_factors(
-                    self._layers, active, self._rows, self.factor_decay
+                    self._layers,
+                    active,
+                    self._rows,
+                    self.factor_decay,
+                    self._comm.agree if self.plan.options.deferred else None,
                 )
             if skipped:
                 self.skipped_factor_updates += 1
@@ -482,6 +488,11 @@ class KFACEngine:
         this call gathers the rest and is collective: call it on every rank (any rank's
         result is the whole checkpoint).
         """
+        if self.plan.options.deferred and self.world_size > 1 and self._steps > 0:
+            # every rank's running factors averaged in place first, as a decomposition step
+            # would: the checkpoint holds what every rank holds then (collective)
+            with self.times.phase("communication"):
+                reduce_averages(self._by_name, self._comm, self.plan.schedule)
         layers = checkpoint.layer_states(
             self._layers,
             self.assignment,

@@ -139,6 +139,20 @@ class BasisUpdate(enum.StrEnum):
     POWER_QR = "power-qr"
 
 
+class FactorReduction(enum.StrEnum):
+    """When the factors are averaged over the ranks: ``every-update``, each factor-update
+    step's batch factors (KAISA's and the reference's); ``deferred``, each rank's running
+    average of its own batch factors, on decomposition steps only. The running average is
+    linear, so the average of the ranks' averages is the average of the averaged batches (up
+    to rounding): the factors every decomposition sees are the same, for
+    ``inv_update_steps / factor_update_steps`` times fewer factor all-reduces, plus a
+    one-number all-reduce each factor step that keeps every rank skipping the same
+    non-finite steps."""
+
+    EVERY_UPDATE = "every-update"
+    DEFERRED = "deferred"
+
+
 class EvalMetric(enum.StrEnum):
     """What an evaluation measures (the eval record's fields, a stop target's metric)."""
 

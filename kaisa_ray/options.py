@@ -21,6 +21,7 @@ from kaisa_ray.enums import (
     BasisUpdate,
     ComputeMethod,
     DistributedStrategy,
+    FactorReduction,
     FactorScale,
     KFACApprox,
     MatmulPrecision,
@@ -31,6 +32,7 @@ from kaisa_ray.enums import (
 from kaisa_ray.errors import ConfigurationError, user_stacklevel
 from kaisa_ray.hyperparams import Bounds, FloatParam, IntParam, check_param, resolve_int
 from kaisa_ray.intervals import AdaptiveIntervals
+from kaisa_ray.plan import Options, check_deferral
 
 DAMPING = Bounds(
     low=0.0,
@@ -99,6 +101,7 @@ class PreconditionerOptions:
     adam_betas: tuple[float, float] = ADAM_BETAS
     adam_eps: float = ADAM_EPS
     basis_update: BasisUpdate = BasisUpdate.EIGH
+    factor_reduction: FactorReduction = FactorReduction.EVERY_UPDATE
     cuda_graphs: bool = False
 
     @property
@@ -120,6 +123,7 @@ class PreconditionerOptions:
         matmul_precision: MatmulPrecision | str = MatmulPrecision.HIGH,
         scaling: Scaling | str = Scaling.KRONECKER,
         basis_update: BasisUpdate | str = BasisUpdate.EIGH,
+        factor_reduction: FactorReduction | str = FactorReduction.EVERY_UPDATE,
         **rest: Any,
     ) -> PreconditionerOptions:
         """The options, every argument checked (``ConfigurationError`` naming a bad one and
@@ -139,6 +143,7 @@ class PreconditionerOptions:
             matmul_precision=parse_enum(MatmulPrecision, matmul_precision, "matmul_precision"),
             scaling=parse_enum(Scaling, scaling, "scaling"),
             basis_update=parse_enum(BasisUpdate, basis_update, "basis_update"),
+            factor_reduction=parse_enum(FactorReduction, factor_reduction, "factor_reduction"),
             **rest,
         )
         options._check()
@@ -224,6 +229,14 @@ class PreconditionerOptions:
                 "only estimates the eigenvalues that scaling='kronecker' divides by: pass "
                 "scaling='adam-eigenbasis' or 'ekfac' (which keep their own scale in the "
                 "bases), or basis_update='eigh'."
+            )
+        if self.factor_reduction is FactorReduction.DEFERRED:
+            check_deferral(
+                Options(
+                    scaling=self.scaling,
+                    staleness_probes=1 if self.measures_staleness else 0,
+                    factor_reduction=self.factor_reduction,
+                )
             )
         if self.scaling is Scaling.EKFAC and self.pi_damping:
             raise ConfigurationError(

@@ -50,6 +50,7 @@ from kaisa_ray.enums import (
     AssignmentStrategy,
     ComputeMethod,
     DistributedStrategy,
+    FactorReduction,
     Parallel,
     Scaling,
     parse_enum,
@@ -137,6 +138,12 @@ class Plan:
         """FSDP2 under COMM-OPT: the all-gather of the gradient rows, on every step (every
         rank)."""
         return tuple(b.collective for b in self.schedule.gather_buckets)
+
+    @functools.cached_property
+    def agree_calls(self) -> tuple[Collective, ...]:
+        """Deferred factor reduction: whether every rank folds this factor step's batch
+        factors (every rank, on steps that fold factors)."""
+        return tuple(b.collective for b in self.schedule.agree_buckets)
 
     @functools.cached_property
     def finite_calls(self) -> tuple[Collective, ...]:
@@ -233,14 +240,18 @@ class Plan:
         row, column = divmod(rank, self.assignment.columns)
         gradients = self.row_calls(row) + self.clip_calls
         factors, finite = self.factor_calls, self.finite_calls
+        # deferred: the agreement on every factor step, the averages on decomposition steps
+        agree = self.agree_calls
+        batches = () if self.options.deferred else factors
         gathers = self.gather_calls + self.row_gather_calls(row) + self.column_gather_calls(column)
         return RankPlan(
             rank=rank,
             memory=self.column_memory(column),
             calls={
                 StepType.PLAIN: gathers + gradients,
-                StepType.FACTOR_UPDATE: factors + gathers + finite + gradients,
-                StepType.INVERSE_UPDATE: factors
+                StepType.FACTOR_UPDATE: agree + batches + gathers + finite + gradients,
+                StepType.INVERSE_UPDATE: agree
+                + factors
                 + gathers
                 + finite
                 + self.column_calls(column)
@@ -348,12 +359,14 @@ def _memory(every_rank: tuple[int, int], decompositions: int) -> dict[str, int]:
 
 def _calls(sched: Schedule, rank: int, *, staleness: bool, finite: bool) -> tuple[Collective, ...]:
     """One step's collectives on ``rank`` in the order the preconditioner issues them:
-    factors, FSDP2's gradient rows (and, in ``rows_mode``, whether they are finite where
-    ``finite``), decompositions, gradients (and ``rows_mode``'s clip sums), then (on steps
-    with decompositions) staleness. Of the gradient broadcasts (and ``rows_mode``'s gathers)
+    (deferred factor reduction: the agreement to fold) factors (deferred: the averages),
+    FSDP2's gradient rows (and, in ``rows_mode``, whether they are finite where ``finite``),
+    decompositions, gradients (and ``rows_mode``'s clip sums), then (on steps with
+    decompositions) staleness. Of the gradient broadcasts (and ``rows_mode``'s gathers)
     only its own row's can include it (no need to list every row's)."""
     row = rank // sched.assignment.columns
     buckets = [
+        *sched.agree_buckets,
         *sched.factor_buckets,
         *sched.gather_buckets,
         *sched.gather_buckets_of_row(row),
@@ -401,6 +414,7 @@ def plan(
     staleness_probes: int = 0,
     scaling: Scaling | str = Scaling.KRONECKER,
     parallel: Parallel | str = Parallel.DDP,
+    factor_reduction: FactorReduction | str = FactorReduction.EVERY_UPDATE,
 ) -> Plan:
     """Price a strategy: per-rank K-FAC memory and per-step collectives, exactly.
 
@@ -416,6 +430,8 @@ def plan(
             fitted diagonal, reduced with the factors).
         parallel: 'ddp' (whole parameters on every rank) or 'fsdp' (sharded by FSDP2's
             ``fully_shard``: each step also all-gathers the layers' gradient rows).
+        factor_reduction: as for ``KFACPreconditioner`` ('deferred': the factors' running
+            averages all-reduced on decomposition steps, one number on factor steps).
 
     Example:
         >>> from kaisa_ray.plan import plan
@@ -436,6 +452,7 @@ def plan(
         staleness_probes=staleness_probes,
         scaling=parse_enum(Scaling, scaling, "scaling"),
         parallel=parse_enum(Parallel, parallel, "parallel"),
+        factor_reduction=parse_enum(FactorReduction, factor_reduction, "factor_reduction"),
     )
     fraction = resolve_grad_worker_fraction(grad_worker_fraction, world_size)
     if not isinstance(model_or_layers, Sequence):  # a model (torch is loaded: it made one)
@@ -464,10 +481,30 @@ def check_placement(scaling: Scaling, world_size: int, fraction: float) -> None:
         )
 
 
+def check_deferral(options: Options) -> None:
+    """Refuse deferred factor reduction where something reads the factors between
+    decompositions or reduces more with them."""
+    if not options.deferred:
+        return
+    reason = None
+    if options.scaling is Scaling.EKFAC:
+        reason = "scaling='ekfac' reduces its fitted diagonal with the factors every factor step"
+    elif options.staleness_probes:
+        reason = "measured staleness compares the factors between decompositions"
+    elif options.parallel is Parallel.FSDP:
+        reason = "a model sharded by FSDP2 (fully_shard) is not supported with it yet"
+    if reason is not None:
+        raise ConfigurationError(
+            f"factor_reduction='deferred' averages the factors over the ranks only when they "
+            f"are decomposed, but {reason}: use factor_reduction='every-update'."
+        )
+
+
 def build_plan(
     layers: Sequence[PlannedLayer], world_size: int, fraction: float, options: Options
 ) -> Plan:
     check_placement(options.scaling, world_size, fraction)
+    check_deferral(options)
     grad_workers = round(fraction * world_size)
     assignment = assign(
         list(layers),

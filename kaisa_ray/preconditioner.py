@@ -32,6 +32,7 @@ from kaisa_ray.enums import (
     BasisUpdate,
     ComputeMethod,
     DistributedStrategy,
+    FactorReduction,
     FactorScale,
     KFACApprox,
     MatmulPrecision,
@@ -124,6 +125,12 @@ class KFACPreconditioner(KFACEngine):
             'adam-eigenbasis' or 'ekfac': 'eigh' (an eigendecomposition of each factor) or
             'power-qr' (one power iteration from the basis held and a QR factorisation, as
             SOAP refreshes its bases: about half the cost; ``kaisa_ray.solvers.power_qr``).
+        factor_reduction: 'every-update' (the reference's: each factor step's batch factors
+            are all-reduced) or 'deferred' (each rank folds its own batch factors, and the
+            running averages are all-reduced on decomposition steps only: the same factors at
+            every decomposition, up to rounding, for ``inv_update_steps /
+            factor_update_steps`` times fewer factor all-reduces; ``state_dict()`` is then
+            collective; not with 'ekfac', measured staleness or FSDP2).
         cuda_graphs: replay a step's preconditioning of the layers batched by shape from a
             CUDA graph (``kaisa_ray.graphs``): one launch where Python launched each product
             and check, at the cost of keeping two copies of those layers' gradients between
@@ -168,6 +175,7 @@ class KFACPreconditioner(KFACEngine):
         adam_betas: tuple[float, float] = (0.9, 0.95),
         adam_eps: float = 1e-8,
         basis_update: BasisUpdate | str = BasisUpdate.EIGH,
+        factor_reduction: FactorReduction | str = FactorReduction.EVERY_UPDATE,
         cuda_graphs: bool = False,
     ) -> None:
         require_module(model)
@@ -205,6 +213,7 @@ class KFACPreconditioner(KFACEngine):
             adam_betas=adam_betas,
             adam_eps=adam_eps,
             basis_update=basis_update,
+            factor_reduction=factor_reduction,
             cuda_graphs=cuda_graphs,
         )
         super().__init__(model, options)

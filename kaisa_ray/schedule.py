@@ -61,6 +61,10 @@ class Schedule:
     gather_columns: tuple[Bucket, ...] = ()
     finite_buckets: tuple[Bucket, ...] = ()
     clip_buckets: tuple[Bucket, ...] = ()
+    # ``factor_reduction='deferred'``: on each factor step, the all-reduce of how many ranks
+    # found their batch factors and gradients finite (every rank folds, or none does); the
+    # factor buckets then carry the running averages, on decomposition steps
+    agree_buckets: tuple[Bucket, ...] = ()
     layers: tuple[PlannedLayer, ...] = ()
     options: Options = field(default_factory=Options)
     _subsets: dict[tuple[frozenset[str], frozenset[str]], Schedule] = field(
@@ -107,7 +111,9 @@ class Schedule:
     ) -> Schedule:
         """The schedule of a step on which only these layers update their factors and their
         decompositions (per-layer intervals): the same bucketing over just those layers.
-        Every layer in both gives this schedule itself. Built once per pair of sets."""
+        Every layer in both gives this schedule itself. Built once per pair of sets. With
+        deferred factor reduction the factor buckets are the decomposed layers' (their running
+        averages), and the agreement is on every step that folds factors."""
         names = frozenset(layer.name for layer in self.layers)
         key = (frozenset(factor_layers), frozenset(decomposition_layers))
         if key == (names, names):
@@ -117,11 +123,12 @@ class Schedule:
             unknown = (key[0] | key[1]) - names
             if unknown:
                 raise ValueError(f"layers {sorted(unknown)} are not in this schedule")
+            reduced = key[1] if self.options.deferred else key[0]
             found = Schedule(
                 assignment=self.assignment,
                 factor_buckets=tuple(
                     _factor_buckets(
-                        [layer for layer in self.layers if layer.name in key[0]],
+                        [layer for layer in self.layers if layer.name in reduced],
                         self.assignment,
                         self.options,
                     )
@@ -140,6 +147,7 @@ class Schedule:
                 gather_columns=self.gather_columns,
                 finite_buckets=self.finite_buckets,
                 clip_buckets=self.clip_buckets,
+                agree_buckets=self.agree_buckets if key[0] else (),
                 layers=self.layers,
                 options=self.options,
             )
@@ -356,6 +364,18 @@ def schedule(layers: Sequence[PlannedLayer], assignment: Assignment, options: Op
             cap_bytes=options.bucket_cap_bytes,
         )
     finite, clip = _rows_reductions(layers, assignment, options)
+    agree: tuple[Bucket, ...] = ()
+    if options.deferred and assignment.world_size > 1:
+        agree = (
+            Bucket(
+                purpose=Purpose.FACTORS,
+                op="all_reduce",
+                group=all_ranks(assignment.world_size),
+                src=None,
+                dtype="float64",
+                pieces=(Piece(layer="", part="finite", numel=1),),
+            ),
+        )
     return Schedule(
         assignment=assignment,
         factor_buckets=tuple(_factor_buckets(layers, assignment, options)),
@@ -367,6 +387,7 @@ def schedule(layers: Sequence[PlannedLayer], assignment: Assignment, options: Op
         gather_columns=tuple(_gather_columns(layers, assignment, options)),
         finite_buckets=tuple(finite),
         clip_buckets=tuple(clip),
+        agree_buckets=agree,
         layers=tuple(layers),
         options=options,
     )

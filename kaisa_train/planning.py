@@ -31,6 +31,7 @@ import yaml
 
 from kaisa_ray.enums import (
     ComputeMethod,
+    FactorReduction,
     KFACApprox,
     OptimizerName,
     Parallel,
@@ -132,6 +133,8 @@ class PlanRequest:
     gpus_per_node: int | None = None  # None: the hardware's
     spec_strategy: float | str | None = None  # a JobSpec's own choice, marked in the report
     parallel: str = Parallel.DDP  # fsdp: sharded by FSDP2 (docs/fsdp.md)
+    # deferred: the factors all-reduced on decomposition steps only (kaisa_ray.enums)
+    factor_reduction: str = FactorReduction.EVERY_UPDATE
 
     def __post_init__(self) -> None:
         problems = []
@@ -192,6 +195,7 @@ def request_from_spec(
         gpus_per_node=gpus_per_node,
         spec_strategy=None if kfac.auto else kfac.strategy,
         parallel=spec.scaling.parallel,
+        factor_reduction=kfac.factor_reduction,
     )
 
 
@@ -307,6 +311,7 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
         job,
         accumulation_steps=request.accumulation_steps,
         sharded_over=world if sharded else 1,
+        factor_reduction=request.factor_reduction,
     )
     profile, basis = forecast_profile(job, hardware, world, gpus_per_node=request.gpus_per_node)
     topology = profile.topology
@@ -322,6 +327,7 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
             compute_method=job.compute_method,
             scaling=job.scaling,
             parallel=request.parallel,
+            factor_reduction=request.factor_reduction,
         )
         for fraction in placeable_fractions(world, job.scaling)
     ]

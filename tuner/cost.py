@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kaisa_ray.assignment import LayerShape
-from kaisa_ray.enums import ComputeMethod, Parallel, Scaling
+from kaisa_ray.enums import ComputeMethod, FactorReduction, Parallel, Scaling
 from kaisa_ray.intervals import LayerCost
 from kaisa_ray.plan import Plan, plan
 from kaisa_ray.schedule import STALENESS_PROBES as PROBES
@@ -133,6 +133,8 @@ class Profile:
     broadcast: LinkFit
     compute_method: str = ComputeMethod.EIGEN
     scaling: str = Scaling.KRONECKER  # what the eigen method's state holds besides its bases
+    # ``deferred``: the factors' all-reduce on decomposition steps only (kaisa_ray.enums)
+    factor_reduction: str = FactorReduction.EVERY_UPDATE
     # ``fsdp``: the model was sharded by FSDP2 when profiled (the base memory measured holds
     # its shards); every candidate's plan then moves the gradient rows (docs/fsdp.md)
     parallel: str = Parallel.DDP
@@ -231,6 +233,7 @@ def plan_of(profile: Profile, fraction: float, staleness: bool) -> Plan:
         staleness_probes=PROBES if staleness else 0,
         scaling=profile.scaling,
         parallel=profile.parallel,
+        factor_reduction=profile.factor_reduction,
     )
 
 

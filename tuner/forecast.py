@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, Parallel, Scaling
+from kaisa_ray.enums import ComputeMethod, FactorReduction, KFACApprox, Parallel, Scaling
 from kaisa_ray.plan import Plan, PlannedLayer
 from kaisa_ray.schedule import rows_mode
 from tuner.cost import LinkFit, Profile, precondition_flops
@@ -78,6 +78,8 @@ class Workload:
     matmul_precision: str = "high"
     kfac_approx: str = KFACApprox.EXPAND  # the convolutions' factors (``KFACApprox``)
     sequence_approx: str = KFACApprox.EXPAND  # Linear layers' tokens (``sequence_approx``)
+    # deferred: the factors all-reduced on decomposition steps only (kaisa_ray.enums)
+    factor_reduction: str = FactorReduction.EVERY_UPDATE
     # (``rows`` and ``moved`` are already the approximation's; this names it for a profile's
     # factor work measured per approximation)
     # Per layer: elements the A and G factors' extraction moves before their products (a
@@ -427,6 +429,7 @@ def forecast_profile(
         broadcast=link,
         compute_method=workload.compute_method,
         scaling=workload.scaling,
+        factor_reduction=workload.factor_reduction,
         parallel=Parallel.FSDP if workload.sharded_over > 1 else Parallel.DDP,
         topology=Topology.of(hardware, gpus_per_node),
         host_step_s=host_s,

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray.amp import MixedPrecision, optimizer_step
 from kaisa_ray.assignment import LayerShape
-from kaisa_ray.enums import BasisUpdate, ComputeMethod, Scaling
+from kaisa_ray.enums import BasisUpdate, ComputeMethod, FactorReduction, Scaling
 from kaisa_ray.preconditioner import KFACPreconditioner
 from kaisa_ray.registration import registered_layers
 from kaisa_ray.strategy import placeable_fractions
@@ -242,6 +242,7 @@ def profile_job(
         broadcast=broadcast,
         compute_method=compute_method,
         scaling=str(options.get("scaling", Scaling.KRONECKER)),
+        factor_reduction=str(options.get("factor_reduction", FactorReduction.EVERY_UPDATE)),
         parallel=str(parallel),
         contention=contention,
     )

@@ -24,6 +24,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from kaisa_ray.enums import (
+    FactorReduction,
     OptimizerName,
     Parallel,
     Precision,
@@ -175,6 +176,8 @@ class JobSpec(StrictModel):
              f"optimizer {self.optimizer.name}", "optimizer.name: sgd, adam or adamw"),
             (self.precision is Precision.FP16, "precision: fp16 (its GradScaler)",
              "precision: bf16 or fp32"),
+            (kfac is not None and kfac.factor_reduction is FactorReduction.DEFERRED,
+             "kfac.factor_reduction: deferred", "kfac.factor_reduction: every-update"),
         ]  # fmt: skip
         for refused, what, fix in problems:
             if refused:

@@ -16,6 +16,7 @@ from kaisa_ray.enums import (
     BasisUpdate,
     ComputeMethod,
     DistributedStrategy,
+    FactorReduction,
     FactorScale,
     KFACApprox,
     MatmulPrecision,
@@ -135,6 +136,20 @@ class KFACSpec(StrictModel):
             )
         ),
     ] = BasisUpdate.EIGH
+    factor_reduction: Annotated[
+        FactorReduction,
+        Field(
+            description=(
+                "When the workers' factors are averaged: ``every-update``, each factor "
+                "update's batch factors (KAISA's); ``deferred``, each worker's running "
+                "average of its own, on decomposition steps only: the same factors at every "
+                "decomposition, up to rounding, for inv_update_steps / factor_update_steps "
+                "times fewer factor all-reduces (and one number a factor update). Not with "
+                "``scaling: ekfac``, ``adapt``, ``measure_staleness`` or "
+                "``scaling.parallel: fsdp``."
+            )
+        ),
+    ] = FactorReduction.EVERY_UPDATE
     # K-FAC's own step: kaisa_ray.quadratic.QuadraticModelStep.
     update: Annotated[
         UpdateMode,
@@ -244,6 +259,7 @@ class KFACSpec(StrictModel):
             "matmul_precision": self.matmul_precision,
             "scaling": self.scaling,
             "basis_update": self.basis_update,
+            "factor_reduction": self.factor_reduction,
         }
 
     @property
@@ -301,6 +317,24 @@ class KFACSpec(StrictModel):
             raise ValueError(
                 "scaling: adam-eigenbasis gives Adam's direction, not the quadratic model's: "
                 "set update: optimizer, or scaling: kronecker for the quadratic-model step"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _deferral_needs_factors_read_only_when_decomposed(self) -> KFACSpec:
+        if self.factor_reduction is not FactorReduction.DEFERRED:
+            return self
+        reads = (
+            "scaling: ekfac (its diagonal is reduced every factor update)"
+            if self.scaling is Scaling.EKFAC
+            else "adapt or measure_staleness (they compare the factors between decompositions)"
+            if self.adaptive or self.measure_staleness
+            else None
+        )
+        if reads is not None:
+            raise ValueError(
+                f"factor_reduction: deferred averages the factors only when they are "
+                f"decomposed, which {reads} cannot use: set factor_reduction: every-update"
             )
         return self
 

@@ -22,6 +22,7 @@ from support.harness import run_distributed
 from support.kfac_workers import (
     STEPS,
     checkpoint_worker,
+    deferred_skip_worker,
     equivalence_worker,
     reference_params,
     resume_worker,
@@ -31,6 +32,7 @@ METHODS = ("eigen", "inverse")
 ADAM = "adam-eigenbasis"
 EKFAC = "ekfac"
 POWER_QR = "power-qr"
+DEFERRED = "deferred"
 MODELS = ("mlp", "cnn")
 STRATEGIES = {
     1: ("comm-opt", "mem-opt"),
@@ -57,6 +59,15 @@ EXTRAS: dict[int, list[dict[str, Any]]] = {
         {"model": "pooled", "method": "eigen", "strategy": "comm-opt", "scaling": ADAM},
         # EKFAC's diagonal, fitted on every rank from its examples and reduced with the factors.
         {"model": "pooled", "method": "eigen", "strategy": "comm-opt", "scaling": EKFAC},
+        # Each rank's running factors, averaged over the ranks only before decompositions.
+        {"model": "cnn", "method": "eigen", "strategy": "comm-opt", "deferral": DEFERRED},
+        {
+            "model": "cnn",
+            "method": "inverse",
+            "strategy": "mem-opt",
+            "curvature": "natural",
+            "deferral": DEFERRED,
+        },
         # The bases refreshed by a power iteration from those the computing rank holds.
         {
             "model": "pooled",
@@ -102,6 +113,14 @@ EXTRAS: dict[int, list[dict[str, Any]]] = {
             "curvature": "natural",
         },
         {"model": "pooled", "method": "eigen", "strategy": "hybrid-opt", "scaling": ADAM},
+        {
+            "model": "mlp",
+            "method": "eigen",
+            "strategy": "hybrid-opt",
+            "deferral": DEFERRED,
+            "symmetry_aware": True,
+            "bucket_mb": 0.001,
+        },
         # ... each factor refreshed on its own rank of the layer's column.
         {
             "model": "pooled",
@@ -290,6 +309,36 @@ def test_state_in_the_eigenbasis_resumes_bit_for_bit(
     for uninterrupted, resumed in per_rank:
         for a, b in zip(uninterrupted["params"], resumed["params"], strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("strategy", ["comm-opt", "mem-opt"])
+def test_deferred_factor_reduction_resumes_bit_for_bit(tmp_path: Path, strategy: str) -> None:
+    """A checkpoint between two decompositions averages every rank's running factors in place
+    (collective), so the resumed run and the uninterrupted one, which saved it, go on alike."""
+    combo = {"model": "cnn", "method": "eigen", "strategy": strategy, "deferral": DEFERRED}
+    per_rank = run_distributed(
+        resume_worker, 2, combo=combo, path=str(tmp_path / "kfac.pt"), split=9, timeout=300
+    )
+    for uninterrupted, resumed in per_rank:
+        for a, b in zip(uninterrupted["params"], resumed["params"], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_deferred_reduction_skips_a_step_on_every_rank_when_one_ranks_factors_are_not_finite() -> (
+    None
+):
+    """Each rank folds its own batch factors, so a batch factor that is not finite on one rank
+    alone must make every rank skip that step (one all-reduce of the verdict): the ranks'
+    averages then still average to the single process's, and their parameters agree."""
+    combo = {"model": "cnn", "method": "inverse", "strategy": "comm-opt", "deferral": DEFERRED}
+    per_rank = run_distributed(deferred_skip_worker, 2, combo=combo, timeout=300)
+    assert [result["skipped"] for result in per_rank] == [1, 1]
+    assert per_rank[0]["weights"] == per_rank[1]["weights"]
+    for a, b in zip(per_rank[0]["params"], per_rank[1]["params"], strict=True):
+        assert torch.equal(a, b)
+        assert bool(torch.isfinite(a).all())
+    for factor in per_rank[0]["factors"] + per_rank[1]["factors"]:
+        assert bool(torch.isfinite(factor).all())
 
 
 def test_a_child_failure_is_reported_not_swallowed() -> None:

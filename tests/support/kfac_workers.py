@@ -114,6 +114,7 @@ def kfac_options(combo: dict[str, Any]) -> dict[str, Any]:
         )
         | ({"scaling": combo["scaling"]} if combo.get("scaling") == "ekfac" else {})
         | ({"basis_update": combo["basis_update"]} if "basis_update" in combo else {})
+        | ({"factor_reduction": combo["deferral"]} if "deferral" in combo else {})
     )
 
 
@@ -448,3 +449,33 @@ def resume_worker(
             }
         )
     return outcomes
+
+
+def deferred_skip_worker(rank: int, world_size: int, combo: dict[str, Any]) -> dict[str, Any]:
+    """Deferred factor reduction where one rank's batch factor is not finite on one factor
+    step (its gradients finite, as DDP's averaged ones are): what each rank skipped, and its
+    parameters and running factors at the end."""
+    from kaisa_ray.kfac_layer import KFACLayer
+
+    model, wrapped, preconditioner, optimizer = make(combo, distributed=True)
+    real = KFACLayer.batch_factors
+    poisoned_step = 2 * FACTOR_EVERY  # a factor step, not a decomposition step
+
+    def batch_factors(layer: KFACLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
+        found = real(layer)
+        if found is not None and rank == 1 and preconditioner.steps == poisoned_step:
+            found[0].fill_(float("nan"))
+        return found
+
+    KFACLayer.batch_factors = batch_factors  # type: ignore[method-assign]
+    try:
+        train_steps(wrapped, model, preconditioner, optimizer, range(STEPS), rank, world_size,
+                    average_by_hand=False)  # fmt: skip
+    finally:
+        KFACLayer.batch_factors = real  # type: ignore[method-assign]
+    return {
+        "skipped": preconditioner.skipped_factor_updates,
+        "params": [p.detach().clone() for p in model.parameters()],
+        "factors": [layer.factors()[0].clone() for layer in preconditioner.layers],
+        "weights": [layer.average_weight for layer in preconditioner.layers],
+    }
