@@ -88,6 +88,10 @@ class Plan:
       broadcasts (``column_calls``), its row's gradient broadcasts, the staleness all-reduce
       (``staleness_calls``).
 
+    With ``factor_reduction='deferred'`` a factor update's factor all-reduces are replaced by
+    one number (``agree_calls``, first on every step that folds factors), and the factor
+    all-reduces (of the running averages) are made on inverse updates only.
+
     So a plan of 65,536 ranks is not 65,536 objects: ``ranks`` builds a rank's plan when asked
     for it, and ``representatives`` names the few ranks that stand for all the others.
     """

@@ -11,7 +11,14 @@ from typing import Any
 import click
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from kaisa_ray.enums import ComputeMethod, KFACApprox, OptimizerName, Parallel, Precision
+from kaisa_ray.enums import (
+    ComputeMethod,
+    FactorReduction,
+    KFACApprox,
+    OptimizerName,
+    Parallel,
+    Precision,
+)
 from kaisa_ray.errors import ConfigurationError
 from kaisa_train.planning import (
     PlanRequest,
@@ -143,6 +150,11 @@ def render_plan(report: dict[str, Any]) -> str:
             ]
         )
     lines += _table(rows, right={2, 3, 4, 5})
+    if inputs.get("factor_reduction") == FactorReduction.DEFERRED:
+        lines.append(
+            "factor_reduction: deferred: the factor all-reduces run on inverse updates only (the "
+            "running averages), and each factor update all-reduces one 8-byte number"
+        )
     if inputs.get("parallel") == Parallel.FSDP:
         gathers = {calls(s["collectives"]["gradient_rows"]) for s in report["strategies"]}
         lines.append(

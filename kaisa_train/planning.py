@@ -407,7 +407,7 @@ def _changes(table: Sequence[Candidate], profile: Profile, world: int) -> list[d
 
 def _inputs(request: PlanRequest, hardware: Hardware, job: Workload, topology: Topology) -> Any:
     planning = PLANNING.get(request.model)
-    return {
+    found: dict[str, Any] = {
         "model": request.model,
         "params": dict(request.params),
         "batch_size": request.batch_size,
@@ -432,7 +432,12 @@ def _inputs(request: PlanRequest, hardware: Hardware, job: Workload, topology: T
         "skip_layers_source": planning.skip_source if planning else "",
         "intervals": [list(pair) for pair in request.intervals],
         "spec_strategy": request.spec_strategy,
-    } | ({"parallel": str(Parallel.FSDP)} if Parallel(request.parallel) is Parallel.FSDP else {})
+    }
+    if Parallel(request.parallel) is Parallel.FSDP:
+        found["parallel"] = str(Parallel.FSDP)
+    if FactorReduction(request.factor_reduction) is FactorReduction.DEFERRED:
+        found["factor_reduction"] = str(FactorReduction.DEFERRED)
+    return found
 
 
 def _model(job: Workload) -> dict[str, Any]:

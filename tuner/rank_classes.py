@@ -107,6 +107,10 @@ class RankClasses:
             self.row_class.append(by_prices[key])
 
         factors = self._prices(strategy.factor_calls)
+        # deferred factor reduction: one number on every factor step, the factors (their
+        # running averages) on decomposition steps only
+        agree = self._prices(strategy.agree_calls)
+        batches = [] if strategy.options.deferred else factors
         # FSDP2's gradient rows, every step: COMM-OPT's all-gather, or the clip's sums over
         # the ranks' rows (and, on factor steps, whether they are finite)
         gathers = self._prices(strategy.gather_calls + strategy.clip_calls)
@@ -122,8 +126,8 @@ class RankClasses:
             for row_class, gradients in enumerate(self.row_prices):
                 self.communication[column, row_class] = (
                     sum(every + gradients),
-                    sum(factors + every + finite + gradients),
-                    sum(factors + every + finite + decompositions + gradients + staleness),
+                    sum(agree + batches + every + finite + gradients),
+                    sum(agree + factors + every + finite + decompositions + gradients + staleness),
                 )
         self.candidates = self._lowest_of_each_class()
 

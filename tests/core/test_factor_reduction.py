@@ -16,7 +16,7 @@ from kaisa_ray.assignment import LayerShape
 from kaisa_ray.buckets import Purpose, StepType
 from kaisa_ray.errors import ConfigurationError
 from kaisa_ray.plan import plan
-from kaisa_train.planning import request_from_spec
+from kaisa_train.planning import PlanRequest, plan_job, request_from_spec
 from kaisa_train.spec import KFACSpec, parse_job_spec
 
 LAYERS = [
@@ -120,3 +120,31 @@ def test_the_job_spec_field_its_refusals_and_its_plan() -> None:
     sharded = {**job, "scaling": {"workers": 2, "parallel": "fsdp"}}
     with pytest.raises(ValueError, match=r"kfac\.factor_reduction: deferred yet: set kfac\.factor"):
         parse_job_spec(sharded)
+
+
+def test_kaisa_ray_plan_prices_the_deferred_all_reduce_on_inverse_updates_only() -> None:
+    """The forecast a team reads: at 10/100 on 64 GPUs every strategy's communication a step
+    falls (its factor all-reduces priced once an inverse update instead of once a factor
+    update), nothing else changes, and the report says which reduction it priced."""
+    reports = {
+        mode: plan_job(
+            PlanRequest(
+                model="resnet50",
+                batch_size=32,
+                workers=64,
+                hardware="a100-80gb-hdr",
+                intervals=((10, 100),),
+                factor_reduction=mode,
+            )
+        ).to_json()
+        for mode in ("every-update", "deferred")
+    }
+    every, deferred = reports["every-update"], reports["deferred"]
+    assert deferred["inputs"]["factor_reduction"] == "deferred"
+    assert "factor_reduction" not in every["inputs"]
+    for ours, theirs in zip(deferred["strategies"], every["strategies"], strict=True):
+        assert ours["memory"] == theirs["memory"]
+        (mine,), (reference,) = ours["candidates"], theirs["candidates"]
+        assert mine["parts_s"]["communication"] < reference["parts_s"]["communication"]
+        for part in ("factors", "decompositions", "precondition"):
+            assert mine["parts_s"][part] == reference["parts_s"][part]
