@@ -486,7 +486,8 @@ class KFACEngine:
         The result is complete and portable: it loads under any world size and strategy.
         When ``grad_worker_fraction < 1`` each rank holds only some layers' decompositions, so
         this call gathers the rest and is collective: call it on every rank (any rank's
-        result is the whole checkpoint).
+        result is the whole checkpoint). With ``factor_reduction='deferred'`` it is collective
+        too: every rank's running factors are averaged in place first.
         """
         if self.plan.options.deferred and self.world_size > 1 and self._steps > 0:
             # every rank's running factors averaged in place first, as a decomposition step
