@@ -249,7 +249,7 @@ class GradientLayout:
                 helper = layer.helper
                 weight = helper.weight()
                 columns = weight.numel() // (k * g)
-                view = member[index, :, :, :columns].view(weight.shape)
+                view = helper.matrix_as_weight(member[index, :, :, :columns])
                 self.params.append((helper, False, _span_of(arena, view)))
                 bias = helper.bias()
                 if bias is not None:

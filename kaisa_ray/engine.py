@@ -41,6 +41,7 @@ from kaisa_ray.hyperparams import (
 )
 from kaisa_ray.intervals import IntervalChange, IntervalSchedule
 from kaisa_ray.kfac_layer import KFACLayer
+from kaisa_ray.layers import EmbeddingHelper
 from kaisa_ray.options import (
     DAMPING,
     FACTOR_DECAY,
@@ -120,6 +121,7 @@ class KFACEngine:
             sequence_approx=self.sequence_approx,
             factor_dtype=options.factor_dtype,
             inv_dtype=options.inv_dtype,
+            embeddings=options.embeddings,
         )
         if not found:
             raise ConfigurationError(
@@ -134,6 +136,13 @@ class KFACEngine:
 
         # FSDP2 (checked now: a sharding K-FAC cannot take is refused before the first step)
         sharded = sharded_layers(((reg.name, reg.module) for reg in found), self.world_size)
+        embedded = [reg.name for reg in found if isinstance(reg.helper, EmbeddingHelper)]
+        if sharded and embedded:
+            raise ConfigurationError(
+                f"embeddings=True with FSDP2: the embeddings {', '.join(embedded)} are sharded "
+                "by rows of the vocabulary, which K-FAC does not take; leave embeddings off "
+                "(they go to the optimizer) or skip them (skip_layers)."
+            )
         self.plan: Plan = build_plan(
             [reg.planned() for reg in found],
             self.world_size,

@@ -27,13 +27,20 @@ from kaisa_ray.decomposition import (
 from kaisa_ray.eigenbasis import AdamEigenbasis, EKFACEigenbasis
 from kaisa_ray.ekfac import fitted_diagonal
 from kaisa_ray.enums import BasisUpdate, ComputeMethod, FactorScale, RunningAverage, Scaling
-from kaisa_ray.layers import LayerHelper
+from kaisa_ray.layers import EmbeddingHelper, LayerHelper
 from kaisa_ray.solvers import pi_ratio
 from kaisa_ray.staleness import relative_change, sketch
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype``; indices (an embedding's input) as they are, to be counted."""
+    if tensor.dtype == dtype or not tensor.is_floating_point():
+        return tensor
+    return tensor.to(dtype)
 
 
 class BatchFactor:
@@ -134,6 +141,8 @@ class KFACLayer:
         self.name = name
         self.helper = helper
         self.factor_dtype = factor_dtype
+        if isinstance(helper, EmbeddingHelper):  # its A factor counts indices in this dtype
+            helper.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
         self.running_average = running_average
         self.fisher = factor_scale is FactorScale.FISHER
@@ -188,8 +197,7 @@ class KFACLayer:
     def _in_factor_dtype(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``'s first ``factor_samples`` examples in the factors' dtype (no operation
         where nothing changes: the hooks run under ``no_grad``, so nothing is recorded)."""
-        tensor = self._sampled(tensor)
-        return tensor if tensor.dtype == self.factor_dtype else tensor.to(self.factor_dtype)
+        return _in_dtype(self._sampled(tensor), self.factor_dtype)
 
     def add_input(self, inputs: torch.Tensor) -> None:
         """Add the A factor of a layer's input (under ``no_grad``, as the hooks call it)."""
@@ -261,7 +269,9 @@ class KFACLayer:
     def factor_saved(self, divisor: float) -> None:
         """Turn the tensors kept by the hooks into batch factors (update_factors_in_hook off)."""
         for inputs in self._saved_inputs:
-            self.helper.a_factor(inputs.to(self.factor_dtype), self.fisher, into=self.a_batch)
+            self.helper.a_factor(
+                _in_dtype(inputs, self.factor_dtype), self.fisher, into=self.a_batch
+            )
         for grad_output, examples in self._saved_grad_outputs:
             scale = self._g_scale(examples, divisor)
             g = grad_output.to(self.factor_dtype)

@@ -161,6 +161,16 @@ class LayerHelper(ABC):
         bias = getattr(self.module, "bias", None)
         return bias if isinstance(bias, torch.Tensor) else None
 
+    def weight_as_matrix(self, weight: torch.Tensor, k: int, g: int) -> torch.Tensor:
+        """A tensor laid out as the weight (its gradient, or a sharded rank's rows of it) as
+        the view ``(k, g, columns)`` that ``grad_out_by_in`` holds without the bias column."""
+        return weight.view(k, g, -1)
+
+    def matrix_as_weight(self, matrix: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``weight_as_matrix``: a ``(k, g_dim, columns)`` view laid out as
+        the weight."""
+        return matrix.view(self.weight().shape)
+
     def weight_grad(self) -> torch.Tensor | None:
         """The weight's gradient (whole, also where the parameter is sharded)."""
         return self.weight().grad if self.whole is None else self.whole[0]
@@ -420,15 +430,91 @@ class Conv2dHelper(LayerHelper):
         return f"Conv2d({m.in_channels}->{m.out_channels}, {m.kernel_size}{extra})"
 
 
+class EmbeddingHelper(LinearHelper):
+    """``nn.Embedding`` as the Linear layer of one-hot inputs it is: a row for every index of
+    its input (every token, always expanded), ``A = E[e_i e_iᵀ]`` the diagonal of the indices'
+    frequencies (formed by counting, not by a product) and ``G`` the output gradients' as a
+    Linear layer's. The weight is ``(num_embeddings, embedding_dim)``, the transpose of a
+    Linear layer's ``(out, in)``, so ``grad_out_by_in`` is its gradient transposed.
+
+    The input's leading dimension is its examples (``factor_samples`` takes the first ones): a
+    layer called with an index shared by the batch (positions from ``arange`` without a batch
+    dimension) has the batch's summed gradient for every row; skip it (``skip_layers``) where
+    that is not wanted. The A factor is dense, ``num_embeddings`` wide."""
+
+    module: nn.Embedding  # type: ignore[assignment]
+
+    def __init__(self, module: nn.Embedding) -> None:
+        LayerHelper.__init__(self, module)
+        self.approx = KFACApprox.EXPAND
+        # the A factor's dtype (the layer's factor dtype, set by ``KFACLayer``): the input is
+        # indices, which are counted, not cast
+        self.factor_dtype = torch.promote_types(module.weight.dtype, torch.float32)
+
+    @property
+    def has_bias(self) -> bool:
+        return False
+
+    @property
+    def a_dim(self) -> int:
+        return self.module.num_embeddings
+
+    @property
+    def g_dim(self) -> int:
+        return self.module.embedding_dim
+
+    def input_rows(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The one-hot rows ``(n, num_embeddings)`` of every index (EKFAC's diagonal)."""
+        return F.one_hot(inputs.reshape(-1).long(), self.a_dim).to(self.factor_dtype)
+
+    def a_factor(
+        self, inputs: torch.Tensor, fisher: bool = False, into: Accumulator | None = None
+    ) -> torch.Tensor:
+        ids = inputs.reshape(-1).long()
+        counts = torch.bincount(ids, minlength=self.a_dim).to(self.factor_dtype)
+        factor = torch.diag_embed(counts.div_(max(1, ids.numel()))).unsqueeze(0)
+        if into is not None:
+            into.add(factor)
+        return factor
+
+    def weight_as_matrix(self, weight: torch.Tensor, k: int = 1, g: int = 0) -> torch.Tensor:
+        return weight.t().unsqueeze(0)  # (one group, embedding_dim, num_embeddings)
+
+    def matrix_as_weight(self, matrix: torch.Tensor) -> torch.Tensor:
+        return matrix[0].t()
+
+    def grad(self) -> torch.Tensor:
+        weight_grad = self.weight_grad()
+        if weight_grad is None:
+            raise RuntimeError(f"{self.describe()} has no gradient; call backward() first.")
+        return self.weight_as_matrix(weight_grad)
+
+    def set_grad(self, grad_out_by_in: torch.Tensor) -> None:
+        weight_grad = self.weight_grad()
+        if weight_grad is None:
+            raise RuntimeError(f"{self.describe()} has no gradient to replace.")
+        self.weight_as_matrix(weight_grad).copy_(grad_out_by_in)
+
+    def describe(self) -> str:
+        m = self.module
+        return f"Embedding({m.num_embeddings}, {m.embedding_dim})"
+
+
 def make_helper(
-    module: nn.Module, approx: KFACApprox, sequence_approx: KFACApprox = KFACApprox.EXPAND
+    module: nn.Module,
+    approx: KFACApprox,
+    sequence_approx: KFACApprox = KFACApprox.EXPAND,
+    embeddings: bool = False,
 ) -> LayerHelper | None:
     """The helper for a supported module, or ``None`` if K-FAC leaves it to the optimizer:
-    ``approx`` for a convolution's positions, ``sequence_approx`` for a Linear layer's."""
+    ``approx`` for a convolution's positions, ``sequence_approx`` for a Linear layer's;
+    ``nn.Embedding`` only with ``embeddings``."""
     if isinstance(module, nn.Conv2d):
         return Conv2dHelper(module, approx)
     if isinstance(module, nn.Linear):
         return LinearHelper(module, sequence_approx)
+    if embeddings and isinstance(module, nn.Embedding):
+        return EmbeddingHelper(module)
     return None
 
 
@@ -440,6 +526,7 @@ def describe_shapes(helper: LayerHelper) -> str:
 
 __all__ = [
     "Conv2dHelper",
+    "EmbeddingHelper",
     "LayerHelper",
     "LinearHelper",
     "describe_shapes",

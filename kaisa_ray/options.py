@@ -103,6 +103,7 @@ class PreconditionerOptions:
     basis_update: BasisUpdate = BasisUpdate.EIGH
     factor_reduction: FactorReduction = FactorReduction.EVERY_UPDATE
     cuda_graphs: bool = False
+    embeddings: bool = False
 
     @property
     def measures_staleness(self) -> bool:
@@ -182,7 +183,7 @@ class PreconditionerOptions:
                 f"factor_samples={samples!r} must be a positive integer (the examples "
                 "of each batch the factors are built from), or None to use every example."
             )
-        for name in ("pi_damping", "cuda_graphs"):
+        for name in ("pi_damping", "cuda_graphs", "embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name}={getattr(self, name)!r} must be True or False.")
         if not self.allreduce_bucket_cap_mb > 0:

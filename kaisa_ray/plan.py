@@ -415,6 +415,7 @@ def plan(
     colocate_factors: bool = True,
     allreduce_bucket_cap_mb: float = 25.0,
     skip_layers: Iterable[str] | str | None = None,
+    embeddings: bool = False,
     staleness_probes: int = 0,
     scaling: Scaling | str = Scaling.KRONECKER,
     parallel: Parallel | str = Parallel.DDP,
@@ -424,7 +425,7 @@ def plan(
 
     Args:
         model_or_layers: a model (its layers are found as the preconditioner would, with
-            ``skip_layers``) or a list of ``LayerShape``/``PlannedLayer``.
+            ``skip_layers`` and ``embeddings``) or a list of ``LayerShape``/``PlannedLayer``.
         world_size: number of ranks.
         grad_worker_fraction: as for ``KFACPreconditioner``.
         staleness_probes: columns of each factor's staleness sketch when the preconditioner
@@ -460,7 +461,7 @@ def plan(
     )
     fraction = resolve_grad_worker_fraction(grad_worker_fraction, world_size)
     if not isinstance(model_or_layers, Sequence):  # a model (torch is loaded: it made one)
-        layers = layer_shapes(model_or_layers, skip_layers=skip_layers)
+        layers = layer_shapes(model_or_layers, skip_layers=skip_layers, embeddings=embeddings)
     else:
         layers = [
             layer

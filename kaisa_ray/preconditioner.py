@@ -136,6 +136,11 @@ class KFACPreconditioner(KFACEngine):
             and check, at the cost of keeping two copies of those layers' gradients between
             steps. CUDA only; a step whose layers are not all batched, or that receives
             preconditioned gradients from other ranks, runs as without it.
+        embeddings: also precondition ``nn.Embedding`` layers, as Linear layers of one-hot
+            inputs (``kaisa_ray.layers.EmbeddingHelper``): A is the diagonal of the indices'
+            frequencies, dense and ``num_embeddings`` wide, so leave it off for a large
+            vocabulary. The input's first dimension must be its examples: skip an embedding
+            called with an index shared by the batch (positions from ``arange``).
     """
 
     def __init__(
@@ -177,6 +182,7 @@ class KFACPreconditioner(KFACEngine):
         basis_update: BasisUpdate | str = BasisUpdate.EIGH,
         factor_reduction: FactorReduction | str = FactorReduction.EVERY_UPDATE,
         cuda_graphs: bool = False,
+        embeddings: bool = False,
     ) -> None:
         require_module(model)
         options = PreconditionerOptions.checked(
@@ -215,5 +221,6 @@ class KFACPreconditioner(KFACEngine):
             basis_update=basis_update,
             factor_reduction=factor_reduction,
             cuda_graphs=cuda_graphs,
+            embeddings=embeddings,
         )
         super().__init__(model, options)

@@ -102,6 +102,8 @@ def _skip_reason(
     cls = type(module).__name__
     if any(p.match(name) or p.match(cls) for p in patterns):
         return "skip_layers"
+    if isinstance(module, nn.Embedding) and module.sparse:
+        return "sparse=True: its gradient is sparse, which K-FAC does not precondition"
     if cls == "NonDynamicallyQuantizableLinear":
         return "used by MultiheadAttention through its weight, not its forward"
     weight = getattr(module, "weight", None)
@@ -136,8 +138,10 @@ def discover(
     sequence_approx: KFACApprox | str = KFACApprox.EXPAND,
     factor_dtype: torch.dtype | None = None,
     inv_dtype: torch.dtype | None = None,
+    embeddings: bool = False,
 ) -> tuple[list[Registered], list[str]]:
-    """The modules to precondition, in registration order, and descriptions of the rest."""
+    """The modules to precondition, in registration order, and descriptions of the rest
+    (``nn.Embedding`` among them only with ``embeddings``)."""
     approx = parse_enum(KFACApprox, kfac_approx, "kfac_approx")
     sequences = parse_enum(KFACApprox, sequence_approx, "sequence_approx")
     patterns = compile_patterns(skip_layers)
@@ -146,7 +150,7 @@ def discover(
     skipped: list[str] = []
     holders = _holders(unwrap(model))
     for name, module in unwrap(model).named_modules():
-        helper = make_helper(module, approx, sequences)
+        helper = make_helper(module, approx, sequences, embeddings)
         if helper is None:
             if any(True for _ in module.parameters(recurse=False)):
                 skipped.append(f"{name or '<root>'} ({type(module).__name__})")

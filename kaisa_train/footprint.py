@@ -80,6 +80,7 @@ def footprint(
     sequence_approx: str = KFACApprox.EXPAND,
     compute_method: str = ComputeMethod.INVERSE,
     scaling: str = Scaling.KRONECKER,
+    embeddings: bool = False,
 ) -> Footprint:
     """One worker's predicted memory for model ``model`` built with ``params``.
 
@@ -98,6 +99,7 @@ def footprint(
             optimizer=optimizer,
             compute_method=compute_method,
             scaling=scaling,
+            embeddings=embeddings,
         )
     except ConfigurationError as err:
         if "does not say what its input looks like" not in str(err):

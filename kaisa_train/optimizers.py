@@ -85,7 +85,7 @@ def build_optimizer(
     if kfac is not None and kfac.scaling is Scaling.ADAM_EIGENBASIS:
         if model is None:
             raise ValueError("adam-eigenbasis's optimizer needs the model to split its parameters")
-        found, _ = discover(model, kfac_approx=kfac.kfac_approx)
+        found, _ = discover(model, kfac_approx=kfac.kfac_approx, embeddings=kfac.embeddings)
         preconditioned = {id(p) for reg in found for p in reg.module.parameters(recurse=False)}
         listed = list(params)
         return EigenbasisAdam(

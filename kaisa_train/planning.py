@@ -135,6 +135,7 @@ class PlanRequest:
     parallel: str = Parallel.DDP  # fsdp: sharded by FSDP2 (docs/fsdp.md)
     # deferred: the factors all-reduced on decomposition steps only (kaisa_ray.enums)
     factor_reduction: str = FactorReduction.EVERY_UPDATE
+    embeddings: bool = False  # nn.Embedding layers preconditioned too (kfac.embeddings)
 
     def __post_init__(self) -> None:
         problems = []
@@ -196,6 +197,7 @@ def request_from_spec(
         spec_strategy=None if kfac.auto else kfac.strategy,
         parallel=spec.scaling.parallel,
         factor_reduction=kfac.factor_reduction,
+        embeddings=kfac.embeddings,
     )
 
 
@@ -304,6 +306,7 @@ def plan_job(request: PlanRequest, hardware: Hardware | None = None) -> PlanRepo
         optimizer=request.optimizer,
         compute_method=request.compute_method,
         scaling=request.scaling,
+        embeddings=request.embeddings,
     )
     world = request.workers
     sharded = Parallel(request.parallel) is Parallel.FSDP
@@ -437,6 +440,8 @@ def _inputs(request: PlanRequest, hardware: Hardware, job: Workload, topology: T
         found["parallel"] = str(Parallel.FSDP)
     if FactorReduction(request.factor_reduction) is FactorReduction.DEFERRED:
         found["factor_reduction"] = str(FactorReduction.DEFERRED)
+    if request.embeddings:
+        found["embeddings"] = True
     return found
 
 

@@ -169,13 +169,14 @@ def stored_workload(
     kfac_approx: str = KFACApprox.EXPAND,
     skip_layers: Iterable[str] | None = None,
     sequence_approx: str = KFACApprox.EXPAND,
+    embeddings: bool = False,
     **options: Any,
 ) -> Workload | None:
     """``shapes.workload``'s answer from the table, or None where the table does not hold it
     (parameters or skips of the caller's own, or a model it does not list); ``options`` as
     ``with_options`` takes them."""
-    if sequence_approx != KFACApprox.EXPAND:
-        return None  # the table's Linear rows are every token
+    if sequence_approx != KFACApprox.EXPAND or embeddings:
+        return None  # the table's Linear rows are every token, and it registers no embedding
     if params or skip_layers is not None or batch_size < 1:
         return None
     found = _table().get(name, {}).get(str(KFACApprox(kfac_approx)))

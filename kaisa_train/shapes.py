@@ -85,6 +85,7 @@ def workload(
     kfac_approx: str = KFACApprox.EXPAND,
     sequence_approx: str = KFACApprox.EXPAND,
     skip_layers: Iterable[str] | None = None,
+    embeddings: bool = False,
     **options: Any,
 ) -> Workload:
     """What one rank's step of model ``name`` at ``batch_size`` is, from its shapes.
@@ -92,6 +93,7 @@ def workload(
     Args:
         skip_layers: K-FAC's ``skip_layers``; None takes the model's default
             (``PLANNING[name].skip_layers``, KAISA's authors' choice).
+        embeddings: K-FAC's ``embeddings``: the model's ``nn.Embedding`` layers registered.
         options: the job's ``precision``, ``optimizer``, ``compute_method`` and ``scaling``
             (``shape_table.with_options``).
 
@@ -105,7 +107,9 @@ def workload(
     model = build_on_meta(name, params)
     planning = PLANNING.get(name, Planning())
     skips = list(planning.skip_layers if skip_layers is None else skip_layers)
-    registered, _ = discover(model, skip_layers=skips, kfac_approx=kfac_approx)
+    registered, _ = discover(
+        model, skip_layers=skips, kfac_approx=kfac_approx, embeddings=embeddings
+    )
     rows: dict[str, tuple[int, int]] = {}
     moved: dict[str, tuple[int, int]] = {}
     patches = 0
@@ -128,6 +132,10 @@ def workload(
                     else positions * in_dim,  # the patch matrix, copied once
                     output.numel(),  # the output gradient summed or permuted
                 )
+            elif isinstance(module, nn.Embedding):  # indices: every one a row, A counted
+                count = inputs[0].numel()
+                rows[layer_name] = (count, count)
+                moved[layer_name] = (count, 0)
             else:
                 x = inputs[0]
                 reduced = sequence_approx == KFACApprox.REDUCE and x.dim() > 2

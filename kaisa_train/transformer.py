@@ -3,8 +3,9 @@
 Token and position embeddings, ``depth`` pre-norm blocks (causal multi-head self-attention with
 ``q``, ``k``, ``v`` and output projections as separate ``nn.Linear`` layers, then a two-layer
 MLP of width ``4·width`` with GELU), a final LayerNorm and an untied output head. K-FAC
-preconditions every Linear layer (their rows are the batch's tokens); the embeddings and the
-LayerNorms are left to the optimizer.
+preconditions every Linear layer (their rows are the batch's tokens), and with
+``kfac.embeddings`` both embeddings (the positions' ids carry the batch's dimension for that);
+the LayerNorms are left to the optimizer.
 
 The logits come out as ``(batch, vocabulary, positions)``, the layout ``F.cross_entropy`` and
 ``argmax(dim=1)`` read as a classification per position, so the training loop treats a language
@@ -94,6 +95,11 @@ class CharTransformer(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def example_input(self, batch_size: int) -> torch.Tensor:
+        """A batch of full-context token ids (on the parameters' device), for planning."""
+        device = self.head.weight.device
+        return torch.zeros(batch_size, self.context, dtype=torch.long, device=device)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Maps token ids ``(batch, positions)`` to logits ``(batch, vocabulary, positions)``."""
         positions = tokens.shape[-1]
@@ -102,7 +108,9 @@ class CharTransformer(nn.Module):
                 f"a sequence of {positions} tokens is longer than the model's context "
                 f"{self.context}; raise model.params.context"
             )
-        index = torch.arange(positions, device=tokens.device)
+        # the positions' ids with the tokens' leading dimensions: each example a row of its own
+        # (K-FAC's ``embeddings`` option reads the first dimension as the examples)
+        index = torch.arange(positions, device=tokens.device).expand_as(tokens)
         x = self.tokens(tokens) + self.positions(index)
         logits: torch.Tensor = self.head(self.norm(self.blocks(x)))
         return logits.transpose(1, 2)

@@ -41,7 +41,7 @@ from tuner.measure import (
 from tuner.memory import TensorMemory
 
 Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-REGISTRATION_OPTIONS = ("skip_layers", "kfac_approx", "factor_dtype", "inv_dtype")
+REGISTRATION_OPTIONS = ("skip_layers", "kfac_approx", "factor_dtype", "inv_dtype", "embeddings")
 
 
 @dataclass(frozen=True, kw_only=True)

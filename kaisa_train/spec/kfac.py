@@ -136,6 +136,17 @@ class KFACSpec(StrictModel):
             )
         ),
     ] = BasisUpdate.EIGH
+    embeddings: Annotated[
+        bool,
+        Field(
+            description=(
+                "Also precondition the model's ``nn.Embedding`` layers, as Linear layers of "
+                "one-hot inputs (A the diagonal of the indices' frequencies, dense and "
+                "``num_embeddings`` wide: for vocabularies of a few thousand at most). An "
+                "embedding's input must have the examples as its first dimension."
+            )
+        ),
+    ] = False
     factor_reduction: Annotated[
         FactorReduction,
         Field(
@@ -260,6 +271,7 @@ class KFACSpec(StrictModel):
             "scaling": self.scaling,
             "basis_update": self.basis_update,
             "factor_reduction": self.factor_reduction,
+            "embeddings": self.embeddings,
         }
 
     @property

@@ -108,6 +108,8 @@ def _key(spec: JobSpec) -> tuple[str, dict[str, Any]]:
         options["kfac_approx"] = str(kfac.kfac_approx)
         options["sequence_approx"] = str(kfac.sequence_approx)
         options["compute_method"] = str(kfac.compute_method)
+        if kfac.embeddings:
+            options["embeddings"] = True
     task = {"model": spec.model.name, "params": dict(spec.model.params), "options": options}
     return json.dumps(task, sort_keys=True), task
 

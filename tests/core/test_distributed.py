@@ -43,6 +43,8 @@ EXTRAS: dict[int, list[dict[str, Any]]] = {
     # Gradients averaged by the user instead of DDP.
     2: [
         {"model": "cnn", "method": "eigen", "strategy": "mem-opt", "ddp": False},
+        # An nn.Embedding preconditioned (embeddings=True): its layer on one rank, ...
+        {"model": "embedded", "method": "inverse", "strategy": "mem-opt", "curvature": "natural"},
         # Fisher-scale factors, debiased averages and pi-damping: still one process's result.
         {"model": "cnn", "method": "eigen", "strategy": "hybrid-opt", "curvature": "natural"},
         {"model": "cnn", "method": "inverse", "strategy": "mem-opt", "curvature": "natural"},
@@ -78,6 +80,8 @@ EXTRAS: dict[int, list[dict[str, Any]]] = {
         },
     ],
     4: [
+        # ... and Adam's moments in its eigenbasis on every rank.
+        {"model": "embedded", "method": "eigen", "strategy": "comm-opt", "scaling": ADAM},
         {"model": "mlp", "method": "eigen", "strategy": "comm-opt", "curvature": "natural"},
         # Upper triangles only, factors of a layer on different ranks, tiny buckets so that
         # the two different worker groups of the same size ({0, 2}, {1, 3}) both have many.

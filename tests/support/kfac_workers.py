@@ -25,8 +25,31 @@ STEPS = 26
 FACTOR_EVERY, INVERSE_EVERY = 2, 6
 
 
+class Embedded(nn.Module):
+    """Token ids cut from the input's first 12 pixels (9 buckets of unequal widths, so the
+    ids' frequencies, A's eigenvalues, differ) -> an embedding -> a mean over the tokens ->
+    two Linear layers: a model whose first K-FAC layer is an ``nn.Embedding``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer(
+            "edges", torch.tensor([-1.6, -0.9, -0.5, -0.2, 0.0, 0.3, 0.8, 1.4], dtype=torch.float64)
+        )
+        self.embed = nn.Embedding(9, 5)
+        self.hidden = nn.Linear(5, 6)
+        self.out = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = torch.bucketize(x.flatten(1)[:, :12].contiguous(), self.edges)
+        h = torch.tanh(self.embed(ids)).mean(dim=1)
+        out: torch.Tensor = self.out(torch.tanh(self.hidden(h)))
+        return out
+
+
 def build_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
+    if kind == "embedded":
+        return Embedded().double()
     if kind == "pooled":
         # Factors of full rank with distinct eigenvalues from the first batch (A 5x5 and 7x7,
         # G 6x6 from 32 examples; the last G's one zero eigenvalue, from the softmax, has a
@@ -115,6 +138,7 @@ def kfac_options(combo: dict[str, Any]) -> dict[str, Any]:
         | ({"scaling": combo["scaling"]} if combo.get("scaling") == "ekfac" else {})
         | ({"basis_update": combo["basis_update"]} if "basis_update" in combo else {})
         | ({"factor_reduction": combo["deferral"]} if "deferral" in combo else {})
+        | ({"embeddings": True} if combo["model"] == "embedded" else {})
     )
 
 

@@ -3,6 +3,7 @@ them trained with K-FAC by the worker's own loop (in-process, no Ray)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ import torch.nn.functional as F
 from kaisa_ray import KFACPreconditioner
 from kaisa_train.corpus import DEFAULT_FORTUNES_DIR, load_text_corpus, read_corpus
 from kaisa_train.datasets import DatasetNotFoundError
-from kaisa_train.planning import request_from_spec
+from kaisa_train.optimizers import build_optimizer
+from kaisa_train.planning import plan_job, request_from_spec
 from kaisa_train.records import EvalRecord, Record
 from kaisa_train.session import LocalSession
 from kaisa_train.spec import JobSpecError, parse_job_spec
@@ -141,3 +143,50 @@ def test_a_model_param_the_transformer_does_not_take_is_refused() -> None:
                 "stop": {"max_steps": 1},
             }
         )
+
+
+@pytest.mark.skipif(
+    not DEFAULT_FORTUNES_DIR.is_dir(), reason="needs Debian's fortunes (make setup installs it)"
+)
+def test_kfac_embeddings_precondition_both_embeddings_and_the_plan_prices_them() -> None:
+    """``kfac.embeddings`` with Adam in the eigenbasis: the token and position embeddings are
+    K-FAC layers (their parameters join the directed group, not Adam's own), the job trains,
+    and its plan holds the embeddings' factors."""
+    spec = parse_job_spec(
+        {
+            "name": "lm",
+            "model": {"name": "char-transformer", "params": {"width": 32, "depth": 1}},
+            "dataset": {"name": "fortunes", "batch_size": 16, "limit": 400},
+            "optimizer": {"name": "sgd", "lr": 0.004, "momentum": 0.0},
+            "kfac": {
+                "compute_method": "eigen",
+                "scaling": "adam-eigenbasis",
+                "factor_update_steps": 1,
+                "inv_update_steps": 5,
+                "factor_samples": 4,
+                "embeddings": True,
+            },
+            "stop": {"max_steps": 20},
+            "eval_every": 20,
+            "checkpoint": {"every_steps": 1000},
+        }
+    )
+    kfac = spec.kfac
+    assert not isinstance(kfac, str)
+    model = CharTransformer(width=32, depth=1)
+    optimizer = build_optimizer(spec.optimizer, model.parameters(), model=model, kfac=kfac)
+    directed = {id(p) for g in optimizer.param_groups if g["preconditioned"] for p in g["params"]}
+    assert id(model.tokens.weight) in directed
+    assert id(model.positions.weight) in directed
+    assert id(model.norm.weight) not in directed
+    records: list[Record] = []
+    train(TrainConfig(spec=spec, run="lm", progress_every=20), LocalSession(records.append))
+    evals = [r for r in records if isinstance(r, EvalRecord)]
+    assert evals[-1].test_loss is not None
+    assert evals[-1].test_loss < 5.55  # below uniform over 256 bytes
+    request = request_from_spec(spec, hardware="a100-80gb-hdr")
+    report = plan_job(request).to_json()
+    assert report["inputs"]["embeddings"] is True
+    without = plan_job(dataclasses.replace(request, embeddings=False)).to_json()
+    assert "embeddings" not in without["inputs"]
+    assert report["model"]["kfac_layers"] == without["model"]["kfac_layers"] + 2

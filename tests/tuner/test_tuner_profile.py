@@ -83,3 +83,33 @@ def test_every_rank_gets_the_same_profile() -> None:
     assert first.world_size == 2
     assert first.allreduce.bytes_per_s > 0
     assert len(choose(first, None).candidates) == 2 * 3  # f in {1/2, 1} x three interval pairs
+
+
+def test_a_profile_with_embeddings_counts_the_embeddings_layers() -> None:
+    """``kfac.embeddings``: the profile's layers (and so the tuner's memory model) hold the
+    embedding the preconditioner registers, with its state exactly as the preconditioner's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(11, 6), torch.nn.Flatten(), torch.nn.Linear(6 * 4, 3)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def ids(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(i)
+        return torch.randint(0, 11, (8, 4), generator=generator), torch.randint(
+            0, 3, (8,), generator=generator
+        )
+
+    result = profile_job(
+        model,
+        optimizer,
+        ids,
+        F.cross_entropy,
+        torch.device("cpu"),
+        steps=2,
+        kfac_options={"embeddings": True},
+    )
+    assert [(layer.name, layer.a_dim, layer.g_dim) for layer in result.profile.layers] == [
+        ("0", 11, 6),
+        ("2", 25, 3),
+    ]
