@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from kaisa_ray.conv_layers import Conv2dHelper
 from kaisa_ray.enums import KFACApprox
-from kaisa_ray.layers import Conv2dHelper, LayerHelper, LinearHelper
+from kaisa_ray.layers import LayerHelper, LinearHelper
 
 # The largest block of per-example rotated gradients formed at once (float32: 64 MiB).
 CHUNK_ELEMENTS = 2**24

@@ -21,9 +21,28 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kaisa_ray.assignment import PlannedLayer
+from kaisa_ray.conv_layers import Conv2dHelper
 from kaisa_ray.enums import KFACApprox, parse_enum
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.layers import LayerHelper, make_helper
+from kaisa_ray.layers import EmbeddingHelper, LayerHelper, LinearHelper
+
+
+def make_helper(
+    module: nn.Module,
+    approx: KFACApprox,
+    sequence_approx: KFACApprox = KFACApprox.EXPAND,
+    embeddings: bool = False,
+) -> LayerHelper | None:
+    """The helper for a supported module, or ``None`` if K-FAC leaves it to the optimizer:
+    ``approx`` for a convolution's positions, ``sequence_approx`` for a Linear layer's;
+    ``nn.Embedding`` only with ``embeddings``."""
+    if isinstance(module, nn.Conv2d):
+        return Conv2dHelper(module, approx)
+    if isinstance(module, nn.Linear):
+        return LinearHelper(module, sequence_approx)
+    if embeddings and isinstance(module, nn.Embedding):
+        return EmbeddingHelper(module)
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)

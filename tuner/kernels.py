@@ -218,8 +218,9 @@ def _rows(helper: Any, x: torch.Tensor) -> int:
     """Rows of the layer's A-factor product: examples (Linear: every leading index, or one a
     sequence under ``sequence_approx='reduce'``), or examples x output positions for a
     convolution's ``expand`` factors."""
+    from kaisa_ray.conv_layers import Conv2dHelper
     from kaisa_ray.enums import KFACApprox
-    from kaisa_ray.layers import Conv2dHelper, LinearHelper
+    from kaisa_ray.layers import LinearHelper
 
     if isinstance(helper, LinearHelper) and helper.reduces(x):
         return int(x.shape[0])

@@ -68,7 +68,7 @@ def extraction_rate(device: torch.device, repeats: int, quick: bool = False) -> 
     convolution's input (``Conv2dHelper.position_sums``, the ``reduce`` factors' work; the
     input's elements times its kernel rows counted), on a reference input of 32 × 64 × 32 × 32
     (8 × 16 × 16 × 16 with ``quick``)."""
-    from kaisa_ray.layers import Conv2dHelper
+    from kaisa_ray.conv_layers import Conv2dHelper
 
     n, c, side = (8, 16, 16) if quick else (32, 64, 32)
     helper = Conv2dHelper(torch.nn.Conv2d(c, c, 3, padding=1).to(device))

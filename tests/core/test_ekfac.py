@@ -18,11 +18,12 @@ from support.models import small_cnn
 from torch import nn
 
 from kaisa_ray import KFACPreconditioner
+from kaisa_ray.conv_layers import Conv2dHelper
 from kaisa_ray.eigenbasis import EKFACEigenbasis
 from kaisa_ray.ekfac import fitted_diagonal
 from kaisa_ray.enums import KFACApprox
 from kaisa_ray.errors import ConfigurationError
-from kaisa_ray.layers import Conv2dHelper, LinearHelper
+from kaisa_ray.layers import LinearHelper
 from kaisa_ray.plan import plan
 from kaisa_train.footprint import footprint
 from kaisa_train.planning import PlanRequest, plan_job
