@@ -252,8 +252,9 @@ class GradientSetter:
                 if weight_grad is None:
                     continue
                 # (k, g) of the layer's whole gradient, or (1, rows) of a rank's rows
-                k, g, _ = out.shape[1:]
-                weight_view = helper.weight_as_matrix(weight_grad, k, g)
+                k, g, width = out.shape[1:]
+                columns = width - (bias_grad is not None)
+                weight_view = helper.weight_as_matrix(weight_grad, k, g, columns)
                 pairs.append((weight_view, out[index, :, :, : weight_view.shape[-1]]))
                 if bias_grad is not None:
                     pairs.append((bias_grad.view(k, g), out[index, :, :, -1]))

@@ -161,10 +161,11 @@ class LayerHelper(ABC):
         bias = getattr(self.module, "bias", None)
         return bias if isinstance(bias, torch.Tensor) else None
 
-    def weight_as_matrix(self, weight: torch.Tensor, k: int, g: int) -> torch.Tensor:
-        """A tensor laid out as the weight (its gradient, or a sharded rank's rows of it) as
-        the view ``(k, g, columns)`` that ``grad_out_by_in`` holds without the bias column."""
-        return weight.view(k, g, -1)
+    def weight_as_matrix(self, weight: torch.Tensor, k: int, g: int, columns: int) -> torch.Tensor:
+        """A tensor laid out as the weight (its gradient, or a sharded rank's rows of it, which
+        may be none) as the view ``(k, g, columns)`` that ``grad_out_by_in`` holds without
+        the bias column."""
+        return weight.view(k, g, columns)
 
     def matrix_as_weight(self, matrix: torch.Tensor) -> torch.Tensor:
         """The inverse of ``weight_as_matrix``: a ``(k, g_dim, columns)`` view laid out as
@@ -324,7 +325,9 @@ class EmbeddingHelper(LinearHelper):
             into.add(factor)
         return factor
 
-    def weight_as_matrix(self, weight: torch.Tensor, k: int = 1, g: int = 0) -> torch.Tensor:
+    def weight_as_matrix(
+        self, weight: torch.Tensor, k: int = 1, g: int = 0, columns: int = 0
+    ) -> torch.Tensor:
         return weight.t().unsqueeze(0)  # (one group, embedding_dim, num_embeddings)
 
     def matrix_as_weight(self, matrix: torch.Tensor) -> torch.Tensor:

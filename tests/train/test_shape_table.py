@@ -35,7 +35,7 @@ def comparable(job: Workload) -> dict[str, object]:
 
 
 def test_the_table_lists_the_built_in_models_that_can_be_planned() -> None:
-    assert STORED == ["bert-large", "lenet", "mlp", "resnet20", "resnet50"]
+    assert STORED == ["bert-large", "char-transformer", "lenet", "mlp", "resnet20", "resnet50"]
 
 
 @pytest.mark.parametrize("name", STORED)
@@ -66,7 +66,7 @@ def test_what_the_table_does_not_hold_goes_to_the_meta_pass(
 ) -> None:
     assert stored_workload("bert-large", batch_size=8, params={"seq_len": 128}) is None
     assert stored_workload("resnet50", batch_size=8, skip_layers=["fc"]) is None
-    assert stored_workload("char-transformer", batch_size=8) is None
+    assert stored_workload("char-transformer", batch_size=8, embeddings=True) is None
     monkeypatch.setattr(shape_table, "TABLE", Path("/nonexistent/shape_table.json"))
     shape_table._table.cache_clear()
     try:
