@@ -22,6 +22,7 @@ from support.fsdp_workers import (
     partly_sharded,
     profiled,
     sharded_after_build,
+    sharded_embeddings,
 )
 from support.harness import run_distributed
 from support.kfac_workers import equivalence_worker, reference_params
@@ -118,6 +119,13 @@ def test_a_layer_left_unsharded_beside_sharded_ones_is_refused_with_the_fix() ->
         assert "layers 2 are not sharded while layers 0 are" in message, message
         assert "fully_shard" in message
         assert "DistributedDataParallel" in message
+
+
+def test_embeddings_under_fsdp2_are_refused_with_the_fix() -> None:
+    for message in run_distributed(sharded_embeddings, 2):
+        assert "embeddings=True with FSDP2" in message, message
+        assert "embeddings 0 are sharded" in message
+        assert "leave embeddings off" in message
 
 
 def test_a_sharded_checkpoint_is_whole_and_resumes_a_sharded_model_exactly() -> None:

@@ -77,6 +77,21 @@ def partly_sharded(rank: int, world_size: int) -> str:
     return "no error"
 
 
+def sharded_embeddings(rank: int, world_size: int) -> str:
+    """What the preconditioner says of ``embeddings=True`` on a model whose K-FAC layers, an
+    embedding among them, are all sharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Flatten(), nn.Linear(4 * 3, 2))
+    fully_shard(model[0])
+    fully_shard(model[2])
+    try:
+        KFACPreconditioner(model, embeddings=True)
+    except ConfigurationError as err:
+        return str(err)
+    return "no error"
+
+
 def checkpoint_round_trip(rank: int, world_size: int) -> dict[str, object]:
     """A sharded model with Adam: 3 steps, its state saved whole (as a job's checkpoint
     holds it), loaded into a second sharded model and Adam; both take 2 more steps. Returns
