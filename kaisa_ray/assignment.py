@@ -53,6 +53,9 @@ class LayerShape:
     a_dim: int
     g_dim: int
     groups: int = 1
+    # A is diagonal (an embedding's): decomposed from its diagonal, its basis the identity
+    # (``kaisa_ray.decomposition``), so no dense solver and no A-side product prices it
+    diagonal_a: bool = False
 
     def __post_init__(self) -> None:
         if min(self.a_dim, self.g_dim, self.groups) < 1:

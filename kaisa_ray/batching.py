@@ -59,6 +59,7 @@ class ShapeKey:
     pi: bool
     adam: tuple[tuple[float, float], float] | None = None  # (betas, eps) of AdamEigenbasis
     ekfac: bool = False  # EKFAC's fitted diagonal in place of the eigenvalue products
+    diagonal_a: bool = False  # A diagonal: its basis the identity, its inverse diagonal
 
 
 def shape_key(layer: KFACLayer) -> ShapeKey:
@@ -79,6 +80,7 @@ def shape_key(layer: KFACLayer) -> ShapeKey:
         pi=pi,
         adam=adam,
         ekfac=ekfac,
+        diagonal_a=d.diagonal_a,
     )
 
 
@@ -168,10 +170,16 @@ class ShapeGroup:
         into = None if out is None else out.view(n * k, g, a)
         if self.key.method is ComputeMethod.INVERSE:
             done = inverse_precondition(
-                grads, self.stacked("a_inv"), self.stacked("g_inv"), out=into
+                grads,
+                self.stacked("a_inv"),
+                self.stacked("g_inv"),
+                out=into,
+                diagonal_a=self.key.diagonal_a,
             )
         else:
-            qa, qg = self.stacked("qa"), self.stacked("qg")
+            # a diagonal A's basis is the identity: its products are skipped
+            qa = None if self.key.diagonal_a else self.stacked("qa")
+            qg = self.stacked("qg")
             if self.key.outer_product:
                 done = eigen_precondition(grads, qa, qg, dgda=self.stacked("dgda"), out=into)
             elif self.key.ekfac:
@@ -353,7 +361,8 @@ def precondition_adam(
         n, k, g, a = raw.shape
         s = group.storage
         grads.append(raw.reshape(n * k, g, a))
-        bases.append((s["qa"].reshape(n * k, a, a), s["qg"].reshape(n * k, g, g)))
+        qa = None if group.key.diagonal_a else s["qa"].reshape(n * k, a, a)
+        bases.append((qa, s["qg"].reshape(n * k, g, g)))
         moments.append((s["m"].view(n * k, g, a), s["v"].view(n * k, g, a), s["steps"].view(n * k)))
     adam = groups[0].key.adam
     assert adam is not None
@@ -384,11 +393,15 @@ def decompose(
     """Decompose ``(layer, 'A' or 'G', factor, damping)`` items, batched by method (a basis
     refreshed by a power iteration being a method of its own) and factor shape, each chunk's
     stacked factors no larger than the largest factor alone (so that the temporaries of a
-    batched ``eigh``, Cholesky or QR stay those of one layer)."""
+    batched ``eigh``, Cholesky or QR stay those of one layer). A diagonal factor
+    (``Decomposition.diagonal_a``) is decomposed from its diagonal, on its own."""
     Key = tuple[ComputeMethod, bool, tuple[int, ...], torch.dtype, torch.device]
     by_shape: dict[Key, list[int]] = {}
-    for index, (layer, which, factor, _) in enumerate(work):
+    for index, (layer, which, factor, damping) in enumerate(work):
         d = layer.decomposition
+        if which == "A" and d.diagonal_a:  # from its diagonal, no dense solver to batch
+            d.compute_a(factor, damping)
+            continue
         eigen = isinstance(d, EigenDecomposition)
         method = ComputeMethod.EIGEN if eigen else ComputeMethod.INVERSE
         refresh = isinstance(d, EigenDecomposition) and d.refreshes(which)

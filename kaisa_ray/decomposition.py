@@ -22,6 +22,11 @@ is kept and a warning says which layer and factor. With ``basis_update='power-qr
 already held is refreshed by one power iteration and QR instead of ``eigh``
 (``kaisa_ray.solvers.power_qr``), its Rayleigh quotients standing in for the eigenvalues;
 a refresh that is not finite falls back to ``eigh``.
+
+A factor known to be diagonal (an embedding's A: ``LayerHelper.diagonal_a``) is decomposed
+without ``eigh`` or Cholesky: its eigenvalues are its diagonal and its basis the identity, its
+damped inverse the reciprocals of the damped diagonal (``solve_diagonal``): exact, and
+without the dense solvers' cost, cubic in the width (an embedding's is its vocabulary).
 """
 
 from __future__ import annotations
@@ -62,6 +67,9 @@ class Decomposition(ABC):
         self.name = name
         self.inv_dtype = inv_dtype
         self.failures = 0
+        # The A factor is diagonal (``LayerHelper.diagonal_a``; set by ``KFACLayer``): it is
+        # decomposed by ``solve_diagonal``, not by the dense solvers.
+        self.diagonal_a = False
         # Where kept tensors live: a batched group's storage (``kaisa_ray.batching``), which
         # returns the view a value was copied into, or None for tensors of their own.
         self._slot: Callable[[str, torch.Tensor], torch.Tensor] | None = None
@@ -98,6 +106,12 @@ class Decomposition(ABC):
 
     @abstractmethod
     def compute_g(self, g_factor: torch.Tensor, damping: float | torch.Tensor) -> None: ...
+
+    @staticmethod
+    @abstractmethod
+    def solve_diagonal(factor: torch.Tensor, damping: float | torch.Tensor) -> Any:
+        """The decomposition of a diagonal ``(k, d, d)`` factor from its diagonal alone, in
+        the working dtype (None where the diagonal is not finite)."""
 
     @staticmethod
     @abstractmethod
@@ -228,6 +242,19 @@ class EigenDecomposition(Decomposition):
         finite = zip(members_finite(values, n), members_finite(vectors, n), strict=True)
         return [(values[i], vectors[i]) if a and b else None for i, (a, b) in enumerate(finite)]
 
+    @staticmethod
+    def solve_diagonal(
+        factor: torch.Tensor, damping: float | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(diagonal clamped at 0, identity)``: the eigendecomposition of a diagonal factor
+        (damped later, as every eigendecomposition)."""
+        values = factor.diagonal(dim1=-2, dim2=-1).to(working_dtype(factor.dtype))
+        if not bool(torch.isfinite(values).all()):
+            return None
+        k, d = values.shape
+        eye = torch.eye(d, dtype=values.dtype, device=values.device).expand(k, d, d).clone()
+        return values.clamp(min=0.0), eye
+
     def refreshes(self, which: str) -> bool:
         """Whether ``which`` ('A' or 'G') is refreshed by a power iteration from the basis
         held (``basis_update='power-qr'`` and a basis to start from) rather than by ``eigh``."""
@@ -285,7 +312,11 @@ class EigenDecomposition(Decomposition):
         self._keep(vectors_part, result[1])
 
     def compute_a(self, a_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
-        self.accept("A", self._solve("A", a_factor), a_factor, damping)
+        if self.diagonal_a:
+            result = self.solve_diagonal(a_factor, damping)
+        else:
+            result = self._solve("A", a_factor)
+        self.accept("A", result, a_factor, damping)
 
     def compute_g(self, g_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
         self.accept("G", self._solve("G", g_factor), g_factor, damping)
@@ -304,14 +335,39 @@ class EigenDecomposition(Decomposition):
         if self.qa is None or self.qg is None:
             raise RuntimeError(f"layer {self.name!r} has no decomposition yet")
         grad = grad_out_by_in.to(self.inv_dtype)
+        qa = None if self.diagonal_a else self.qa  # a diagonal A's basis: the identity
         if self.outer_product and self.dgda is not None:
-            out = eigen_precondition(grad, self.qa, self.qg, dgda=self.dgda)
+            out = eigen_precondition(grad, qa, self.qg, dgda=self.dgda)
         else:
             if self.da is None or self.dg is None:
                 raise RuntimeError(f"layer {self.name!r} has no eigenvalues")
             denominator = self._denominator(self.da, self.dg, damping)
-            out = eigen_precondition(grad, self.qa, self.qg, denominator=denominator)
+            out = eigen_precondition(grad, qa, self.qg, denominator=denominator)
         return out.to(grad_out_by_in.dtype)
+
+    def load(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+        super().load(tensors, device)
+        if self.diagonal_a and self.qa is not None:
+            self._make_basis_a_identity(self.qa)
+
+    def _make_basis_a_identity(self, qa: torch.Tensor) -> None:
+        """A diagonal A's basis is the identity (``solve_diagonal``); a checkpoint written
+        before that holds ``eigh``'s basis of it, the identity's columns reordered: its
+        eigenvalues, and any state kept in it, move to the identity's coordinates (each old
+        coordinate's value to the new ones it is made of, as ``_StateInBasis`` rotates)."""
+        eye = torch.eye(qa.shape[-1], dtype=qa.dtype, device=qa.device).expand_as(qa)
+        if torch.equal(qa, eye):
+            return
+        weights = (qa * qa).transpose(-1, -2)  # (k, old coordinate, new coordinate)
+        if self.da is not None:
+            self._keep("da", (self.da.unsqueeze(-2) @ weights).squeeze(-2))
+        if self.dgda is not None:
+            self._keep("dgda", self.dgda @ weights)
+        self._rotate_state_a(qa.transpose(-1, -2))
+        self._keep("qa", eye.clone())
+
+    def _rotate_state_a(self, rotate_a: torch.Tensor) -> None:
+        """Rotate state kept in the bases by ``R_A`` on A's side (``_StateInBasis``)."""
 
     def parts(self) -> tuple[str, ...]:
         return ("qa", "da", "qg", "dg")
@@ -364,6 +420,15 @@ class InverseDecomposition(Decomposition):
         return [inverse[i] if factored[i] and finite[i] else None for i in range(n)]
 
     @staticmethod
+    def solve_diagonal(factor: torch.Tensor, damping: float | torch.Tensor) -> torch.Tensor | None:
+        """``diag(1 / (diagonal + damping))``: the damped inverse of a diagonal factor
+        (``damping`` a float, or per group ``(k, 1, 1)``)."""
+        values = factor.diagonal(dim1=-2, dim2=-1).to(working_dtype(factor.dtype))
+        shift = damping if isinstance(damping, float) else damping.to(values.dtype).reshape(-1, 1)
+        inverse = torch.diag_embed((values + shift).reciprocal())
+        return inverse if bool(torch.isfinite(inverse).all()) else None
+
+    @staticmethod
     def retry(factor: torch.Tensor, damping: float | torch.Tensor) -> torch.Tensor | None:
         if working_dtype(factor.dtype) == torch.float64:
             return None
@@ -391,7 +456,11 @@ class InverseDecomposition(Decomposition):
         self._keep(part, result)
 
     def compute_a(self, a_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
-        self.accept("A", robust_damped_inverse(a_factor, damping), a_factor, damping)
+        if self.diagonal_a:
+            result = self.solve_diagonal(a_factor, damping)
+        else:
+            result = robust_damped_inverse(a_factor, damping)
+        self.accept("A", result, a_factor, damping)
 
     def compute_g(self, g_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
         self.accept("G", robust_damped_inverse(g_factor, damping), g_factor, damping)
@@ -400,7 +469,8 @@ class InverseDecomposition(Decomposition):
         if self.a_inv is None or self.g_inv is None:
             raise RuntimeError(f"layer {self.name!r} has no inverses yet")
         grad = grad_out_by_in.to(self.inv_dtype)
-        return inverse_precondition(grad, self.a_inv, self.g_inv).to(grad_out_by_in.dtype)
+        out = inverse_precondition(grad, self.a_inv, self.g_inv, diagonal_a=self.diagonal_a)
+        return out.to(grad_out_by_in.dtype)
 
     def parts(self) -> tuple[str, ...]:
         return ("a_inv", "g_inv")

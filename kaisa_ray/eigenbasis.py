@@ -29,7 +29,7 @@ Moments = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def adam_eigenbasis_precondition(
     grad: torch.Tensor,
-    qa: torch.Tensor,
+    qa: torch.Tensor | None,
     qg: torch.Tensor,
     moments: Moments,
     betas: tuple[float, float],
@@ -46,7 +46,7 @@ def adam_eigenbasis_precondition(
 
 def adam_eigenbasis_precondition_many(
     grads: Sequence[torch.Tensor],
-    bases: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    bases: Sequence[tuple[torch.Tensor | None, torch.Tensor]],
     moments: Sequence[Moments],
     betas: tuple[float, float],
     eps: float,
@@ -58,7 +58,7 @@ def adam_eigenbasis_precondition_many(
     time took some twenty each). Not finite anywhere: no moment changes, every result is not
     finite."""
     beta1, beta2 = betas
-    rotated = [qg.transpose(-1, -2) @ g @ qa for g, (qa, qg) in zip(grads, bases, strict=True)]
+    rotated = [_into(g, qa, qg) for g, (qa, qg) in zip(grads, bases, strict=True)]
     # One norm per batch in one operation: not finite where any element is not (or where the
     # squares overflow, as v's update would).
     finite = torch.isfinite(torch.stack(torch._foreach_norm(rotated)).sum())
@@ -94,7 +94,19 @@ def adam_eigenbasis_precondition_many(
     torch._foreach_add_(denominator, eps)
     direction = torch._foreach_mul(ms, firsts)
     torch._foreach_div_(direction, denominator)
-    return [qg @ d @ qa.transpose(-1, -2) for d, (qa, qg) in zip(direction, bases, strict=True)]
+    return [_out_of(d, qa, qg) for d, (qa, qg) in zip(direction, bases, strict=True)]
+
+
+def _into(grad: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor) -> torch.Tensor:
+    """``Q_Gᵀ ∇W Q_A`` (``qa`` None: A's basis is the identity)."""
+    rotated = qg.transpose(-1, -2) @ grad
+    return rotated if qa is None else rotated @ qa
+
+
+def _out_of(direction: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor) -> torch.Tensor:
+    """``Q_G D Q_Aᵀ`` (``qa`` None: A's basis is the identity)."""
+    back = qg @ direction
+    return back if qa is None else back @ qa.transpose(-1, -2)
 
 
 class _StateInBasis(EigenDecomposition):
@@ -123,22 +135,31 @@ class _StateInBasis(EigenDecomposition):
     def leave_basis(self) -> None:
         """Before new bases arrive: keep the current ones to rotate the state from."""
         if self._has_state() and self.qa is not None and self.qg is not None:
-            self._old_bases = (self.qa.clone(), self.qg.clone())
+            # a diagonal A's basis is the identity before and after: nothing to keep
+            old_qa = self.qa if self.diagonal_a else self.qa.clone()
+            self._old_bases = (old_qa, self.qg.clone())
 
-    def _rotations(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(R_A, R_G)`` from the bases left to the new ones (None if there were none)."""
+    def _rotations(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """``(R_A, R_G)`` from the bases left to the new ones (None if there were none; R_A
+        None where A's basis is the identity before and after)."""
         if self._old_bases is None or self.qa is None or self.qg is None:
             return None
         old_qa, old_qg = self._old_bases
         self._old_bases = None
-        return old_qa.transpose(-1, -2) @ self.qa, old_qg.transpose(-1, -2) @ self.qg
+        rotate_a = None if self.diagonal_a else old_qa.transpose(-1, -2) @ self.qa
+        return rotate_a, old_qg.transpose(-1, -2) @ self.qg
+
+    def _basis_a(self) -> torch.Tensor | None:
+        """A's basis for the products: None where it is the identity (a diagonal A)."""
+        return None if self.diagonal_a else self.qa
 
     @staticmethod
     def _spread(
-        value: torch.Tensor, rotate_a: torch.Tensor, rotate_g: torch.Tensor
+        value: torch.Tensor, rotate_a: torch.Tensor | None, rotate_g: torch.Tensor
     ) -> torch.Tensor:
-        """A second moment's (or variances') ``(R_G∘R_G)ᵀ v (R_A∘R_A)``."""
-        return (rotate_g * rotate_g).transpose(-1, -2) @ value @ (rotate_a * rotate_a)
+        """A second moment's (or variances') ``(R_G∘R_G)ᵀ v (R_A∘R_A)`` (R_A None: I)."""
+        spread = (rotate_g * rotate_g).transpose(-1, -2) @ value
+        return spread if rotate_a is None else spread @ (rotate_a * rotate_a)
 
     def clear(self) -> None:
         super().clear()
@@ -183,8 +204,14 @@ class AdamEigenbasis(_StateInBasis):
         rotations = self._rotations()
         if rotations is not None and self.m is not None and self.v is not None:
             rotate_a, rotate_g = rotations
-            self._keep("m", rotate_g.transpose(-1, -2) @ self.m @ rotate_a)
+            m = rotate_g.transpose(-1, -2) @ self.m
+            self._keep("m", m if rotate_a is None else m @ rotate_a)
             self._keep("v", self._spread(self.v, rotate_a, rotate_g))
+
+    def _rotate_state_a(self, rotate_a: torch.Tensor) -> None:
+        if self.m is not None and self.v is not None:
+            self._keep("m", self.m @ rotate_a)
+            self._keep("v", self.v @ (rotate_a * rotate_a))
 
     def moments(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(m, v, steps)``, zero where never started (``like``: a ``(k, g, a)`` gradient)."""
@@ -200,7 +227,7 @@ class AdamEigenbasis(_StateInBasis):
             raise RuntimeError(f"layer {self.name!r} has no decomposition yet")
         grad = grad_out_by_in.to(self.inv_dtype)
         out = adam_eigenbasis_precondition(
-            grad, self.qa, self.qg, self.moments(grad), self.betas, self.eps
+            grad, self._basis_a(), self.qg, self.moments(grad), self.betas, self.eps
         )
         return out.to(grad_out_by_in.dtype)
 
@@ -241,6 +268,10 @@ class EKFACEigenbasis(_StateInBasis):
         elif rotations is not None:
             self._keep("s", self._spread(self.s, *rotations))
 
+    def _rotate_state_a(self, rotate_a: torch.Tensor) -> None:
+        if self.s is not None:
+            self._keep("s", self.s @ (rotate_a * rotate_a))
+
     def fold(self, batch: torch.Tensor, decay: float) -> None:
         """``s ← decay·s + (1 − decay)·batch`` in place (a batch's fitted diagonal, computed in
         the current bases: ``kaisa_ray.ekfac``)."""
@@ -252,7 +283,7 @@ class EKFACEigenbasis(_StateInBasis):
         if self.qa is None or self.qg is None or self.s is None:
             raise RuntimeError(f"layer {self.name!r} has no decomposition yet")
         grad = grad_out_by_in.to(self.inv_dtype)
-        out = eigen_precondition(grad, self.qa, self.qg, denominator=self.s + damping)
+        out = eigen_precondition(grad, self._basis_a(), self.qg, denominator=self.s + damping)
         return out.to(grad_out_by_in.dtype)
 
     def saved_parts(self) -> tuple[str, ...]:

@@ -185,6 +185,7 @@ class KFACLayer:
             )
         else:
             self.decomposition = InverseDecomposition(name=name, inv_dtype=inv_dtype)
+        self.decomposition.diagonal_a = helper.diagonal_a
 
     # -- factors ---------------------------------------------------------------------------
 

@@ -118,6 +118,12 @@ class LayerHelper(ABC):
         return 1
 
     @property
+    def diagonal_a(self) -> bool:
+        """Whether the A factor is diagonal by construction (decomposed from its diagonal:
+        ``kaisa_ray.decomposition``)."""
+        return False
+
+    @property
     @abstractmethod
     def a_dim(self) -> int:
         """Width of one group's A factor (including the bias column)."""
@@ -280,15 +286,16 @@ class LinearHelper(LayerHelper):
 
 class EmbeddingHelper(LinearHelper):
     """``nn.Embedding`` as the Linear layer of one-hot inputs it is: a row for every index of
-    its input (every token, always expanded), ``A = E[e_i e_iᵀ]`` the diagonal of the indices'
-    frequencies (formed by counting, not by a product) and ``G`` the output gradients' as a
-    Linear layer's. The weight is ``(num_embeddings, embedding_dim)``, the transpose of a
-    Linear layer's ``(out, in)``, so ``grad_out_by_in`` is its gradient transposed.
+        its input (every token, always expanded), ``A = E[e_i e_iᵀ]`` the diagonal of the indices'
+        frequencies (formed by counting, not by a product) and ``G`` the output gradients' as a
+        Linear layer's. The weight is ``(num_embeddings, embedding_dim)``, the transpose of a
+        Linear layer's ``(out, in)``, so ``grad_out_by_in`` is its gradient transposed.
 
-    The input's leading dimension is its examples (``factor_samples`` takes the first ones): a
-    layer called with an index shared by the batch (positions from ``arange`` without a batch
-    dimension) has the batch's summed gradient for every row; skip it (``skip_layers``) where
-    that is not wanted. The A factor is dense, ``num_embeddings`` wide."""
+        The input's leading dimension is its examples (``factor_samples`` takes the first ones): a
+        layer called with an index shared by the batch (positions from ``arange`` without a batch
+        dimension) has the batch's summed gradient for every row; skip it (``skip_layers``) where
+        that is not wanted. The A factor is dense, ``num_embeddings`` wide, and diagonal
+    (``diagonal_a``: decomposed without a dense solver)."""
 
     module: nn.Embedding  # type: ignore[assignment]
 
@@ -302,6 +309,10 @@ class EmbeddingHelper(LinearHelper):
     @property
     def has_bias(self) -> bool:
         return False
+
+    @property
+    def diagonal_a(self) -> bool:
+        return True
 
     @property
     def a_dim(self) -> int:

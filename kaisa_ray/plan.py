@@ -467,7 +467,11 @@ def plan(
             layer
             if isinstance(layer, PlannedLayer)
             else PlannedLayer(
-                name=layer.name, a_dim=layer.a_dim, g_dim=layer.g_dim, groups=layer.groups
+                name=layer.name,
+                a_dim=layer.a_dim,
+                g_dim=layer.g_dim,
+                groups=layer.groups,
+                diagonal_a=layer.diagonal_a,
             )
             for layer in model_or_layers
         ]

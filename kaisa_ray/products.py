@@ -30,7 +30,7 @@ def eigen_denominator(
 
 def eigen_precondition(
     grad: torch.Tensor,
-    qa: torch.Tensor,
+    qa: torch.Tensor | None,
     qg: torch.Tensor,
     *,
     dgda: torch.Tensor | None = None,
@@ -39,23 +39,38 @@ def eigen_precondition(
 ) -> torch.Tensor:
     """``Q_G [(Q_Gᵀ ∇W Q_A) ⊙ dgda] Q_Aᵀ`` (or ``/ denominator``) for ``(k, g, a)`` gradients
     already in the decompositions' dtype: one layer's groups, or several layers' stacked
-    (into ``out`` where given)."""
-    rotated = _mm(_mm(qg.transpose(-1, -2), grad), qa)
+    (into ``out`` where given). ``qa`` None: A's basis is the identity (a diagonal A), and
+    its products are skipped."""
+    rotated = _mm(qg.transpose(-1, -2), grad)
+    if qa is not None:
+        rotated = _mm(rotated, qa)
     if dgda is not None:
         rotated = rotated * dgda
     elif denominator is not None:
         rotated = rotated / denominator
     else:
         raise ValueError("eigen_precondition needs dgda or denominator")
+    if qa is None:
+        return _mm(qg, rotated, out=out)
     return _mm(_mm(qg, rotated), qa.transpose(-1, -2), out=out)
 
 
 def inverse_precondition(
-    grad: torch.Tensor, a_inv: torch.Tensor, g_inv: torch.Tensor, out: torch.Tensor | None = None
+    grad: torch.Tensor,
+    a_inv: torch.Tensor,
+    g_inv: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    diagonal_a: bool = False,
 ) -> torch.Tensor:
     """``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` for ``(k, g, a)`` gradients in the inverses' dtype (into
-    ``out`` where given)."""
-    return _mm(_mm(g_inv, grad), a_inv, out=out)
+    ``out`` where given); ``diagonal_a``: ``(A + γI)⁻¹`` is diagonal, and multiplies the
+    columns instead of a product."""
+    if not diagonal_a:
+        return _mm(_mm(g_inv, grad), a_inv, out=out)
+    columns = a_inv.diagonal(dim1=-2, dim2=-1).unsqueeze(-2)
+    left = _mm(g_inv, grad)
+    return left.mul_(columns) if out is None else torch.mul(left, columns, out=out)
 
 
 def _mm(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

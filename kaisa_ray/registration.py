@@ -61,6 +61,7 @@ class Registered:
             a_dim=self.helper.a_dim,
             g_dim=self.helper.g_dim,
             groups=self.helper.groups,
+            diagonal_a=self.helper.diagonal_a,
             factor_dtype=self.factor_dtype,
             inv_dtype=self.inv_dtype,
             grad_dtype=self.helper.weight().dtype,

@@ -82,9 +82,11 @@ def precondition_flops(layer: LayerShape, compute_method: str) -> float:
     """Multiply-adds ×2 of preconditioning one layer's gradient once.
 
     Eigen: ``Q_Gᵀ ∇W Q_A`` and back, two products on each side; inverse: one on each side.
+    A diagonal A has no products on its side (its basis is the identity, its inverse scales
+    the columns).
     """
     k, a, g = layer.groups, layer.a_dim, layer.g_dim
-    one_sandwich = 2.0 * k * g * a * (a + g)
+    one_sandwich = 2.0 * k * g * a * (g if layer.diagonal_a else a + g)
     return one_sandwich * (2 if compute_method == ComputeMethod.EIGEN else 1)
 
 
@@ -280,7 +282,10 @@ def _layer_seconds(profile: Profile) -> list[LayerSeconds]:
     return [
         LayerSeconds(
             name=layer.name,
-            a_s=layer.groups * profile.decomposition.seconds(layer.a_dim),
+            # a diagonal A is decomposed from its diagonal: no solver to price
+            a_s=0.0
+            if layer.diagonal_a
+            else layer.groups * profile.decomposition.seconds(layer.a_dim),
             g_s=layer.groups * profile.decomposition.seconds(layer.g_dim),
             precondition_s=precondition_s,
         )

@@ -259,7 +259,8 @@ def _precondition_host(workload: Workload, hardware: Hardware) -> float | None:
     return None if found is None else found.value
 
 
-ShapeKey = tuple[int, int, int]  # (a, g, groups): the layers preconditioned in one call
+# (a, g, groups, A diagonal): the layers preconditioned in one call
+ShapeKey = tuple[int, int, int, bool]
 
 
 def group_products(workload: Workload, hardware: Hardware) -> dict[ShapeKey, tuple[float, int]]:
@@ -269,15 +270,18 @@ def group_products(workload: Workload, hardware: Hardware) -> dict[ShapeKey, tup
     precision = hardware.product_precision(workload.matmul_precision)
     members: dict[ShapeKey, int] = {}
     for layer in workload.layers:
-        key = (layer.a_dim, layer.g_dim, layer.groups)
+        key = (layer.a_dim, layer.g_dim, layer.groups, layer.diagonal_a)
         members[key] = members.get(key, 0) + 1
     sides = 2 if workload.compute_method == ComputeMethod.EIGEN else 1
     found = {}
-    for (a, g, k), count in members.items():
+    for (a, g, k, diagonal), count in members.items():
         batch = count * k
         one = hardware.product_seconds(g, g, a, batch=batch, precision=precision)
-        other = hardware.product_seconds(g, a, a, batch=batch, precision=precision)
-        found[(a, g, k)] = (sides * (one + other), count)
+        # a diagonal A: no product on its side (the identity basis, a diagonal inverse)
+        other = (
+            0.0 if diagonal else hardware.product_seconds(g, a, a, batch=batch, precision=precision)
+        )
+        found[(a, g, k, diagonal)] = (sides * (one + other), count)
     return found
 
 
@@ -296,7 +300,7 @@ def precondition_seconds(
     measured = _precondition_host(workload, hardware)
     shares = []
     for x in workload.layers:
-        seconds, count = groups[(x.a_dim, x.g_dim, x.groups)]
+        seconds, count = groups[(x.a_dim, x.g_dim, x.groups, x.diagonal_a)]
         products = seconds / count
         if measured is not None:  # the model's own, shared equally by its layers
             fixed = measured / len(workload.layers)
@@ -398,7 +402,7 @@ def forecast_profile(
     link = LinkFit(latency_s=intra.latency_s.value, bytes_per_s=intra.allreduce_busbw.value)
     sizes: dict[int, int] = {}
     for layer in workload.layers:
-        for dim in (layer.a_dim, layer.g_dim):
+        for dim in (layer.g_dim,) if layer.diagonal_a else (layer.a_dim, layer.g_dim):
             sizes[dim] = sizes.get(dim, 0) + layer.groups
     decomposition = DecomposeTable(
         hardware=hardware,

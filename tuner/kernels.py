@@ -162,7 +162,8 @@ def measure_kernels(
     for layer in preconditioner.layers:
         a, g = layer.factors()
         damp_a, damp_g = layer.factor_dampings(a, g, damping)
-        work.setdefault(layer.helper.a_dim, []).append((layer, "A", a, damp_a))
+        if not layer.helper.diagonal_a:  # decomposed from its diagonal: no solver to time
+            work.setdefault(layer.helper.a_dim, []).append((layer, "A", a, damp_a))
         work.setdefault(layer.helper.g_dim, []).append((layer, "G", g, damp_g))
     decompositions = []
     for dim, items in sorted(work.items()):

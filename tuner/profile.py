@@ -177,7 +177,13 @@ def profile_job(
     # Which layers register depends on these options only (the curvature options do not).
     registering = {k: v for k, v in options.items() if k in REGISTRATION_OPTIONS}
     layers = tuple(
-        LayerShape(name=layer.name, a_dim=layer.a_dim, g_dim=layer.g_dim, groups=layer.groups)
+        LayerShape(
+            name=layer.name,
+            a_dim=layer.a_dim,
+            g_dim=layer.g_dim,
+            groups=layer.groups,
+            diagonal_a=layer.diagonal_a,
+        )
         for layer in registered_layers(unwrapped, **registering)
     )
     preconditioner = trainee.kfac(

@@ -141,9 +141,10 @@ class KFACSpec(StrictModel):
         Field(
             description=(
                 "Also precondition the model's ``nn.Embedding`` layers, as Linear layers of "
-                "one-hot inputs (A the diagonal of the indices' frequencies, dense and "
-                "``num_embeddings`` wide: for vocabularies of a few thousand at most). An "
-                "embedding's input must have the examples as its first dimension."
+                "one-hot inputs (A the diagonal of the indices' frequencies: decomposed from "
+                "its diagonal, but held dense, ``num_embeddings`` wide, with its basis or "
+                "inverse: mind a large vocabulary's memory). An embedding's input must have "
+                "the examples as its first dimension."
             )
         ),
     ] = False

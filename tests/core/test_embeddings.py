@@ -92,9 +92,10 @@ CURVATURE = {
         {"compute_method": "inverse", "pi_damping": True},
         {"compute_method": "eigen", "scaling": "ekfac"},
         {"compute_method": "eigen", "scaling": "adam-eigenbasis"},
+        {"compute_method": "eigen", "scaling": "adam-eigenbasis", "basis_update": "power-qr"},
         {"compute_method": "eigen", "factor_samples": 3, "update_factors_in_hook": False},
     ],
-    ids=["eigen", "inverse", "ekfac", "adam-eigenbasis", "sampled-saved"],
+    ids=["eigen", "inverse", "ekfac", "adam-eigenbasis", "power-qr", "sampled-saved"],
 )
 def test_an_embedding_is_preconditioned_as_the_linear_layer_of_one_hot_inputs(
     options: dict[str, Any],
@@ -158,3 +159,127 @@ def test_an_embeddings_option_that_is_not_a_bool_is_refused() -> None:
 
     with pytest.raises(ConfigurationError, match="embeddings='yes' must be True or False"):
         KFACPreconditioner(Embedded(), embeddings="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"compute_method": "eigen"},
+        {"compute_method": "inverse", "pi_damping": True},
+        {"compute_method": "eigen", "scaling": "adam-eigenbasis", "basis_update": "power-qr"},
+    ],
+    ids=["eigen", "inverse", "power-qr"],
+)
+def test_an_embeddings_a_is_decomposed_from_its_diagonal_without_a_dense_solver(
+    options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``eigh``, Cholesky or QR of the vocabulary-wide A (its cost is cubic in the
+    vocabulary): its eigenvalues are its diagonal and its basis the identity, or its damped
+    inverse the reciprocals of its damped diagonal. (The preconditioned gradients equal the
+    one-hot Linear layer's, whose A goes through the dense solvers: the test above.)"""
+    widths: list[int] = []
+    for name in ("eigh", "cholesky_ex", "qr"):
+        solver = getattr(torch.linalg, name)
+
+        def recording(matrix: torch.Tensor, *args: Any, _solver: Any = solver, **kw: Any) -> Any:
+            widths.append(matrix.shape[-1])
+            return _solver(matrix, *args, **kw)
+
+        monkeypatch.setattr(torch.linalg, name, recording)
+    torch.manual_seed(0)
+    model = Embedded().double()
+    preconditioner = KFACPreconditioner(model, **{**CURVATURE, **options, "embeddings": True})
+    for step in range(4):
+        ids, labels = _batch(step)
+        model.zero_grad()
+        F.cross_entropy(model(ids), labels).backward()
+        preconditioner.step()
+    assert widths  # the head's factors (6 and 3 wide) went through them
+    assert VOCAB not in widths
+    layer = next(layer for layer in preconditioner.layers if layer.name == "embed")
+    assert layer.a_factor is not None
+    diagonal = layer.a_factor.diagonal(dim1=-2, dim2=-1)
+    assert diagonal.gt(0).all()
+    held = layer.decomposition.tensors()
+    if options["compute_method"] == "eigen":
+        torch.testing.assert_close(held["qa"], torch.eye(VOCAB, dtype=torch.float64)[None])
+        # decomposed at step 2 (every 2), from the factor of that step; A has changed since
+        assert held["da"].shape == (1, VOCAB)
+        assert held["da"].gt(0).all()
+    else:
+        a_inv = held["a_inv"]
+        assert torch.count_nonzero(a_inv - torch.diag_embed(a_inv.diagonal(dim1=-2, dim2=-1))) == 0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"compute_method": "eigen", "compute_eigenvalue_outer_product": True},
+        {"compute_method": "eigen"},
+        {"compute_method": "eigen", "scaling": "adam-eigenbasis"},
+        {"compute_method": "eigen", "scaling": "ekfac"},
+    ],
+    ids=["outer-product", "eigen", "adam-eigenbasis", "ekfac"],
+)
+def test_a_checkpoint_with_an_eigh_basis_of_the_embeddings_a_resumes_as_if_it_had_not(
+    options: dict[str, Any],
+) -> None:
+    """A checkpoint written before an embedding's A was decomposed from its diagonal holds
+    ``eigh``'s basis of it: the identity's columns reordered (and signs flipped), the
+    eigenvalues and any state kept in the basis with them. Loaded, they move to the identity's
+    coordinates, and training goes on exactly as from the checkpoint this version writes."""
+    options = {**CURVATURE, **options, "embeddings": True}
+    torch.manual_seed(0)
+    model = Embedded().double()
+    preconditioner = KFACPreconditioner(model, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(3):
+        ids, labels = _batch(step)
+        optimizer.zero_grad()
+        F.cross_entropy(model(ids), labels).backward()
+        preconditioner.step()
+        optimizer.step()
+    state = preconditioner.state_dict()
+    held = state["layers"]["embed"]["decomposition"]
+    torch.testing.assert_close(held["qa"], torch.eye(VOCAB, dtype=torch.float64)[None])
+    # what eigh would have returned: the columns by ascending eigenvalue, one sign flipped
+    order = held["da"][0].argsort()
+    basis = torch.eye(VOCAB, dtype=torch.float64)[:, order]
+    basis[:, 2] *= -1
+    spread = basis * basis
+    old = dict(held)
+    old["qa"] = basis[None]
+    old["da"] = held["da"] @ spread
+    for part in ("dgda", "v", "s"):
+        if part in held:
+            old[part] = held[part] @ spread
+    if "m" in held:
+        old["m"] = held["m"] @ basis
+    written_before = {
+        **state,
+        "layers": {**state["layers"], "embed": {**state["layers"]["embed"], "decomposition": old}},
+    }
+    assert not torch.equal(old["qa"], held["qa"])
+
+    def resume(checkpoint: dict[str, Any]) -> list[torch.Tensor]:
+        copy = Embedded().double()
+        copy.load_state_dict(model.state_dict())
+        resumed = KFACPreconditioner(copy, **options)
+        resumed.load_state_dict(checkpoint)
+        embed = next(layer for layer in resumed.layers if layer.name == "embed")
+        torch.testing.assert_close(
+            embed.decomposition.tensors()["qa"], torch.eye(VOCAB, dtype=torch.float64)[None]
+        )
+        sgd = torch.optim.SGD(copy.parameters(), lr=0.05)
+        grads = []
+        for step in range(3, 7):
+            ids, labels = _batch(step)
+            sgd.zero_grad()
+            F.cross_entropy(copy(ids), labels).backward()
+            resumed.step()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in copy.parameters()]))
+            sgd.step()
+        return grads
+
+    for step, (a, b) in enumerate(zip(resume(written_before), resume(state), strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=f"step {step}")

@@ -464,3 +464,27 @@ def test_the_models_own_host_costs_are_timed_on_the_model(steady: bool) -> None:
     data["kfac_host_s"] = entries
     hw = hardware_from_dict(data)
     assert hw.model_host("lenet", "factors", "expand") is not None
+
+
+def test_an_embeddings_diagonal_a_is_priced_without_a_solver_or_a_product_on_its_side() -> None:
+    """An embedding's A is decomposed from its diagonal and its basis is the identity
+    (``kaisa_ray.decomposition``): the plan prices no solver for it and only G's side of
+    its preconditioning, in a shape group apart from dense layers of its shape."""
+    from tuner.cost import _layer_seconds, precondition_flops
+    from tuner.forecast import group_products
+
+    hw = hardware_from_dict(preset())
+    job = workload("char-transformer", batch_size=32, compute_method="eigen", embeddings=True)
+    tokens = next(x for x in job.layers if x.name == "tokens")
+    assert tokens.diagonal_a
+    assert (tokens.a_dim, tokens.g_dim) == (256, 64)
+    assert not any(x.diagonal_a for x in job.layers if x.name not in ("tokens", "positions"))
+    seconds, count = group_products(job, hw)[(256, 64, 1, True)]
+    assert count == 1
+    assert seconds == 2 * hw.product_seconds(64, 64, 256)  # eigen: into the basis and back
+    assert precondition_flops(tokens, "eigen") == 2 * (2.0 * 64 * 256 * 64)
+    profile, _ = forecast_profile(job, hw, 1)
+    priced = {x.name: x for x in _layer_seconds(profile)}
+    assert priced["tokens"].a_s == 0.0
+    assert priced["tokens"].g_s == profile.decomposition.seconds(64) > 0
+    assert priced["head"].a_s > 0  # a dense A of the same model
