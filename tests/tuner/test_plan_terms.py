@@ -384,7 +384,7 @@ def test_a_models_own_host_costs_replace_the_stand_ins_for_that_model_and_varian
     fixed = 1.08e-3 / layers  # each layer's share; on a GPU a share is the longer of the two
     groups = group_products(job, own)
     for x, share in zip(job.layers, profile.layer_precondition_s, strict=True):
-        seconds, count = groups[(x.a_dim, x.g_dim, x.groups)]
+        seconds, count = groups[(x.a_dim, x.g_dim, x.groups, x.diagonal_a)]
         assert share == pytest.approx(max(seconds / count, fixed))
     assert profile.layer_precondition_s != precondition_seconds(job, stand_in)
     assert "resnet50's own, timed on one-sample steps" in " ".join(basis.terms)
