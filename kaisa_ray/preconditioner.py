@@ -140,8 +140,9 @@ class KFACPreconditioner(KFACEngine):
             inputs (``kaisa_ray.layers.EmbeddingHelper``): A is the diagonal of the indices'
             frequencies, decomposed from its diagonal (no solver, no product on its side)
             but held dense, ``num_embeddings`` wide, with its basis or inverse: mind the
-            memory of a large vocabulary (``plan()`` prices it). The input's first dimension must be its examples: skip an embedding
-            called with an index shared by the batch (positions from ``arange``).
+            memory of a large vocabulary (``plan()`` prices it). The input's first
+            dimension must be its examples: skip an embedding called with an index shared
+            by the batch (positions from ``arange``).
     """
 
     def __init__(
