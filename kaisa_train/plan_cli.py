@@ -271,6 +271,13 @@ def _params(pairs: tuple[str, ...]) -> dict[str, Any]:
     help="K-FAC skip_layers regex (repeat) [default: the model's, KAISA's authors' choice].",
 )
 @click.option(
+    "--embeddings",
+    is_flag=True,
+    default=False,
+    help="Precondition the model's nn.Embedding layers too (kfac.embeddings) [default: the "
+    "job's, else off].",
+)
+@click.option(
     "--parallel",
     type=click.Choice([m.value for m in Parallel]),
     default=None,
@@ -296,6 +303,7 @@ def plan(
     seq_len: int | None,
     params: tuple[str, ...],
     skip_layers: tuple[str, ...],
+    embeddings: bool,
     parallel: str | None,
     as_json: bool,
 ) -> None:
@@ -349,6 +357,8 @@ def plan(
             overrides["intervals"] = parse_intervals(intervals)
         if skip_layers:
             overrides["skip_layers"] = skip_layers
+        if embeddings:
+            overrides["embeddings"] = True
         request = dataclasses.replace(request, **overrides)
         report = plan_job(request).to_json()
     except ConfigurationError as err:

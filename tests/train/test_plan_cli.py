@@ -413,3 +413,21 @@ def test_a_latency_the_fit_cannot_resolve_is_bounded_by_the_smallest_all_reduce(
     assert "not positive" in latency.source
     stored = yaml.safe_load(out.read_text())
     assert stored["links"]["intra_node"]["latency_s"]["value"] == 3e-5
+
+
+def test_embeddings_are_planned_when_asked_as_the_library_plans_them() -> None:
+    """``--embeddings`` registers the model's ``nn.Embedding`` layers, as
+    ``kfac.embeddings`` and ``plan(..., embeddings=True)`` do: memory and factor bytes are
+    ``plan()``'s for those layers; without it, the model's plan leaves them out."""
+    args = ("--model", "char-transformer", "--workers", "2", "--batch", "32")
+    with_them, without = plan_json(*args, "--embeddings"), plan_json(*args)
+    assert with_them["inputs"]["embeddings"] is True
+    assert "embeddings" not in without["inputs"]
+    for report, embeddings in ((with_them, True), (without, False)):
+        layers = list(workload("char-transformer", batch_size=32, embeddings=embeddings).layers)
+        assert any(x.name == "tokens" for x in layers) is embeddings
+        factors = sum(4 * (x.a_dim**2 + x.g_dim**2) for x in layers)
+        for strategy in report["strategies"]:
+            ranks = plan(layers, 2, strategy["grad_worker_fraction"]).ranks
+            assert strategy["memory"] == max((r.memory for r in ranks), key=lambda m: m["total"])
+            assert strategy["collectives"]["factors"]["bytes"] == factors
