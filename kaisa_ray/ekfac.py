@@ -24,7 +24,7 @@ import torch
 
 from kaisa_ray.conv_layers import Conv2dHelper
 from kaisa_ray.enums import KFACApprox
-from kaisa_ray.layers import LayerHelper, LinearHelper
+from kaisa_ray.layers import EmbeddingHelper, LayerHelper, LinearHelper
 
 # The largest block of per-example rotated gradients formed at once (float32: 64 MiB).
 CHUNK_ELEMENTS = 2**24
@@ -46,14 +46,35 @@ def _rowwise(
     return torch.matmul(rotated_g.square_(), rotated_a.square_().transpose(-1, -2)).div_(count)
 
 
+def _embedding(
+    helper: EmbeddingHelper,
+    inputs: torch.Tensor,
+    grad_output: torch.Tensor,
+    qg: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``_rowwise`` for an embedding, whose A basis is the identity: its rows are one-hot, so
+    each rotated output gradient's square is added to its index's column (no product with
+    the one-hot rows, no ``(rows, num_embeddings)`` tensor)."""
+    ids = inputs.reshape(-1).long()
+    g_rows = helper.grad_rows(grad_output).t().unsqueeze(0).to(qg.dtype)
+    rotated_g = (qg.transpose(-1, -2) @ (g_rows * scale)).square_()
+    total = rotated_g.new_zeros((1, helper.g_dim, helper.a_dim))
+    return total.index_add_(2, ids, rotated_g).div_(ids.numel())
+
+
 def _linear(
     helper: LinearHelper,
     inputs: torch.Tensor,
     grad_output: torch.Tensor,
-    qa: torch.Tensor,
+    qa: torch.Tensor | None,
     qg: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
+    if qa is None:  # a diagonal A (an embedding's): its basis the identity
+        if not isinstance(helper, EmbeddingHelper):
+            raise TypeError(f"{helper.describe()} has no diagonal A to fit without its basis")
+        return _embedding(helper, inputs, grad_output, qg, scale)
     a_rows = helper.input_rows(inputs).t().unsqueeze(0).to(qa.dtype)
     if helper.has_bias:
         a_rows = _with_ones(a_rows, 1.0)
@@ -106,7 +127,7 @@ def fitted_diagonal(
     helper: LayerHelper,
     inputs: torch.Tensor,
     grad_output: torch.Tensor,
-    qa: torch.Tensor,
+    qa: torch.Tensor | None,
     qg: torch.Tensor,
     *,
     fisher: bool,
@@ -114,11 +135,11 @@ def fitted_diagonal(
 ) -> torch.Tensor:
     """The batch's diagonal ``(k, g, a)`` in the bases ``qa`` ``(k, a, a)`` and ``qg``
     ``(k, g, g)``, in their dtype, from a layer's input and output gradient as the hooks see
-    them; ``scale`` multiplies the output gradients as it does G's rows
-    (``KFACLayer.add_grad_output``)."""
+    them (``qa`` None: A's basis is the identity, a diagonal A's); ``scale`` multiplies the
+    output gradients as it does G's rows (``KFACLayer.add_grad_output``)."""
     if isinstance(helper, LinearHelper):
         return _linear(helper, inputs, grad_output, qa, qg, scale)
-    if isinstance(helper, Conv2dHelper):
+    if isinstance(helper, Conv2dHelper) and qa is not None:
         return _conv(helper, inputs, grad_output, qa, qg, scale, fisher)
     raise TypeError(f"EKFAC has no per-example gradients for {helper.describe()}")
 

@@ -241,7 +241,7 @@ class KFACLayer:
             self.helper,
             self._sampled(inputs),
             self._sampled(grad_output),
-            d.qa,
+            None if d.diagonal_a else d.qa,  # a diagonal A's basis: the identity
             d.qg,
             fisher=self.fisher,
             scale=scale,
