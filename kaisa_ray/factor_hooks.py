@@ -7,11 +7,15 @@ once, and a layer whose batch is complete starts its share of the factor all-red
 backpropagation goes on; without it the hooks keep the tensors until ``step()`` asks for the
 factors (``factor_saved``). On every other step the forward hook returns at once (under
 ``torch.compile``, inside the compiled graph).
+
+Linear layers called on the same input tensor (attention's query, key and value) have the same
+A: it is computed for the first of them and copied to the others (``_shared_a``).
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -23,6 +27,7 @@ from kaisa_ray.comm import Communicator, unpack_into
 from kaisa_ray.compiling import eager_under_compile
 from kaisa_ray.enums import FactorScale
 from kaisa_ray.kfac_layer import KFACLayer
+from kaisa_ray.layers import LinearHelper
 from kaisa_ray.options import GradScalerLike
 from kaisa_ray.timing import PhaseTimes
 
@@ -62,6 +67,8 @@ class FactorHooks:
         self._scale_cache: tuple[int, float] | None = None
         self.now: frozenset[str] = frozenset()  # the layers whose factors this step updates
         self._step = 0
+        # The last input whose A a hook computed: (the input, its version, the layer)
+        self._last_a: tuple[weakref.ref[torch.Tensor], int, KFACLayer] | None = None
         self._handles = [module.register_forward_hook(self._forward) for module in self._by_module]
 
     def plan(self, step: int, layers: frozenset[str]) -> None:
@@ -69,6 +76,7 @@ class FactorHooks:
         ``step()``)."""
         self._step = step
         self.now = layers
+        self._last_a = None
 
     def remove(self) -> None:
         """Detach every hook from the model."""
@@ -119,10 +127,39 @@ class FactorHooks:
     @eager_under_compile
     def take_input(self, layer: KFACLayer, inputs: torch.Tensor) -> None:
         with torch.no_grad(), self._times.phase("factors"), self._products():
-            if self.update_in_hook:
-                layer.add_input(inputs)
-            else:
+            if not self.update_in_hook:
                 layer.save_input(inputs)
+                return
+            source = self._shared_a(layer, inputs)
+            if source is not None and source.a_batch.total is not None:
+                layer.a_batch.add(source.a_batch.total)
+            else:
+                layer.add_input(inputs)
+            self._last_a = (weakref.ref(inputs), inputs._version, layer)
+
+    def _shared_a(self, layer: KFACLayer, inputs: torch.Tensor) -> KFACLayer | None:
+        """The layer whose A of this same input (the same tensor, unchanged since) the last
+        hook computed, where ``layer``'s A of it would be the same (Linear layers alike in
+        width, bias, token handling, factor dtype and samples), both on their first
+        micro-batch; else None."""
+        if self._last_a is None:
+            return None
+        held, version, source = self._last_a
+        if held() is not inputs or inputs._version != version:
+            return None
+        mine, theirs = layer.helper, source.helper
+        if type(mine) is not LinearHelper or type(theirs) is not LinearHelper:
+            return None
+        alike = (
+            mine.a_dim == theirs.a_dim
+            and mine.has_bias == theirs.has_bias
+            and mine.approx is theirs.approx
+            and layer.factor_dtype == source.factor_dtype
+            and layer.factor_samples == source.factor_samples
+            and layer.fisher == source.fisher
+        )
+        first = layer.a_batch.count == 0 and source.a_batch.count == 1
+        return source if alike and first else None
 
     @eager_under_compile
     def on_grad(self, layer: KFACLayer, inputs: torch.Tensor | None, grad: torch.Tensor) -> None:
