@@ -55,6 +55,20 @@ def _train(
     return factors, grads
 
 
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the layers whose A a hook computes, in order."""
+    computed: list[str] = []
+    add_input = KFACLayer.add_input
+
+    def counting(self: KFACLayer, inputs: torch.Tensor) -> None:
+        computed.append(self.name)
+        add_input(self, inputs)
+
+    monkeypatch.setattr(KFACLayer, "add_input", counting)
+    return computed
+
+
 @pytest.mark.parametrize("accumulation", [1, 2])
 @pytest.mark.parametrize(
     "options",
@@ -62,16 +76,11 @@ def _train(
     ids=["eigen", "sampled", "inverse-fisher"],
 )
 def test_a_shared_inputs_a_is_computed_once_with_the_values_of_computing_each(
-    options: dict[str, Any], accumulation: int, monkeypatch: pytest.MonkeyPatch
+    options: dict[str, Any],
+    accumulation: int,
+    calls: list[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    calls: list[str] = []
-    add_input = KFACLayer.add_input
-
-    def counting(self: KFACLayer, inputs: torch.Tensor) -> None:
-        calls.append(self.name)
-        add_input(self, inputs)
-
-    monkeypatch.setattr(KFACLayer, "add_input", counting)
     torch.manual_seed(0)
     model = Attention().double()
     copy = Attention().double()
@@ -92,16 +101,8 @@ def test_a_shared_inputs_a_is_computed_once_with_the_values_of_computing_each(
         assert torch.equal(a, b), f"step {step}"
 
 
-def test_a_copy_of_the_input_is_another_input(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_copy_of_the_input_is_another_input(calls: list[str]) -> None:
     """The value's input is ``x * 1.0``, a tensor of its own: its A is computed."""
-    calls: list[str] = []
-    add_input = KFACLayer.add_input
-
-    def counting(self: KFACLayer, inputs: torch.Tensor) -> None:
-        calls.append(self.name)
-        add_input(self, inputs)
-
-    monkeypatch.setattr(KFACLayer, "add_input", counting)
     torch.manual_seed(0)
     model = Attention(separate=True).double()
     preconditioner = KFACPreconditioner(model, factor_update_steps=1)
