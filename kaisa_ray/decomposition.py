@@ -335,7 +335,7 @@ class EigenDecomposition(Decomposition):
         if self.qa is None or self.qg is None:
             raise RuntimeError(f"layer {self.name!r} has no decomposition yet")
         grad = grad_out_by_in.to(self.inv_dtype)
-        qa = None if self.diagonal_a else self.qa  # a diagonal A's basis: the identity
+        qa = self._basis_a()
         if self.outer_product and self.dgda is not None:
             out = eigen_precondition(grad, qa, self.qg, dgda=self.dgda)
         else:
@@ -344,6 +344,10 @@ class EigenDecomposition(Decomposition):
             denominator = self._denominator(self.da, self.dg, damping)
             out = eigen_precondition(grad, qa, self.qg, denominator=denominator)
         return out.to(grad_out_by_in.dtype)
+
+    def _basis_a(self) -> torch.Tensor | None:
+        """A's basis for the products: None where it is the identity (a diagonal A)."""
+        return None if self.diagonal_a else self.qa
 
     def load(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
         super().load(tensors, device)

@@ -149,10 +149,6 @@ class _StateInBasis(EigenDecomposition):
         rotate_a = None if self.diagonal_a else old_qa.transpose(-1, -2) @ self.qa
         return rotate_a, old_qg.transpose(-1, -2) @ self.qg
 
-    def _basis_a(self) -> torch.Tensor | None:
-        """A's basis for the products: None where it is the identity (a diagonal A)."""
-        return None if self.diagonal_a else self.qa
-
     @staticmethod
     def _spread(
         value: torch.Tensor, rotate_a: torch.Tensor | None, rotate_g: torch.Tensor

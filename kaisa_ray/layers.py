@@ -286,15 +286,15 @@ class LinearHelper(LayerHelper):
 
 class EmbeddingHelper(LinearHelper):
     """``nn.Embedding`` as the Linear layer of one-hot inputs it is: a row for every index of
-        its input (every token, always expanded), ``A = E[e_i e_iᵀ]`` the diagonal of the indices'
-        frequencies (formed by counting, not by a product) and ``G`` the output gradients' as a
-        Linear layer's. The weight is ``(num_embeddings, embedding_dim)``, the transpose of a
-        Linear layer's ``(out, in)``, so ``grad_out_by_in`` is its gradient transposed.
+    its input (every token, always expanded), ``A = E[e_i e_iᵀ]`` the diagonal of the indices'
+    frequencies (formed by counting, not by a product) and ``G`` the output gradients' as a
+    Linear layer's. The weight is ``(num_embeddings, embedding_dim)``, the transpose of a
+    Linear layer's ``(out, in)``, so ``grad_out_by_in`` is its gradient transposed.
 
-        The input's leading dimension is its examples (``factor_samples`` takes the first ones): a
-        layer called with an index shared by the batch (positions from ``arange`` without a batch
-        dimension) has the batch's summed gradient for every row; skip it (``skip_layers``) where
-        that is not wanted. The A factor is dense, ``num_embeddings`` wide, and diagonal
+    The input's leading dimension is its examples (``factor_samples`` takes the first ones): a
+    layer called with an index shared by the batch (positions from ``arange`` without a batch
+    dimension) has the batch's summed gradient for every row; skip it (``skip_layers``) where
+    that is not wanted. The A factor is dense, ``num_embeddings`` wide, and diagonal
     (``diagonal_a``: decomposed without a dense solver)."""
 
     module: nn.Embedding  # type: ignore[assignment]
