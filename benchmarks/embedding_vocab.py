@@ -4,10 +4,13 @@ grows: the transformer benchmark's best K-FAC job, one worker's share, one proce
 ``kfac.embeddings`` preconditions an ``nn.Embedding`` as the Linear layer of one-hot inputs
 it is; its A factor is diagonal (the ids' frequencies). Since commit 4dadb3b it is decomposed
 from its diagonal (eigenvalues the diagonal, basis the identity) and its preconditioning skips
-the products on A's side; before, ``eigh`` decomposed the vocabulary-wide A (cubic in the
-vocabulary) and the identity-like basis it returned multiplied every step's gradient. Both
-run here in the same process: "dense" is this code with ``EmbeddingHelper.diagonal_a``
-patched to False, which takes the dense path exactly as before.
+the products on A's side, and since this table's commit the factor, its batch buffer and its
+inverse are held as their diagonals and the basis not at all; before, the factor was held
+whole, ``eigh`` decomposed it (cubic in the vocabulary) and the identity-like basis it
+returned multiplied every step's gradient. Both run here in the same process: "dense" is this
+code with ``EmbeddingHelper.diagonal_a`` patched to False, which takes the dense path exactly
+as before. The memory column is the preconditioner's own count of the K-FAC state it holds
+(``memory_usage()``: factors, decompositions and buffers, every layer).
 
 The job: ``benchmarks/transformer_fortunes.py``'s "K-FAC (Adam eigenbasis, 1/3, 8 sequences,
 embeddings)" (Adam in K-FAC's eigenbasis, factors every step from 8 of the worker's 32
@@ -63,6 +66,12 @@ def build(vocabulary: int, dense: bool) -> Training:
     return training
 
 
+def state_mib(training: Training) -> float:
+    """The K-FAC state the preconditioner holds (every layer), MiB."""
+    assert training.preconditioner is not None
+    return training.preconditioner.memory_usage()["total"] / 2**20
+
+
 def run_steps(training: Training, steps: int) -> tuple[list[float], dict[str, float]]:
     """``steps`` training steps: each one's seconds, and K-FAC's phase seconds in all."""
     criterion = nn.CrossEntropyLoss()
@@ -107,6 +116,7 @@ def measure(vocabularies: list[int], rounds: int, steps: int) -> list[dict[str, 
                     "mean_step_ms": 1e3 * statistics.mean(times[name]),
                     "median_step_ms": 1e3 * statistics.median(times[name]),
                     "phases_ms_per_step": {k: 1e3 * v / total for k, v in phases[name].items()},
+                    "kfac_state_mib": state_mib(variants[name]),
                 }
             )
             print(json.dumps(found[-1]), flush=True)
@@ -129,6 +139,7 @@ def render(results: list[dict[str, Any]], header: str) -> str:
                     f"{p.get('precondition', 0.0):.2f}",
                     f"{p.get('factors', 0.0):.2f}",
                     f"{r['mean_step_ms'] / dense['mean_step_ms']:.2f}x",
+                    f"{r['kfac_state_mib']:.1f}" if "kfac_state_mib" in r else "-",
                 ]
             )
     return table(
@@ -141,6 +152,7 @@ def render(results: list[dict[str, Any]], header: str) -> str:
             "preconditioning / step",
             "factors / step",
             "step ÷ dense",
+            "K-FAC state (MiB)",
         ],
         rows,
     )

@@ -53,16 +53,34 @@ class LayerShape:
     a_dim: int
     g_dim: int
     groups: int = 1
-    # A is diagonal (an embedding's): decomposed from its diagonal, its basis the identity
-    # (``kaisa_ray.decomposition``), so no dense solver and no A-side product prices it
+    # A is diagonal (an embedding's): held as its diagonal, decomposed from it, its basis the
+    # identity (``kaisa_ray.decomposition``), so no dense solver and no A-side product prices
+    # it, and its factor and decomposition are ``a_dim`` elements a group, not ``a_dim²``
     diagonal_a: bool = False
 
     def __post_init__(self) -> None:
         if min(self.a_dim, self.g_dim, self.groups) < 1:
             raise ValueError(f"layer {self.name!r}: dimensions must be positive, got {self}")
 
-    def cost(self, dim: int, strategy: AssignmentStrategy) -> int:
+    def cost(self, part: str, strategy: AssignmentStrategy) -> int:
+        """The weight of factor ``part`` ('a' or 'g') in balancing the assignment: its
+        decomposition's work (cubic in its width) or its size (quadratic); a diagonal A's
+        both linear."""
+        if part == "a" and self.diagonal_a:
+            return self.groups * self.a_dim
+        dim = self.a_dim if part == "a" else self.g_dim
         return self.groups * dim ** (3 if strategy is AssignmentStrategy.COMPUTE else 2)
+
+    @property
+    def largest_solve(self) -> int:
+        """The width of the layer's largest dense decomposition (a diagonal A needs none)."""
+        return self.g_dim if self.diagonal_a else max(self.a_dim, self.g_dim)
+
+    @property
+    def factor_elements(self) -> int:
+        """Elements of the two factors as held (a diagonal A: its diagonal)."""
+        a = self.a_dim if self.diagonal_a else self.a_dim**2
+        return self.groups * (a + self.g_dim**2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,15 +180,13 @@ def assign(
     loaded_ranks: dict[int, _LeastLoaded] = {}
     order = sorted(
         range(len(layers)),
-        key=lambda i: (
-            -(layers[i].cost(layers[i].a_dim, strategy) + layers[i].cost(layers[i].g_dim, strategy))
-        ),
+        key=lambda i: -(layers[i].cost("a", strategy) + layers[i].cost("g", strategy)),
     )
     placements: dict[str, LayerPlacement] = {}
     for index in order:
         layer = layers[index]
-        a_cost = layer.cost(layer.a_dim, strategy)
-        g_cost = layer.cost(layer.g_dim, strategy)
+        a_cost = layer.cost("a", strategy)
+        g_cost = layer.cost("g", strategy)
         column = loaded_columns.add(a_cost + g_cost)
         members = built.get(column)
         if members is None:

@@ -13,7 +13,8 @@ one batched matmul per factor for the whole group, without copying the decomposi
   ``qa``, ``qg`` and Adam's ``m``, ``v`` ``(n, k, g, a)`` and ``steps`` ``(n, k)`` (the
   adam-eigenbasis scaling: its moments are updated in the storage in place), or ``qa``,
   ``qg`` and EKFAC's fitted diagonal ``s`` ``(n, k, g, a)`` (folded in place on factor
-  updates).
+  updates). A group of diagonal A factors (``ShapeKey.diagonal_a``) holds no ``qa`` (the
+  identity) and its ``a_inv`` as diagonals ``(n, k, a)``.
 
 The storage is the members' decompositions exactly (the same bytes as one tensor per layer),
 allocated when the first member keeps one. Decompositions are batched the same way
@@ -121,10 +122,12 @@ class ShapeGroup:
         if self.key.method is ComputeMethod.INVERSE:
             return ("a_inv", "g_inv")
         if self.key.adam is not None:
-            return ("qa", "qg", "m", "v", "steps")
-        if self.key.ekfac:
-            return ("qa", "qg", "s")
-        return ("qa", "qg", "dgda") if self.key.outer_product else ("qa", "qg", "da", "dg")
+            parts: tuple[str, ...] = ("qa", "qg", "m", "v", "steps")
+        elif self.key.ekfac:
+            parts = ("qa", "qg", "s")
+        else:
+            parts = ("qa", "qg", "dgda") if self.key.outer_product else ("qa", "qg", "da", "dg")
+        return parts[1:] if self.key.diagonal_a else parts  # a diagonal A's basis: not held
 
     def ready(self) -> bool:
         """Whether every member's decomposition is in the storage (else precondition them one

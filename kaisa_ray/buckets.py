@@ -138,7 +138,11 @@ def all_ranks(world_size: int) -> tuple[int, ...]:
     return tuple(range(world_size))
 
 
-def factor_numel(dim: int, groups: int, symmetric: bool) -> int:
+def factor_numel(dim: int, groups: int, symmetric: bool, *, diagonal: bool = False) -> int:
+    """Elements of a factor as it travels: whole, its upper triangle (``symmetric``), or a
+    diagonal factor's diagonal."""
+    if diagonal:
+        return groups * dim
     return groups * (dim * (dim + 1) // 2 if symmetric else dim * dim)
 
 
@@ -154,6 +158,8 @@ def decomposition_parts(
             Piece(layer=layer.name, part="qa", numel=k * a * a),
             Piece(layer=layer.name, part="da", numel=k * a),
         ]
+        if layer.diagonal_a:  # its basis is the identity, neither held nor sent
+            a_parts = a_parts[1:]
         g_parts = [
             Piece(layer=layer.name, part="qg", numel=k * g * g),
             Piece(layer=layer.name, part="dg", numel=k * g),
@@ -166,7 +172,7 @@ def decomposition_parts(
             table = k * g * a if options.compute_eigenvalue_outer_product else 0
         return a_parts, g_parts, table
     return (
-        [Piece(layer=layer.name, part="a_inv", numel=k * a * a)],
+        [Piece(layer=layer.name, part="a_inv", numel=k * a if layer.diagonal_a else k * a * a)],
         [Piece(layer=layer.name, part="g_inv", numel=k * g * g)],
         0,
     )

@@ -61,14 +61,31 @@ def validate(layers: Sequence[KFACLayer], state_dict: dict[str, Any]) -> None:
             f"{extra}. Load it into the same model with the same skip_layers."
         )
     for layer in layers:
-        for key, dim in (("a_factor", layer.helper.a_dim), ("g_factor", layer.helper.g_dim)):
+        for key, part in (("a_factor", "a"), ("g_factor", "g")):
             tensor = saved[layer.name].get(key)
-            expected = (layer.helper.groups, dim, dim)
-            if tensor is not None and tuple(tensor.shape) != expected:
+            expected = layer.factor_shape(part)
+            if tensor is not None and tuple(tensor.shape) not in _accepted(layer, part):
                 raise StateDictError(
                     f"layer {layer.name!r}: checkpoint {key} has shape {tuple(tensor.shape)}, "
                     f"this model needs {expected}. Was the checkpoint saved from another model?"
                 )
+
+
+def _accepted(layer: KFACLayer, part: str) -> tuple[tuple[int, ...], ...]:
+    """The shapes a checkpoint's factor ``part`` may have: this layer's, and for a diagonal A
+    also the whole matrix that checkpoints written before it was held as its diagonal hold."""
+    shape = layer.factor_shape(part)
+    return (shape, (*shape, shape[-1])) if len(shape) == 2 else (shape,)
+
+
+def _factor(
+    layer: KFACLayer, part: str, tensor: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """A checkpoint's factor ``part`` as this layer holds it (a diagonal A written whole:
+    its diagonal, the only values it has)."""
+    if len(layer.factor_shape(part)) == 2 and tensor.dim() == 3:
+        tensor = tensor.diagonal(dim1=-2, dim2=-1)
+    return tensor.to(device, layer.factor_dtype).clone()
 
 
 def restore(
@@ -84,10 +101,9 @@ def restore(
     for layer in layers:
         entry = saved[layer.name]
         device = layer.helper.weight().device
-        for key in ("a_factor", "g_factor"):
+        for key, part in (("a_factor", "a"), ("g_factor", "g")):
             tensor = entry.get(key)
-            value = None if tensor is None else tensor.to(device, layer.factor_dtype).clone()
-            setattr(layer, key, value)
+            setattr(layer, key, None if tensor is None else _factor(layer, part, tensor, device))
         # Checkpoints from before bias correction hold factors to be used as they are.
         layer.average_weight = float(entry.get("average_weight", 1.0))
         # Staleness sketches, when measured here (a checkpoint without them, or with sketches

@@ -45,16 +45,18 @@ def _triu(dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack(tensor: torch.Tensor, symmetric: bool) -> torch.Tensor:
-    """Flatten a ``(k, n, n)`` factor; with ``symmetric`` only its upper triangle."""
-    if not symmetric:
+    """Flatten a ``(k, n, n)`` factor; with ``symmetric`` only its upper triangle (a diagonal
+    factor held as its diagonal ``(k, n)``: flattened as it is)."""
+    if not symmetric or tensor.dim() < 3:
         return tensor.reshape(-1)
     rows, cols = _triu(tensor.shape[-1], tensor.device)
     return tensor[..., rows, cols].reshape(-1)
 
 
 def unpack_into(out: torch.Tensor, flat: torch.Tensor, symmetric: bool) -> None:
-    """Inverse of ``pack``: write ``flat`` into ``out`` (``(k, n, n)``), mirroring if needed."""
-    if not symmetric:
+    """Inverse of ``pack``: write ``flat`` into ``out`` (``(k, n, n)``, or a diagonal
+    ``(k, n)``), mirroring if needed."""
+    if not symmetric or out.dim() < 3:
         out.copy_(flat.view_as(out))
         return
     rows, cols = _triu(out.shape[-1], out.device)

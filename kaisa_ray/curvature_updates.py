@@ -149,10 +149,10 @@ def reduce_averages(by_name: Mapping[str, KFACLayer], comm: Communicator, sched:
 
     def put(name: str, part: str, flat: torch.Tensor) -> None:
         layer = by_name[name]
-        k, dim = layer.helper.groups, layer.helper.a_dim if part == "a" else layer.helper.g_dim
         held = get(name, part)
         if held is None:
-            held = torch.empty((k, dim, dim), dtype=layer.factor_dtype, device=flat.device)
+            shape = layer.factor_shape(part)
+            held = torch.empty(shape, dtype=layer.factor_dtype, device=flat.device)
             if part == "a":
                 layer.a_factor = held
             else:

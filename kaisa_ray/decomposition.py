@@ -23,10 +23,12 @@ already held is refreshed by one power iteration and QR instead of ``eigh``
 (``kaisa_ray.solvers.power_qr``), its Rayleigh quotients standing in for the eigenvalues;
 a refresh that is not finite falls back to ``eigh``.
 
-A factor known to be diagonal (an embedding's A: ``LayerHelper.diagonal_a``) is decomposed
-without ``eigh`` or Cholesky: its eigenvalues are its diagonal and its basis the identity, its
-damped inverse the reciprocals of the damped diagonal (``solve_diagonal``): exact, and
-without the dense solvers' cost, cubic in the width (an embedding's is its vocabulary).
+A factor known to be diagonal (an embedding's A: ``LayerHelper.diagonal_a``) is held as its
+diagonal ``(k, a)`` and decomposed without ``eigh`` or Cholesky: its eigenvalues are its
+diagonal and its basis the identity, which is not stored (no ``qa``), its damped inverse the
+reciprocals of the damped diagonal, held as a vector ``a_inv`` ``(k, a)``
+(``solve_diagonal``): exact, in memory and time linear in the width (an embedding's is its
+vocabulary) where the dense solvers are cubic and the matrices quadratic.
 """
 
 from __future__ import annotations
@@ -110,8 +112,8 @@ class Decomposition(ABC):
     @staticmethod
     @abstractmethod
     def solve_diagonal(factor: torch.Tensor, damping: float | torch.Tensor) -> Any:
-        """The decomposition of a diagonal ``(k, d, d)`` factor from its diagonal alone, in
-        the working dtype (None where the diagonal is not finite)."""
+        """The decomposition of a diagonal factor from its diagonal ``(k, d)``, in the
+        working dtype (None where the diagonal is not finite)."""
 
     @staticmethod
     @abstractmethod
@@ -245,15 +247,13 @@ class EigenDecomposition(Decomposition):
     @staticmethod
     def solve_diagonal(
         factor: torch.Tensor, damping: float | torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(diagonal clamped at 0, identity)``: the eigendecomposition of a diagonal factor
-        (damped later, as every eigendecomposition)."""
-        values = factor.diagonal(dim1=-2, dim2=-1).to(working_dtype(factor.dtype))
+    ) -> tuple[torch.Tensor, None] | None:
+        """``(diagonal clamped at 0, None)``: the eigendecomposition of a diagonal factor, its
+        basis the identity, not stored (damped later, as every eigendecomposition)."""
+        values = factor.to(working_dtype(factor.dtype))
         if not bool(torch.isfinite(values).all()):
             return None
-        k, d = values.shape
-        eye = torch.eye(d, dtype=values.dtype, device=values.device).expand(k, d, d).clone()
-        return values.clamp(min=0.0), eye
+        return values.clamp(min=0.0), None
 
     def refreshes(self, which: str) -> bool:
         """Whether ``which`` ('A' or 'G') is refreshed by a power iteration from the basis
@@ -286,32 +286,46 @@ class EigenDecomposition(Decomposition):
         return robust_eigh(factor.to(torch.float64))
 
     @staticmethod
-    def _identity(factor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        k, n, _ = factor.shape
-        eye = torch.eye(n, dtype=dtype, device=factor.device).expand(k, n, n).clone()
-        return torch.ones(k, n, dtype=dtype, device=factor.device), eye
+    def _identity(
+        factor: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The identity's decomposition (a diagonal factor's: its basis not stored)."""
+        k, n = factor.shape[:2]
+        values = torch.ones(k, n, dtype=dtype, device=factor.device)
+        if factor.dim() == 2:
+            return values, None
+        return values, torch.eye(n, dtype=dtype, device=factor.device).expand(k, n, n).clone()
+
+    def has_bases(self) -> bool:
+        """Whether both bases are held (a diagonal A's is the identity, never stored)."""
+        return self.qg is not None and (self.diagonal_a or self.qa is not None)
 
     def accept(
         self,
         which: str,
-        result: tuple[torch.Tensor, torch.Tensor] | None,
+        result: tuple[torch.Tensor, torch.Tensor | None] | None,
         like: torch.Tensor,
         damping: float | torch.Tensor,
     ) -> None:
         """Keep a decomposition of ``which`` ('A' or 'G'; ``like`` its factor), or, where it
-        failed (None), the previous one (the identity if there was none)."""
+        failed (None), the previous one (the identity if there was none). A diagonal A's
+        basis (None) is the identity, not stored."""
         values_part, vectors_part = ("da", "qa") if which == "A" else ("dg", "qg")
+        identity_basis = which == "A" and self.diagonal_a
         if result is None:
             self._warn_kept(which)
-            if getattr(self, vectors_part) is not None and getattr(self, values_part) is not None:
+            held = identity_basis or getattr(self, vectors_part) is not None
+            if held and getattr(self, values_part) is not None:
                 return
             result = self._identity(like, self.inv_dtype)
         # Contiguous (or copied into a group's storage), so the computing rank and ranks that
         # receive a copy use the same BLAS path and agree bit for bit.
         self._keep(values_part, result[0])
-        self._keep(vectors_part, result[1])
+        if result[1] is not None:
+            self._keep(vectors_part, result[1])
 
     def compute_a(self, a_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
+        result: tuple[torch.Tensor, torch.Tensor | None] | None
         if self.diagonal_a:
             result = self.solve_diagonal(a_factor, damping)
         else:
@@ -332,10 +346,11 @@ class EigenDecomposition(Decomposition):
         self._keep("dgda", 1.0 / self._denominator(self.da, self.dg, damping))
 
     def precondition(self, grad_out_by_in: torch.Tensor, damping: float) -> torch.Tensor:
-        if self.qa is None or self.qg is None:
+        if not self.has_bases():
             raise RuntimeError(f"layer {self.name!r} has no decomposition yet")
+        assert self.qg is not None
         grad = grad_out_by_in.to(self.inv_dtype)
-        qa = self._basis_a()
+        qa = self.qa
         if self.outer_product and self.dgda is not None:
             out = eigen_precondition(grad, qa, self.qg, dgda=self.dgda)
         else:
@@ -345,20 +360,18 @@ class EigenDecomposition(Decomposition):
             out = eigen_precondition(grad, qa, self.qg, denominator=denominator)
         return out.to(grad_out_by_in.dtype)
 
-    def _basis_a(self) -> torch.Tensor | None:
-        """A's basis for the products: None where it is the identity (a diagonal A)."""
-        return None if self.diagonal_a else self.qa
-
     def load(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
         super().load(tensors, device)
-        if self.diagonal_a and self.qa is not None:
-            self._make_basis_a_identity(self.qa)
+        written_basis = tensors.get("qa") if self.diagonal_a else None
+        if written_basis is not None:
+            self._make_basis_a_identity(written_basis.to(device, self.inv_dtype))
 
     def _make_basis_a_identity(self, qa: torch.Tensor) -> None:
-        """A diagonal A's basis is the identity (``solve_diagonal``); a checkpoint written
-        before that holds ``eigh``'s basis of it, the identity's columns reordered: its
-        eigenvalues, and any state kept in it, move to the identity's coordinates (each old
-        coordinate's value to the new ones it is made of, as ``_StateInBasis`` rotates)."""
+        """A diagonal A's basis is the identity (``solve_diagonal``), not stored; a checkpoint
+        written before that holds a basis of it: the identity, or ``eigh``'s, the identity's
+        columns reordered. Its eigenvalues, and any state kept in it, move to the identity's
+        coordinates (each old coordinate's value to the new ones it is made of, as
+        ``_StateInBasis`` rotates), and the basis is let go of."""
         eye = torch.eye(qa.shape[-1], dtype=qa.dtype, device=qa.device).expand_as(qa)
         if torch.equal(qa, eye):
             return
@@ -368,13 +381,12 @@ class EigenDecomposition(Decomposition):
         if self.dgda is not None:
             self._keep("dgda", self.dgda @ weights)
         self._rotate_state_a(qa.transpose(-1, -2))
-        self._keep("qa", eye.clone())
 
     def _rotate_state_a(self, rotate_a: torch.Tensor) -> None:
         """Rotate state kept in the bases by ``R_A`` on A's side (``_StateInBasis``)."""
 
     def parts(self) -> tuple[str, ...]:
-        return ("qa", "da", "qg", "dg")
+        return ("da", "qg", "dg") if self.diagonal_a else ("qa", "da", "qg", "dg")
 
     def saved_parts(self) -> tuple[str, ...]:
         return (*self.parts(), "dgda") if self.outer_product else self.parts()
@@ -425,11 +437,12 @@ class InverseDecomposition(Decomposition):
 
     @staticmethod
     def solve_diagonal(factor: torch.Tensor, damping: float | torch.Tensor) -> torch.Tensor | None:
-        """``diag(1 / (diagonal + damping))``: the damped inverse of a diagonal factor
-        (``damping`` a float, or per group ``(k, 1, 1)``)."""
-        values = factor.diagonal(dim1=-2, dim2=-1).to(working_dtype(factor.dtype))
+        """``1 / (diagonal + damping)`` ``(k, d)``: the damped inverse of a diagonal factor,
+        itself diagonal and held as its diagonal (``damping`` a float, or per group
+        ``(k, 1, 1)``)."""
+        values = factor.to(working_dtype(factor.dtype))
         shift = damping if isinstance(damping, float) else damping.to(values.dtype).reshape(-1, 1)
-        inverse = torch.diag_embed((values + shift).reciprocal())
+        inverse = (values + shift).reciprocal()
         return inverse if bool(torch.isfinite(inverse).all()) else None
 
     @staticmethod
@@ -454,9 +467,14 @@ class InverseDecomposition(Decomposition):
             self._warn_kept(which)
             if getattr(self, part) is not None:
                 return
-            k, n, _ = like.shape
-            eye = torch.eye(n, dtype=self.inv_dtype, device=like.device)
-            result = (eye / (1.0 + per_group(damping, eye))).expand(k, n, n)
+            k, n = like.shape[:2]
+            if like.dim() == 2:  # a diagonal A: the inverse's diagonal
+                ones = torch.ones(k, n, dtype=self.inv_dtype, device=like.device)
+                damp = per_group(damping, ones)
+                result = ones / (1.0 + (damp if isinstance(damp, float) else damp.reshape(-1, 1)))
+            else:
+                eye = torch.eye(n, dtype=self.inv_dtype, device=like.device)
+                result = (eye / (1.0 + per_group(damping, eye))).expand(k, n, n)
         self._keep(part, result)
 
     def compute_a(self, a_factor: torch.Tensor, damping: float | torch.Tensor) -> None:
@@ -478,6 +496,13 @@ class InverseDecomposition(Decomposition):
 
     def parts(self) -> tuple[str, ...]:
         return ("a_inv", "g_inv")
+
+    def load(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+        written = tensors.get("a_inv")
+        if self.diagonal_a and written is not None and written.dim() == 3:
+            # written whole, before a diagonal A's inverse was held as its diagonal
+            tensors = {**tensors, "a_inv": written.diagonal(dim1=-2, dim2=-1)}
+        super().load(tensors, device)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         named = {"a_inv": self.a_inv, "g_inv": self.g_inv}

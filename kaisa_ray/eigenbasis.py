@@ -126,7 +126,7 @@ class _StateInBasis(EigenDecomposition):
         super().__init__(
             name=name, inv_dtype=inv_dtype, outer_product=False, basis_update=basis_update
         )
-        self._old_bases: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._old_bases: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
     @abstractmethod
     def _has_state(self) -> bool:
@@ -134,19 +134,21 @@ class _StateInBasis(EigenDecomposition):
 
     def leave_basis(self) -> None:
         """Before new bases arrive: keep the current ones to rotate the state from."""
-        if self._has_state() and self.qa is not None and self.qg is not None:
-            # a diagonal A's basis is the identity before and after: nothing to keep
-            old_qa = self.qa if self.diagonal_a else self.qa.clone()
+        if self._has_state() and self.has_bases():
+            assert self.qg is not None
+            # a diagonal A's basis is the identity before and after: nothing to keep (None)
+            old_qa = None if self.qa is None else self.qa.clone()
             self._old_bases = (old_qa, self.qg.clone())
 
     def _rotations(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """``(R_A, R_G)`` from the bases left to the new ones (None if there were none; R_A
         None where A's basis is the identity before and after)."""
-        if self._old_bases is None or self.qa is None or self.qg is None:
+        if self._old_bases is None or not self.has_bases():
             return None
+        assert self.qg is not None
         old_qa, old_qg = self._old_bases
         self._old_bases = None
-        rotate_a = None if self.diagonal_a else old_qa.transpose(-1, -2) @ self.qa
+        rotate_a = None if old_qa is None or self.qa is None else old_qa.mT @ self.qa
         return rotate_a, old_qg.transpose(-1, -2) @ self.qg
 
     @staticmethod
@@ -195,7 +197,7 @@ class AdamEigenbasis(_StateInBasis):
         self._keep("steps", torch.zeros(k, dtype=self.inv_dtype, device=like.device))
 
     def finish(self, damping: float) -> None:
-        if self.qa is None or self.qg is None:
+        if not self.has_bases():
             raise RuntimeError(f"layer {self.name!r}: finish() before both factors decomposed")
         rotations = self._rotations()
         if rotations is not None and self.m is not None and self.v is not None:
@@ -219,11 +221,12 @@ class AdamEigenbasis(_StateInBasis):
         return self.m, self.v, self.steps
 
     def precondition(self, grad_out_by_in: torch.Tensor, damping: float) -> torch.Tensor:
-        if self.qa is None or self.qg is None:
+        if not self.has_bases():
             raise RuntimeError(f"layer {self.name!r} has no decomposition yet")
+        assert self.qg is not None
         grad = grad_out_by_in.to(self.inv_dtype)
         out = adam_eigenbasis_precondition(
-            grad, self._basis_a(), self.qg, self.moments(grad), self.betas, self.eps
+            grad, self.qa, self.qg, self.moments(grad), self.betas, self.eps
         )
         return out.to(grad_out_by_in.dtype)
 
@@ -256,7 +259,7 @@ class EKFACEigenbasis(_StateInBasis):
         return self.s is not None
 
     def finish(self, damping: float) -> None:
-        if self.qa is None or self.qg is None or self.da is None or self.dg is None:
+        if not self.has_bases() or self.da is None or self.dg is None:
             raise RuntimeError(f"layer {self.name!r}: finish() before both factors decomposed")
         rotations = self._rotations()
         if self.s is None:
@@ -276,10 +279,11 @@ class EKFACEigenbasis(_StateInBasis):
         self.s.mul_(decay).add_(batch.to(self.s.dtype), alpha=1.0 - decay)
 
     def precondition(self, grad_out_by_in: torch.Tensor, damping: float) -> torch.Tensor:
-        if self.qa is None or self.qg is None or self.s is None:
+        if not self.has_bases() or self.s is None:
             raise RuntimeError(f"layer {self.name!r} has no decomposition yet")
+        assert self.qg is not None
         grad = grad_out_by_in.to(self.inv_dtype)
-        out = eigen_precondition(grad, self._basis_a(), self.qg, denominator=self.s + damping)
+        out = eigen_precondition(grad, self.qa, self.qg, denominator=self.s + damping)
         return out.to(grad_out_by_in.dtype)
 
     def saved_parts(self) -> tuple[str, ...]:

@@ -235,13 +235,13 @@ class KFACLayer:
 
     def _fit(self, inputs: torch.Tensor, grad_output: torch.Tensor, scale: float) -> None:
         d = self.decomposition
-        if not isinstance(d, EKFACEigenbasis) or d.qa is None or d.qg is None:
+        if not isinstance(d, EKFACEigenbasis) or not d.has_bases() or d.qg is None:
             return
         diagonal = fitted_diagonal(
             self.helper,
             self._sampled(inputs),
             self._sampled(grad_output),
-            None if d.diagonal_a else d.qa,  # a diagonal A's basis: the identity
+            d.qa,  # None for a diagonal A: its basis is the identity
             d.qg,
             fisher=self.fisher,
             scale=scale,
@@ -293,8 +293,18 @@ class KFACLayer:
         k, a, g = self.helper.groups, self.helper.a_dim, self.helper.g_dim
         if part == "s":
             return self.s_batch.overwrite((k, g, a), dtype, device)
-        batch, dim = (self.a_batch, a) if part == "a" else (self.g_batch, g)
-        return batch.overwrite((k, dim, dim), dtype, device)
+        if part == "a":
+            return self.a_batch.overwrite(self.factor_shape("a"), dtype, device)
+        return self.g_batch.overwrite((k, g, g), dtype, device)
+
+    def factor_shape(self, part: str) -> tuple[int, ...]:
+        """The shape of factor ``part`` ('a' or 'g'): ``(k, n, n)``, or a diagonal A's
+        diagonal ``(k, a)`` (``LayerHelper.diagonal_a``)."""
+        k = self.helper.groups
+        if part == "a":
+            a = self.helper.a_dim
+            return (k, a) if self.helper.diagonal_a else (k, a, a)
+        return (k, self.helper.g_dim, self.helper.g_dim)
 
     def batch_part(self, part: str) -> torch.Tensor | None:
         """This step's batch ``part`` ('a', 'g' or 's') to reduce over ranks, or None."""
@@ -310,9 +320,13 @@ class KFACLayer:
             return None
         return a, g
 
-    def _identity(self, dim: int, device: torch.device) -> torch.Tensor:
-        eye = torch.eye(dim, dtype=self.factor_dtype, device=device)
-        return eye.expand(self.helper.groups, dim, dim).clone()
+    def _identity(self, part: str, device: torch.device) -> torch.Tensor:
+        """Factor ``part`` ('a' or 'g') as the identity (a diagonal A's: ones)."""
+        shape = self.factor_shape(part)
+        if len(shape) == 2:
+            return torch.ones(shape, dtype=self.factor_dtype, device=device)
+        eye = torch.eye(shape[-1], dtype=self.factor_dtype, device=device)
+        return eye.expand(shape).clone()
 
     def running(
         self, a_new: torch.Tensor, g_new: torch.Tensor
@@ -322,15 +336,11 @@ class KFACLayer:
         debiased = self.running_average is RunningAverage.DEBIASED
         if self.a_factor is None:
             self.a_factor = (
-                torch.zeros_like(a_new)
-                if debiased
-                else self._identity(a_new.shape[-1], a_new.device)
+                torch.zeros_like(a_new) if debiased else self._identity("a", a_new.device)
             )
         if self.g_factor is None:
             self.g_factor = (
-                torch.zeros_like(g_new)
-                if debiased
-                else self._identity(g_new.shape[-1], g_new.device)
+                torch.zeros_like(g_new) if debiased else self._identity("g", g_new.device)
             )
         return self.a_factor, self.g_factor
 
@@ -354,17 +364,14 @@ class KFACLayer:
         device = self.helper.weight().device
         if self.running_average is RunningAverage.DEBIASED:
             if self.a_factor is None or self.g_factor is None or self.average_weight <= 0.0:
-                return (
-                    self._identity(self.helper.a_dim, device),
-                    self._identity(self.helper.g_dim, device),
-                )
+                return self._identity("a", device), self._identity("g", device)
             if self.average_weight == 1.0:
                 return self.a_factor, self.g_factor
             return self.a_factor / self.average_weight, self.g_factor / self.average_weight
         if self.a_factor is None:
-            self.a_factor = self._identity(self.helper.a_dim, device)
+            self.a_factor = self._identity("a", device)
         if self.g_factor is None:
-            self.g_factor = self._identity(self.helper.g_dim, device)
+            self.g_factor = self._identity("g", device)
         return self.a_factor, self.g_factor
 
     def factor_dampings(
@@ -375,7 +382,8 @@ class KFACLayer:
         with ``π = sqrt((tr A / dim A) / (tr G / dim G))`` (Martens & Grosse 2015, §6.3)."""
         if not self.pi_damping:
             return damping, damping
-        pi = pi_ratio(a.diagonal(dim1=-2, dim2=-1), g.diagonal(dim1=-2, dim2=-1))
+        a_diagonal = a if self.helper.diagonal_a else a.diagonal(dim1=-2, dim2=-1)
+        pi = pi_ratio(a_diagonal, g.diagonal(dim1=-2, dim2=-1))
         root = math.sqrt(damping)
         return pi * root, root / pi
 
@@ -414,7 +422,7 @@ class KFACLayer:
         k, a, g = self.helper.groups, self.helper.a_dim, self.helper.g_dim
         shapes = {
             "qa": (k, a, a),
-            "a_inv": (k, a, a),
+            "a_inv": (k, a) if self.helper.diagonal_a else (k, a, a),
             "da": (k, a),
             "qg": (k, g, g),
             "g_inv": (k, g, g),

@@ -119,8 +119,8 @@ class LayerHelper(ABC):
 
     @property
     def diagonal_a(self) -> bool:
-        """Whether the A factor is diagonal by construction (decomposed from its diagonal:
-        ``kaisa_ray.decomposition``)."""
+        """Whether the A factor is diagonal by construction: held as its diagonal ``(k, a)``
+        (not ``(k, a, a)``) and decomposed from it (``kaisa_ray.decomposition``)."""
         return False
 
     @property
@@ -138,7 +138,7 @@ class LayerHelper(ABC):
         self, inputs: torch.Tensor, fisher: bool = False, into: Accumulator | None = None
     ) -> torch.Tensor:
         """Batch A factor ``(k, a_dim, a_dim)`` from the module's input (added into ``into``
-        where given)."""
+        where given); a ``diagonal_a`` layer's is its diagonal, ``(k, a_dim)``."""
 
     @abstractmethod
     def g_factor(
@@ -294,8 +294,9 @@ class EmbeddingHelper(LinearHelper):
     The input's leading dimension is its examples (``factor_samples`` takes the first ones): a
     layer called with an index shared by the batch (positions from ``arange`` without a batch
     dimension) has the batch's summed gradient for every row; skip it (``skip_layers``) where
-    that is not wanted. The A factor is dense, ``num_embeddings`` wide, and diagonal
-    (``diagonal_a``: decomposed without a dense solver)."""
+    that is not wanted. The A factor is diagonal (``diagonal_a``) and held as its diagonal,
+    ``(1, num_embeddings)``: its memory, communication and decomposition grow with the
+    vocabulary, not with its square."""
 
     module: nn.Embedding  # type: ignore[assignment]
 
@@ -331,7 +332,8 @@ class EmbeddingHelper(LinearHelper):
     ) -> torch.Tensor:
         ids = inputs.reshape(-1).long()
         counts = torch.bincount(ids, minlength=self.a_dim).to(self.factor_dtype)
-        factor = torch.diag_embed(counts.div_(max(1, ids.numel()))).unsqueeze(0)
+        diagonal = counts.div_(max(1, ids.numel())).unsqueeze(0)  # (1, a)
+        factor = diagonal if self.diagonal_a else torch.diag_embed(diagonal)
         if into is not None:
             into.add(factor)
         return factor

@@ -347,7 +347,7 @@ def _every_rank_bytes(layers: Sequence[PlannedLayer], options: Options) -> tuple
     factors = extra = 0
     for layer in layers:
         elem = itemsize(layer.factor_dtype)
-        factors += elem * layer.groups * (layer.a_dim**2 + layer.g_dim**2)
+        factors += elem * layer.factor_elements
         extra += elem * layer.groups * (layer.a_dim + layer.g_dim) * options.staleness_probes
         if options.scaling is Scaling.EKFAC:  # the batch's fitted diagonal
             extra += elem * layer.groups * layer.g_dim * layer.a_dim

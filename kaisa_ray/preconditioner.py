@@ -138,9 +138,9 @@ class KFACPreconditioner(KFACEngine):
             preconditioned gradients from other ranks, runs as without it.
         embeddings: also precondition ``nn.Embedding`` layers, as Linear layers of one-hot
             inputs (``kaisa_ray.layers.EmbeddingHelper``): A is the diagonal of the indices'
-            frequencies, decomposed from its diagonal (no solver, no product on its side)
-            but held dense, ``num_embeddings`` wide, with its basis or inverse: mind the
-            memory of a large vocabulary (``plan()`` prices it). The input's first
+            frequencies, held as its diagonal and decomposed from it (no solver, no
+            product on its side, memory linear in ``num_embeddings``; ``plan()`` prices
+            it). The input's first
             dimension must be its examples: skip an embedding called with an index shared
             by the batch (positions from ``arange``).
     """

@@ -64,11 +64,11 @@ def inverse_precondition(
     diagonal_a: bool = False,
 ) -> torch.Tensor:
     """``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` for ``(k, g, a)`` gradients in the inverses' dtype (into
-    ``out`` where given); ``diagonal_a``: ``(A + γI)⁻¹`` is diagonal, and multiplies the
-    columns instead of a product."""
+    ``out`` where given); ``diagonal_a``: ``(A + γI)⁻¹`` is diagonal, ``a_inv`` its diagonal
+    ``(k, a)``, and it multiplies the columns instead of a product."""
     if not diagonal_a:
         return _mm(_mm(g_inv, grad), a_inv, out=out)
-    columns = a_inv.diagonal(dim1=-2, dim2=-1).unsqueeze(-2)
+    columns = a_inv.unsqueeze(-2)
     left = _mm(g_inv, grad)
     return left.mul_(columns) if out is None else torch.mul(left, columns, out=out)
 

@@ -164,7 +164,8 @@ def _factor_buckets(
     for layer in reversed(layers):  # backward order: buckets fill as backprop proceeds
         key: BucketKey = (0, None, layer.factor_dtype)
         for part, dim in (("a", layer.a_dim), ("g", layer.g_dim)):
-            numel = factor_numel(dim, layer.groups, options.symmetry_aware)
+            diagonal = part == "a" and layer.diagonal_a
+            numel = factor_numel(dim, layer.groups, options.symmetry_aware, diagonal=diagonal)
             items.append((key, Piece(layer=layer.name, part=part, numel=numel)))
         if options.scaling is Scaling.EKFAC:  # the batch's fitted diagonal, with its factors
             numel = layer.groups * layer.g_dim * layer.a_dim

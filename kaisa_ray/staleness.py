@@ -45,8 +45,10 @@ def probe(dim: int, dtype: torch.dtype, device: torch.device, probes: int = PROB
 
 
 def sketch(factor: torch.Tensor, probes: int = PROBES) -> torch.Tensor:
-    """``F Ω``: ``(k, n, probes)``."""
-    return factor @ probe(factor.shape[-1], factor.dtype, factor.device, probes)
+    """``F Ω``: ``(k, n, probes)`` (a diagonal factor held as its diagonal ``(k, n)``: the
+    same sketch, each row of ``Ω`` scaled)."""
+    omega = probe(factor.shape[-1], factor.dtype, factor.device, probes)
+    return factor.unsqueeze(-1) * omega if factor.dim() == 2 else factor @ omega
 
 
 def relative_change(factor: torch.Tensor, old_sketch: torch.Tensor) -> torch.Tensor:

@@ -452,7 +452,7 @@ def _model(job: Workload) -> dict[str, Any]:
         "parameters": job.parameters,
         "activation_bytes": job.activation_bytes,
         "forward_flops": job.forward_flops,
-        "fp32_factor_bytes": sum(4 * x.groups * (x.a_dim**2 + x.g_dim**2) for x in job.layers),
+        "fp32_factor_bytes": sum(4 * x.factor_elements for x in job.layers),
     }
 
 

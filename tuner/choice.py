@@ -227,7 +227,7 @@ def _what_would_fit(
         f"  - a budget of at least {_gib(smallest.memory_bytes)}",
     ]
     room = budget_bytes - profile.base_memory_bytes - transient
-    by_size = sorted(profile.layers, key=lambda layer: layer.a_dim**2 + layer.g_dim**2)
+    by_size = sorted(profile.layers, key=lambda layer: layer.factor_elements)
     for skipped in range(1, len(by_size)):
         kept = by_size[: len(by_size) - skipped]
         if _mem_opt_state(kept, profile.world_size, profile, probes) <= room:

@@ -251,9 +251,7 @@ def layer_costs(profile: Profile, strategy: Plan) -> dict[str, LayerCost]:
     own = {layer.name: layer.a_s + layer.g_s for layer in _layer_seconds(profile)}
     decompositions = classes.decompositions_max
     _, factor_comm, inverse_comm = classes.communication_max()
-    weights = {
-        layer.name: layer.groups * (layer.a_dim**2 + layer.g_dim**2) for layer in profile.layers
-    }
+    weights = {layer.name: layer.factor_elements for layer in profile.layers}
     total_weight = sum(weights.values()) or 1
     total_own = sum(own.values()) or 1.0
     return {

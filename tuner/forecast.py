@@ -186,10 +186,8 @@ def sharded_transient(workload: Workload, strategy: Plan) -> int:
 def _common_transient(workload: Workload) -> int:
     """K-FAC's temporaries under any parallelism: the widest layer's batch factors, the
     largest decomposition's workspace and the convolutions' patches."""
-    widest = max(
-        (layer.groups * (layer.a_dim**2 + layer.g_dim**2) for layer in workload.layers), default=0
-    )
-    largest = max((max(layer.a_dim, layer.g_dim) for layer in workload.layers), default=0)
+    widest = max((layer.factor_elements for layer in workload.layers), default=0)
+    largest = max((layer.largest_solve for layer in workload.layers), default=0)
     return FLOAT32 * (widest + largest**2) + workload.patch_bytes
 
 

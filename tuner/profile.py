@@ -217,7 +217,7 @@ def profile_job(
     factor_s = phases["factors"] / steps
     precondition_s = phases["precondition"] / steps
 
-    largest = max((max(layer.a_dim, layer.g_dim) for layer in layers), default=64)
+    largest = max((layer.largest_solve for layer in layers), default=64)
     dims = tuple(d for d in DEFAULT_DIMS if d <= 2 * largest) or (32, 64)
     if len(dims) < 2:
         dims = (dims[0] // 2, dims[0])

@@ -141,10 +141,10 @@ class KFACSpec(StrictModel):
         Field(
             description=(
                 "Also precondition the model's ``nn.Embedding`` layers, as Linear layers of "
-                "one-hot inputs (A the diagonal of the indices' frequencies: decomposed from "
-                "its diagonal, but held dense, ``num_embeddings`` wide, with its basis or "
-                "inverse: mind a large vocabulary's memory). An embedding's input must have "
-                "the examples as its first dimension."
+                "one-hot inputs (A the diagonal of the indices' frequencies, held and "
+                "decomposed as its diagonal: memory linear in ``num_embeddings``; G is "
+                "``embedding_dim`` wide). An embedding's input must have the examples as its "
+                "first dimension."
             )
         ),
     ] = False

@@ -45,6 +45,16 @@ EXTRAS: dict[int, list[dict[str, Any]]] = {
         {"model": "cnn", "method": "eigen", "strategy": "mem-opt", "ddp": False},
         # An nn.Embedding preconditioned (embeddings=True): its layer on one rank, ...
         {"model": "embedded", "method": "inverse", "strategy": "mem-opt", "curvature": "natural"},
+        # ... its A (held as its diagonal) packed beside upper triangles, its eigenvalues sent
+        # without a basis from a rank apart from G's, its running factors averaged deferred.
+        {
+            "model": "embedded",
+            "method": "eigen",
+            "strategy": "mem-opt",
+            "symmetry_aware": True,
+            "colocate": False,
+            "deferral": DEFERRED,
+        },
         # Fisher-scale factors, debiased averages and pi-damping: still one process's result.
         {"model": "cnn", "method": "eigen", "strategy": "hybrid-opt", "curvature": "natural"},
         {"model": "cnn", "method": "inverse", "strategy": "mem-opt", "curvature": "natural"},

@@ -120,8 +120,10 @@ def test_the_a_factor_is_the_diagonal_of_the_indices_frequencies() -> None:
     preconditioner.step()
     layer = next(layer for layer in preconditioner.layers if layer.name == "embed")
     counts = torch.bincount(ids.reshape(-1), minlength=VOCAB).double()
-    expected = torch.diag(counts / ids.numel())
-    torch.testing.assert_close(layer.a_factor[0], expected, rtol=0, atol=1e-15)
+    # held as its diagonal: (groups, vocabulary), not the (groups, vocabulary, vocabulary) matrix
+    assert layer.a_factor is not None
+    assert layer.a_factor.shape == (1, VOCAB)
+    torch.testing.assert_close(layer.a_factor[0], counts / ids.numel(), rtol=0, atol=1e-15)
 
 
 def test_embeddings_are_left_to_the_optimizer_unless_asked_and_a_sparse_one_always(
@@ -152,6 +154,44 @@ def test_the_plan_prices_an_embeddings_state_as_the_preconditioner_holds_it() ->
     assert [layer.name for layer in priced.layers] == ["embed", "head"]
     assert preconditioner.memory_usage() == priced.ranks[0].memory
     assert priced.ranks[0].memory != plan(model, world_size=1).ranks[0].memory
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"compute_method": "eigen"},
+        {"compute_method": "inverse"},
+        {"compute_method": "eigen", "scaling": "adam-eigenbasis"},
+        {"compute_method": "eigen", "scaling": "ekfac"},
+    ],
+    ids=["eigen", "inverse", "adam-eigenbasis", "ekfac"],
+)
+def test_a_vocabulary_of_fifty_thousand_costs_k_fac_memory_linear_in_it(
+    options: dict[str, Any],
+) -> None:
+    """GPT-2's vocabulary (50,257): the embedding's A held whole would be 10 GB in float32,
+    its basis or inverse as much again. Held as its diagonal, the layer's whole K-FAC state is
+    the vocabulary's width times a few numbers, as ``plan()`` prices it, and a step takes it."""
+    vocab, width = 50_257, 4
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(vocab, width), nn.Flatten(), nn.Linear(3 * width, 2))
+    preconditioner = KFACPreconditioner(model, embeddings=True, factor_update_steps=1, **options)
+    for _ in range(2):  # the second with bases (EKFAC fits its diagonal in them)
+        model.zero_grad()
+        ids = torch.randint(0, vocab, (16, 3))
+        F.cross_entropy(model(ids), torch.randint(0, 2, (16,))).backward()
+        preconditioner.step()
+    embed = next(layer for layer in preconditioner.layers if layer.name == "0")
+    used = embed.memory_usage()
+    held = sum(used.values())
+    # the factors, the decompositions and the buffers: a few vectors of the vocabulary and the
+    # gradient-sized state of the per-coordinate scalings, never a vocabulary squared
+    per_entry = 4 * (3 + 2 * width) + (8 * width if "scaling" in options else 0)
+    assert held <= per_entry * vocab + 4 * 4 * width**2, used
+    assert (
+        preconditioner.memory_usage()
+        == plan(model, world_size=1, embeddings=True, **options).ranks[0].memory
+    )
 
 
 def test_an_embeddings_option_that_is_not_a_bool_is_refused() -> None:
@@ -198,17 +238,20 @@ def test_an_embeddings_a_is_decomposed_from_its_diagonal_without_a_dense_solver(
     assert VOCAB not in widths
     layer = next(layer for layer in preconditioner.layers if layer.name == "embed")
     assert layer.a_factor is not None
-    diagonal = layer.a_factor.diagonal(dim1=-2, dim2=-1)
-    assert diagonal.gt(0).all()
+    assert layer.a_factor.shape == (1, VOCAB)  # its diagonal
+    assert layer.a_factor.gt(0).all()
     held = layer.decomposition.tensors()
+    # Nothing vocabulary-by-vocabulary is held: the basis is the identity, not stored, and the
+    # inverse is diagonal, held as its diagonal.
+    assert "qa" not in held
+    assert all(list(tensor.shape).count(VOCAB) < 2 for tensor in held.values())
     if options["compute_method"] == "eigen":
-        torch.testing.assert_close(held["qa"], torch.eye(VOCAB, dtype=torch.float64)[None])
         # decomposed at step 2 (every 2), from the factor of that step; A has changed since
         assert held["da"].shape == (1, VOCAB)
         assert held["da"].gt(0).all()
     else:
-        a_inv = held["a_inv"]
-        assert torch.count_nonzero(a_inv - torch.diag_embed(a_inv.diagonal(dim1=-2, dim2=-1))) == 0
+        assert held["a_inv"].shape == (1, VOCAB)
+        assert held["a_inv"].gt(0).all()
 
 
 @pytest.mark.parametrize(
@@ -218,16 +261,19 @@ def test_an_embeddings_a_is_decomposed_from_its_diagonal_without_a_dense_solver(
         {"compute_method": "eigen"},
         {"compute_method": "eigen", "scaling": "adam-eigenbasis"},
         {"compute_method": "eigen", "scaling": "ekfac"},
+        {"compute_method": "inverse"},
     ],
-    ids=["outer-product", "eigen", "adam-eigenbasis", "ekfac"],
+    ids=["outer-product", "eigen", "adam-eigenbasis", "ekfac", "inverse"],
 )
-def test_a_checkpoint_with_an_eigh_basis_of_the_embeddings_a_resumes_as_if_it_had_not(
+def test_a_checkpoint_with_the_embeddings_a_whole_resumes_as_if_it_held_its_diagonal(
     options: dict[str, Any],
 ) -> None:
-    """A checkpoint written before an embedding's A was decomposed from its diagonal holds
-    ``eigh``'s basis of it: the identity's columns reordered (and signs flipped), the
-    eigenvalues and any state kept in the basis with them. Loaded, they move to the identity's
-    coordinates, and training goes on exactly as from the checkpoint this version writes."""
+    """A checkpoint written before an embedding's A was held as its diagonal holds the whole
+    ``(1, V, V)`` factor, and its inverse whole or ``eigh``'s basis of it: the identity's
+    columns reordered (and signs flipped), the eigenvalues and any state kept in the basis
+    with them. Loaded, the factor and inverse become their diagonals, the eigenvalues and
+    state move to the identity's coordinates and the basis is let go of, and training goes on
+    exactly as from the checkpoint this version writes."""
     options = {**CURVATURE, **options, "embeddings": True}
     torch.manual_seed(0)
     model = Embedded().double()
@@ -240,26 +286,28 @@ def test_a_checkpoint_with_an_eigh_basis_of_the_embeddings_a_resumes_as_if_it_ha
         preconditioner.step()
         optimizer.step()
     state = preconditioner.state_dict()
-    held = state["layers"]["embed"]["decomposition"]
-    torch.testing.assert_close(held["qa"], torch.eye(VOCAB, dtype=torch.float64)[None])
-    # what eigh would have returned: the columns by ascending eigenvalue, one sign flipped
-    order = held["da"][0].argsort()
-    basis = torch.eye(VOCAB, dtype=torch.float64)[:, order]
-    basis[:, 2] *= -1
-    spread = basis * basis
+    entry = state["layers"]["embed"]
+    held = entry["decomposition"]
+    assert "qa" not in held
+    assert entry["a_factor"].shape == (1, VOCAB)
     old = dict(held)
-    old["qa"] = basis[None]
-    old["da"] = held["da"] @ spread
-    for part in ("dgda", "v", "s"):
-        if part in held:
-            old[part] = held[part] @ spread
-    if "m" in held:
-        old["m"] = held["m"] @ basis
-    written_before = {
-        **state,
-        "layers": {**state["layers"], "embed": {**state["layers"]["embed"], "decomposition": old}},
-    }
-    assert not torch.equal(old["qa"], held["qa"])
+    if "a_inv" in held:
+        old["a_inv"] = torch.diag_embed(held["a_inv"])
+    else:
+        # what eigh would have returned: the columns by ascending eigenvalue, one sign flipped
+        order = held["da"][0].argsort()
+        basis = torch.eye(VOCAB, dtype=torch.float64)[:, order]
+        basis[:, 2] *= -1
+        spread = basis * basis
+        old["qa"] = basis[None]
+        old["da"] = held["da"] @ spread
+        for part in ("dgda", "v", "s"):
+            if part in held:
+                old[part] = held[part] @ spread
+        if "m" in held:
+            old["m"] = held["m"] @ basis
+    whole = {**entry, "a_factor": torch.diag_embed(entry["a_factor"]), "decomposition": old}
+    written_before = {**state, "layers": {**state["layers"], "embed": whole}}
 
     def resume(checkpoint: dict[str, Any]) -> list[torch.Tensor]:
         copy = Embedded().double()
@@ -267,9 +315,11 @@ def test_a_checkpoint_with_an_eigh_basis_of_the_embeddings_a_resumes_as_if_it_ha
         resumed = KFACPreconditioner(copy, **options)
         resumed.load_state_dict(checkpoint)
         embed = next(layer for layer in resumed.layers if layer.name == "embed")
-        torch.testing.assert_close(
-            embed.decomposition.tensors()["qa"], torch.eye(VOCAB, dtype=torch.float64)[None]
-        )
+        assert embed.a_factor is not None
+        assert embed.a_factor.shape == (1, VOCAB)
+        tensors = embed.decomposition.tensors()
+        assert "qa" not in tensors
+        assert all(list(tensor.shape).count(VOCAB) < 2 for tensor in tensors.values())
         sgd = torch.optim.SGD(copy.parameters(), lr=0.05)
         grads = []
         for step in range(3, 7):

@@ -50,14 +50,12 @@ def greedy(
     column_load, rank_load = [0] * len(columns), [0] * world_size
     order = sorted(
         range(len(layers)),
-        key=lambda i: (
-            -(layers[i].cost(layers[i].a_dim, strategy) + layers[i].cost(layers[i].g_dim, strategy))
-        ),
+        key=lambda i: -(layers[i].cost("a", strategy) + layers[i].cost("g", strategy)),
     )
     found = {}
     for index in order:
         layer = layers[index]
-        a_cost, g_cost = layer.cost(layer.a_dim, strategy), layer.cost(layer.g_dim, strategy)
+        a_cost, g_cost = layer.cost("a", strategy), layer.cost("g", strategy)
         j = min(range(len(columns)), key=lambda c: (column_load[c], c))
         column_load[j] += a_cost + g_cost
         members = columns[j]
