@@ -58,11 +58,24 @@ def dense_a() -> Iterator[None]:
         EmbeddingHelper.diagonal_a = saved  # type: ignore[method-assign]
 
 
+class DenseEmbeddingHelper(EmbeddingHelper):
+    """An embedding whose A is not known to be diagonal: held whole, decomposed densely."""
+
+    @property
+    def diagonal_a(self) -> bool:
+        return False
+
+
 def build(vocabulary: int, dense: bool) -> Training:
     job = fortunes.spec(ROW, 0.016, 0, 10**6)
     job["model"] = {"name": "char-transformer", "params": {"vocabulary": vocabulary}}
     with dense_a() if dense else contextlib.nullcontext():
         training = Training.build(parse_job_spec(job), rank=0, world=1, device=torch.device("cpu"))
+    if dense:  # its helpers go on taking the dense path after the build, step by step
+        assert training.preconditioner is not None
+        for layer in training.preconditioner.layers:
+            if type(layer.helper) is EmbeddingHelper:
+                layer.helper.__class__ = DenseEmbeddingHelper
     return training
 
 
