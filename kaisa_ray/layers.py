@@ -3,7 +3,9 @@
 Shapes, named once for the whole file (``k`` is the number of groups, 1 unless a Conv2d has
 ``groups > 1``; each group gets its own factor pair, stacked along the leading dimension):
 
-- ``a_factor``: ``(k, a_dim, a_dim)`` with ``a_dim = in_per_group [* kh * kw] (+ 1 for bias)``;
+- ``a_factor``: ``(k, a_dim, a_dim)`` with ``a_dim = in_per_group [* kh * kw] (+ 1 for bias)``,
+  or its diagonal ``(k, a_dim)`` where A is diagonal by construction (``diagonal_a``: an
+  embedding's);
 - ``g_factor``: ``(k, g_dim, g_dim)`` with ``g_dim = out_per_group``;
 - ``grad_out_by_in``: ``(k, g_dim, a_dim)``: the weight gradient flattened row-major with the
   bias gradient as the last column, which is the layout ``(G ⊗ A + γI)⁻¹ vec(∇W)`` refers to.

@@ -4,7 +4,10 @@ and against the plan's exact K-FAC state."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from support.harness import run_distributed
@@ -31,16 +34,35 @@ def test_tensor_bytes_counts_shared_storage_once() -> None:
     assert tensor_bytes([x, x.view(16, 16), x[:10]]) == 1024
 
 
-def train(model: torch.nn.Module, steps: int, kfac: bool) -> int:
+def images() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
+
+
+def tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, VOCAB, (32, 4)), torch.randint(0, 10, (32,))
+
+
+VOCAB = 3000
+
+
+def train(
+    model: torch.nn.Module,
+    steps: int,
+    kfac: bool,
+    batch: Callable[[], tuple[torch.Tensor, torch.Tensor]] = images,
+    **options: Any,
+) -> int:
     """Live bytes a short run leaves behind (grads, optimizer and K-FAC state)."""
     torch.manual_seed(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     with TensorMemory() as memory:
         preconditioner = (
-            KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1) if kfac else None
+            KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, **options)
+            if kfac
+            else None
         )
         for _ in range(steps):
-            x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
+            x, y = batch()
             optimizer.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y).backward()
             if preconditioner is not None:
@@ -61,6 +83,27 @@ def test_measured_kfac_state_is_exactly_the_plans() -> None:
     predicted = plan(model, 1).ranks[0].memory["total"]
     # Counted independently (every storage the run left alive), it matches to the byte.
     assert with_kfac - plain == predicted
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_an_embeddings_measured_kfac_state_is_the_plans_and_linear_in_its_vocabulary(
+    method: str,
+) -> None:
+    """``embeddings=True``: the embedding's A held as its diagonal, counted independently to
+    the byte as ``plan()`` prices it, and far under one ``V × V`` matrix."""
+
+    def built() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Embedding(VOCAB, 8), torch.nn.Flatten(), torch.nn.Linear(32, 10)
+        )
+
+    plain = train(built(), 3, kfac=False, batch=tokens)
+    model = built()
+    with_kfac = train(model, 3, kfac=True, batch=tokens, embeddings=True, compute_method=method)
+    predicted = plan(model, 1, embeddings=True, compute_method=method).ranks[0].memory["total"]
+    assert with_kfac - plain == predicted
+    assert predicted < 4 * VOCAB**2  # one float32 V x V matrix: the factor alone, held whole
 
 
 def _release_worker(rank: int, world: int, rounds: int) -> dict[str, int]:
