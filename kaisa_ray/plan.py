@@ -10,7 +10,7 @@ Collectives (payload = bytes of the tensor each participant passes):
 
 - factor all-reduce over all ranks on factor-update steps: every layer's batch A and G,
   bucketed up to ``allreduce_bucket_cap_mb`` in backward order (reverse registration), only the
-  upper triangle with ``symmetry_aware``;
+  upper triangle with ``symmetry_aware``, a diagonal A (an embedding's) as its diagonal;
 - decomposition broadcast within gradient-worker groups on inverse-update steps (when f·W > 1),
   bucketed by (group, source rank, dtype);
 - preconditioned-gradient broadcast within receiver groups every step (when f < 1), bucketed
