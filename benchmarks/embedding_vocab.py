@@ -8,9 +8,10 @@ the products on A's side, and since this table's commit the factor, its batch bu
 inverse are held as their diagonals and the basis not at all; before, the factor was held
 whole, ``eigh`` decomposed it (cubic in the vocabulary) and the identity-like basis it
 returned multiplied every step's gradient. Both run here in the same process: "dense" is this
-code with ``EmbeddingHelper.diagonal_a`` patched to False, which takes the dense path exactly
-as before. The memory column is the preconditioner's own count of the K-FAC state it holds
-(``memory_usage()``: factors, decompositions and buffers, every layer).
+code with embeddings registered as a subclass whose ``diagonal_a`` is False
+(``DenseEmbeddingHelper``), which takes the dense path exactly as before. The memory column
+is the preconditioner's own count of the K-FAC state it holds (``memory_usage()``: factors,
+decompositions and buffers, every layer).
 
 The job: ``benchmarks/transformer_fortunes.py``'s "K-FAC (Adam eigenbasis, 1/3, 8 sequences,
 embeddings)" (Adam in K-FAC's eigenbasis, factors every step from 8 of the worker's 32
@@ -30,32 +31,23 @@ import datetime
 import json
 import statistics
 import time
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import transformer_fortunes as fortunes
 from report import git_commit, machine, table, write_block
 from torch import nn
 
+from kaisa_ray import registration
 from kaisa_ray.layers import EmbeddingHelper
 from kaisa_train.spec import parse_job_spec
 from kaisa_train.training import Training
 
 ROW = fortunes.ADAM_EIGENBASIS_8_EMB_3
 OUT = Path(__file__).resolve().parent / "results" / "embedding_vocab.json"
-
-
-@contextlib.contextmanager
-def dense_a() -> Iterator[None]:
-    """The dense path: an embedding's A not known to be diagonal (as before 4dadb3b)."""
-    saved = EmbeddingHelper.diagonal_a
-    EmbeddingHelper.diagonal_a = property(lambda self: False)  # type: ignore[assignment,method-assign]
-    try:
-        yield
-    finally:
-        EmbeddingHelper.diagonal_a = saved  # type: ignore[method-assign]
 
 
 class DenseEmbeddingHelper(EmbeddingHelper):
@@ -66,16 +58,17 @@ class DenseEmbeddingHelper(EmbeddingHelper):
         return False
 
 
+def dense_a() -> AbstractContextManager[object]:
+    """The dense path (as before 4dadb3b): embeddings registered meanwhile get helpers whose A
+    is not known to be diagonal, for as long as they live."""
+    return mock.patch.object(registration, "EmbeddingHelper", DenseEmbeddingHelper)
+
+
 def build(vocabulary: int, dense: bool) -> Training:
     job = fortunes.spec(ROW, 0.016, 0, 10**6)
     job["model"] = {"name": "char-transformer", "params": {"vocabulary": vocabulary}}
     with dense_a() if dense else contextlib.nullcontext():
         training = Training.build(parse_job_spec(job), rank=0, world=1, device=torch.device("cpu"))
-    if dense:  # its helpers go on taking the dense path after the build, step by step
-        assert training.preconditioner is not None
-        for layer in training.preconditioner.layers:
-            if type(layer.helper) is EmbeddingHelper:
-                layer.helper.__class__ = DenseEmbeddingHelper
     return training
 
 
