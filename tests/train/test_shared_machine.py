@@ -138,26 +138,6 @@ def checkout(tmp_path: Path) -> Path:
     return clone
 
 
-def reduced_sweep(clone: Path) -> Path:
-    """The README's sweep example with fewer, shorter trials on one worker each (the full one:
-    16 trials, about 17 minutes here): the same model and scheduler, on 4096 images to 80%,
-    over two learning rates far apart, so that ASHA certainly stops a trial at its first rung
-    while its workers run, and another must start after it: Tune's seed 1 draws 0.05 (reaches
-    80%), then 0.0005 twice (the first of these falls behind at step 25)."""
-    spec = yaml.safe_load((ROOT / "examples" / "fashion_mnist_sweep.yaml").read_text())
-    spec["dataset"]["limit"] = 4096
-    spec["scaling"]["workers"] = 1  # a trial's worker group costs a process a worker
-    spec["stop"] = {"max_steps": 150, "target": {"metric": "test_accuracy", "value": 0.8}}
-    spec["checkpoint"] = {"every_steps": 150, "keep": 1}
-    spec["sweep"]["trials"] = 3
-    spec["sweep"]["space"] = {"optimizer.lr": {"choice": [0.05, 0.0005]}}
-    spec["sweep"]["seed"] = 1
-    spec["sweep"]["asha"] = {"grace_steps": 25, "reduction_factor": 2}
-    path = clone / "sweep.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
-
-
 AUTO_JOB = {
     "name": "stored",
     "model": {"name": "mlp"},
@@ -175,70 +155,57 @@ AUTO_JOB = {
 def test_the_readme_commands_finish_beside_other_ray_instances(
     others: tuple[DefaultPortsRay, MakeRun], tmp_path: Path
 ) -> None:
-    """Two terminals of one user at once, beside the others. In one, the README's sweep
-    (reduced) ends every trial. In the other, the README's ``ray job submit`` block succeeds
-    pasted as one block, and the next commands neither hang nor profile again: ``tune``, then
-    ``train`` of the same ``kfac: auto`` job (its profile from the local store), then
-    ``tune --history`` of that run (no Ray at all). None connects to another head, none prints
-    Ray's "multiple instances" traceback, none leaves a head behind."""
+    """Two terminals of one user at once, beside the others. In one, ``kaisa-ray tune`` of a
+    ``kfac: auto`` job profiles it on a head of its own. In the other, the README's ``ray job
+    submit`` block succeeds pasted as one block. Then, once both are done, ``train`` of the
+    same job neither hangs nor profiles again (its profile from the local store the other
+    terminal's ``tune`` wrote), and ``tune --history`` of that run needs no Ray at all. None
+    connects to another head, none prints Ray's "multiple instances" traceback, none leaves a
+    head behind. (The README's sweep as a command: ``test_streaming.py``'s streamed sweep and,
+    with ASHA, ``test_service_e2e.py``'s sweep job.)"""
     clone = checkout(tmp_path)
     env = user_env(tmp_path / "home")
-    assert (
-        "kaisa-ray sweep --config examples/fashion_mnist_sweep.yaml --output best.yaml"
-        in (ROOT / "README.md").read_text()
+    (clone / "job.yaml").write_text(yaml.safe_dump(AUTO_JOB))
+    out, err = (tmp_path / "tune.out").open("w"), (tmp_path / "tune.err").open("w")
+    tuning = subprocess.Popen(
+        [KAISA_RAY, "tune", "--config", "job.yaml"], cwd=clone, env=env, stdout=out, stderr=err
     )
-    sweep = reduced_sweep(clone)
-    out, err = (tmp_path / "sweep.out").open("w"), (tmp_path / "sweep.err").open("w")
-    sweeping = subprocess.Popen(
-        [KAISA_RAY, "sweep", "--config", str(sweep), "--output", "best.yaml"],
-        cwd=clone, env=env, stdout=out, stderr=err,
-    )  # fmt: skip
     try:
-        (clone / "job.yaml").write_text(yaml.safe_dump(AUTO_JOB))
         block = readme_block("ray-job-submit")
         assert "kaisa-ray head start" in block
-        script = block + "\nkaisa-ray tune --config job.yaml\nkaisa-ray train --config job.yaml\n"
         # Up to 10 min in a full run on a slow 2-core machine: a hang's bound, with room.
-        done = run(["bash", "-c", "set -euo pipefail\n" + script], env, clone, 1200)
+        done = run(["bash", "-c", "set -euo pipefail\n" + block], env, clone, 1200)
         output = done.stdout + done.stderr
         assert done.returncode == 0, output[-6000:]
         assert re.search(r"Job 'raysubmit_\w+' succeeded", output), output[-4000:]
         assert re.search(r"run quickstart-\S+ finished at step 40", output), output[-4000:]
         assert "stopped the Ray head at http://127.0.0.1:" in output
-        assert "s of profiling" in done.stdout  # tune profiled...
-        assert "profile from the tuner's cache" in output  # ...and train did not, after it
-        trained = re.search(r"run (stored-\S+) finished at step 30", output)
-        assert trained is not None, output[-3000:]
-        assert ANY_OTHER not in output
-        assert "PreemptionWatcher" not in output  # no node of one machine's head is drained
-        assert 6379 not in connected_to(output)
-        assert own_heads_left(output) == []
-        assert list((tmp_path / "home" / ".cache" / "kaisa-ray" / "heads").glob("*.json")) == []
-
-        history = run([KAISA_RAY, "tune", "--history", trained[1]], env, clone, 120)
-        assert history.returncode == 0, history.stdout + history.stderr
-        assert connected_to(history.stdout + history.stderr) == []  # no Ray needed
-        assert "net.1" in history.stdout  # the MLP's first Linear layer, by name
-
-        assert sweeping.wait(timeout=1200) == 0, (tmp_path / "sweep.err").read_text()[-6000:]
+        assert tuning.wait(timeout=1200) == 0, (tmp_path / "tune.err").read_text()[-6000:]
     finally:
-        if sweeping.poll() is None:
-            sweeping.kill()  # its head of its own goes with it (tied to it)
-            sweeping.wait(timeout=60)
+        if tuning.poll() is None:
+            tuning.kill()  # its head of its own goes with it (tied to it)
+            tuning.wait(timeout=60)
         out.close()
         err.close()
-    stdout, stderr = (tmp_path / "sweep.out").read_text(), (tmp_path / "sweep.err").read_text()
-    assert re.search(r"sweep \S+: 3 trials in \d+ s\n", stdout), stdout[-3000:]
-    rows = [line.split() for line in stdout.splitlines() if re.match(r"^\S+_0000\d ", line)]
-    states = [row[1] for row in rows]
-    assert len(states) == 3, stdout[-3000:]
-    assert set(states) <= {"SUCCEEDED", "STOPPED"}, stdout[-3000:]
-    assert "STOPPED" in states[:-1], stdout[-3000:]  # ASHA stopped one, and one came after
-    assert (clone / "best.yaml").is_file()
-    assert run([KAISA_RAY, "validate", "--config", "best.yaml"], env, clone).returncode == 0
-    assert ANY_OTHER not in stdout + stderr
-    assert 6379 not in connected_to(stdout + stderr)
-    assert own_heads_left(stdout + stderr) == []
+    tuned = (tmp_path / "tune.out").read_text() + (tmp_path / "tune.err").read_text()
+    assert "s of profiling" in tuned, tuned[-4000:]  # tune profiled...
+    trained = run([KAISA_RAY, "train", "--config", "job.yaml"], env, clone, 1200)
+    trained_output = trained.stdout + trained.stderr
+    assert trained.returncode == 0, trained_output[-6000:]
+    assert "profile from the tuner's cache" in trained_output  # ...and train did not, after it
+    run_name = re.search(r"run (stored-\S+) finished at step 30", trained_output)
+    assert run_name is not None, trained_output[-3000:]
+    for said in (output, tuned, trained_output):
+        assert ANY_OTHER not in said
+        assert "PreemptionWatcher" not in said  # no node of one machine's head is drained
+        assert 6379 not in connected_to(said)
+        assert own_heads_left(said) == []
+    assert list((tmp_path / "home" / ".cache" / "kaisa-ray" / "heads").glob("*.json")) == []
+
+    history = run([KAISA_RAY, "tune", "--history", run_name[1]], env, clone, 120)
+    assert history.returncode == 0, history.stdout + history.stderr
+    assert connected_to(history.stdout + history.stderr) == []  # no Ray needed
+    assert "net.1" in history.stdout  # the MLP's first Linear layer, by name
 
 
 # -- make run, beside the others -----------------------------------------------------------
