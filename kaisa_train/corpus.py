@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from kaisa_train.data_dirs import DEFAULT_FORTUNES_DIR
 from kaisa_train.datasets import DatasetNotFoundError
 
-DEFAULT_FORTUNES_DIR = Path("/usr/share/games/fortunes")
 VOCABULARY = 256
 VALIDATION_SHARE = 0.1
 CONTEXT = 64

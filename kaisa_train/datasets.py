@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 
 from kaisa_ray.errors import KaisaRayError
+from kaisa_train.data_dirs import DEFAULT_FASHION_MNIST_DIR
 
 __all__ = [
     "DEFAULT_FASHION_MNIST_DIR",
@@ -30,9 +31,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Where Debian's ``dataset-fashion-mnist`` package installs the four gzipped IDX files.
-DEFAULT_FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
 _FIX = (
     "apt-get install dataset-fashion-mnist, or pass data_dir= a directory holding the four "

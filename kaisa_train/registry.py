@@ -12,22 +12,24 @@ A package adds its own without forking kaisa-ray by declaring entry points::
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+from kaisa_train.data_dirs import DEFAULT_FASHION_MNIST_DIR, DEFAULT_FORTUNES_DIR
 
-from kaisa_train.corpus import DEFAULT_FORTUNES_DIR, load_text_corpus
-from kaisa_train.datasets import DEFAULT_FASHION_MNIST_DIR, load_idx_dataset, synthetic_dataset
-from kaisa_train.models import MLP, LeNetCNN, ResNet20, WideMLP
-from kaisa_train.models_large import BertLarge, ResNet50
-from kaisa_train.transformer import CharTransformer
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
-ModelFactory = Callable[..., nn.Module]
+# Torch-free: the JobSpec names models and datasets through this module, and the service and
+# ``kaisa-ray validate`` check a spec without importing torch. A built-in model is named by
+# ``"module:class"`` and imported when it is built (``model_factory``); its constructor's
+# parameters are read from its source until then (``kaisa_train.spec.model_params``).
+ModelFactory = Callable[..., "nn.Module"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,7 +42,7 @@ class DatasetRequest:
     seed: int
 
 
-DatasetLoader = Callable[[DatasetRequest], tuple[torch.Tensor, torch.Tensor]]
+DatasetLoader = Callable[[DatasetRequest], "tuple[torch.Tensor, torch.Tensor]"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,26 +54,38 @@ class DatasetEntry:
 
 
 def _idx(request: DatasetRequest) -> tuple[torch.Tensor, torch.Tensor]:
+    from kaisa_train.datasets import load_idx_dataset
+
     return load_idx_dataset(request.data_dir, request.split, limit=request.limit)  # type: ignore[arg-type]
 
 
 def _text(request: DatasetRequest) -> tuple[torch.Tensor, torch.Tensor]:
+    from kaisa_train.corpus import load_text_corpus
+
     return load_text_corpus(request.data_dir, request.split, limit=request.limit)
 
 
 def _synthetic(request: DatasetRequest) -> tuple[torch.Tensor, torch.Tensor]:
+    from kaisa_train.datasets import synthetic_dataset
+
     size = request.limit or (2048 if request.split == "train" else 512)
     return synthetic_dataset(size, seed=request.seed + (0 if request.split == "train" else 1))
 
 
-BUILTIN_MODELS: dict[str, ModelFactory] = {
-    "lenet": LeNetCNN,
-    "mlp": MLP,
-    "wide-mlp": WideMLP,  # K-FAC's state outweighs the job: where the memory budget decides
-    "resnet20": ResNet20,
-    "resnet50": ResNet50,  # ImageNet; with kaisa-ray plan, priced on the meta device
-    "bert-large": BertLarge,  # token ids in: for kaisa-ray plan, or a plugin token dataset
-    "char-transformer": CharTransformer,  # byte-level language model, e.g. on fortunes
+# A built-in model: ``"module:class"``, imported when built (a factory itself also works: a
+# test may register one).
+BUILTIN_MODELS: dict[str, str | ModelFactory] = {
+    "lenet": "kaisa_train.models:LeNetCNN",
+    "mlp": "kaisa_train.models:MLP",
+    # K-FAC's state outweighs the job: where the memory budget decides
+    "wide-mlp": "kaisa_train.models:WideMLP",
+    "resnet20": "kaisa_train.models:ResNet20",
+    # ImageNet; with kaisa-ray plan, priced on the meta device
+    "resnet50": "kaisa_train.models_large:ResNet50",
+    # token ids in: for kaisa-ray plan, or a plugin token dataset
+    "bert-large": "kaisa_train.models_large:BertLarge",
+    # byte-level language model, e.g. on fortunes
+    "char-transformer": "kaisa_train.transformer:CharTransformer",
 }
 BUILTIN_DATASETS: dict[str, DatasetEntry] = {
     "fashion-mnist": DatasetEntry(
@@ -114,12 +128,24 @@ def dataset_names() -> list[str]:
 
 def model_factory(name: str) -> ModelFactory:
     if name in BUILTIN_MODELS:
-        return BUILTIN_MODELS[name]
+        found = BUILTIN_MODELS[name]
+        if isinstance(found, str):
+            module, attribute = found.split(":")
+            built: ModelFactory = getattr(importlib.import_module(module), attribute)
+            return built
+        return found
     plugins = _plugins("kaisa_ray.models")
     if name in plugins:
         factory: ModelFactory = plugins[name].load()
         return factory
     raise KeyError(f"unknown model {name!r}; registered models: {', '.join(model_names())}")
+
+
+def builtin_model_reference(name: str) -> str | None:
+    """``"module:class"`` of a built-in model not imported yet, else None (a plugin, or a
+    factory registered as an object)."""
+    found = BUILTIN_MODELS.get(name)
+    return found if isinstance(found, str) else None
 
 
 def dataset_entry(name: str) -> DatasetEntry:

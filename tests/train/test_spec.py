@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kaisa_train.registry import dataset_entry, model_factory
+from kaisa_train.registry import (
+    BUILTIN_MODELS,
+    builtin_model_reference,
+    dataset_entry,
+    model_factory,
+)
 from kaisa_train.spec import JobSpec, JobSpecError, KFACSpec, load_job_spec, parse_job_spec
+from kaisa_train.spec.model_params import checker_of, constructor_params, source_constructor
 
 GOOD: dict[str, Any] = {
     "name": "fashion-kfac",
@@ -230,6 +237,49 @@ def test_registries_build_what_a_spec_names() -> None:
     entry = dataset_entry(spec.dataset.name)
     assert sum(p.numel() for p in model.parameters()) > 0
     assert not entry.needs_files
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
+def test_a_built_in_models_parameters_read_from_its_source_are_its_constructors(name: str) -> None:
+    """What the spec checks a built-in model's ``params`` against without importing torch
+    (its constructor read from the source) is what the imported class's constructor takes:
+    every name, annotation with its bounds, and default."""
+    reference = builtin_model_reference(name)
+    assert reference is not None
+    from_source = source_constructor(reference)
+    assert from_source is not None, f"{reference}'s constructor could not be read torch-free"
+    imported = model_factory(name).__init__  # type: ignore[misc]
+    assert inspect.signature(from_source) == inspect.signature(imported)
+    # The checks built from each: the same fields, types, bounds and defaults.
+    schema = checker_of(name, from_source).model_json_schema()
+    assert schema == checker_of(name, imported).model_json_schema()
+    assert schema == constructor_params(name).model_json_schema()
+
+
+def test_a_constructor_the_source_cannot_give_is_read_from_the_imported_class(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``__init__`` of its own, or an annotation that needs the module itself: no stub
+    (the spec imports the class instead, as for a plugin)."""
+    (tmp_path / "own_models.py").write_text(
+        "from __future__ import annotations\n"
+        "import torch\n"
+        "from torch import nn\n"
+        "class Bare(nn.Linear):\n"
+        "    pass\n"
+        "class Typed(nn.Module):\n"
+        "    def __init__(self, like: torch.dtype = torch.float32, width: int = 4) -> None:\n"
+        "        super().__init__()\n"
+        "class Plain(nn.Module):\n"
+        "    def __init__(self, width: int = 4) -> None:\n"
+        "        super().__init__()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert source_constructor("own_models:Bare") is None
+    assert source_constructor("own_models:Typed") is None
+    plain = source_constructor("own_models:Plain")
+    assert plain is not None
+    assert list(inspect.signature(plain).parameters) == ["self", "width"]
 
 
 @pytest.mark.parametrize(
