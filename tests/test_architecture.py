@@ -280,7 +280,7 @@ def test_a_job_spec_is_parsed_and_checked_without_torch() -> None:
         "    try:\n"
         "        parse_job_spec(yaml.safe_load(path.read_text()))\n"
         "    except JobSpecError as err:  # files a streamed example names, not here\n"
-        "        assert 'model' not in str(err), err\n"
+        "        assert '- model' not in str(err), err\n"
         "for name in model_names():\n"
         "    constructor_params(name)\n"
         "print('torch' in sys.modules)\n"
