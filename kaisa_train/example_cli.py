@@ -1,6 +1,6 @@
 """The ``kaisa-ray example`` command: the example training run (LeNetCNN on Fashion-MNIST in
-this process, K-FAC unless ``--no-kfac``), with every setting a flag. Loaded by
-``service.cli.main`` only when it runs: it imports torch.
+this process, K-FAC unless ``--no-kfac``), with every setting a flag, each defaulting to the
+JobSpec's. Torch is imported when the example runs, not for ``--help``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from pathlib import Path
 import click
 
 from kaisa_ray.enums import EvalMetric, KFACApprox
-from kaisa_train.datasets import DatasetNotFoundError, IDXFormatError
-from kaisa_train.example import DEFAULTS, run_example
+from kaisa_train.reference import field_defaults
+
+DEFAULTS = field_defaults()
 
 __all__ = ["example"]
 
@@ -132,6 +133,9 @@ def example(
     progress: bool,
 ) -> None:
     """Train LeNetCNN on Fashion-MNIST with SGD, K-FAC preconditioned unless --no-kfac."""
+    from kaisa_train.datasets import DatasetNotFoundError, IDXFormatError
+    from kaisa_train.example import run_example
+
     try:
         history = run_example(
             steps=steps,

@@ -290,3 +290,29 @@ def test_a_job_spec_is_parsed_and_checked_without_torch() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False", "reading a job spec imports torch"
+
+
+def test_no_command_s_help_imports_torch() -> None:
+    """``kaisa-ray COMMAND --help`` for every command, in one fresh process: none loads torch
+    (a command imports what it runs when it runs)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, click\n"
+        "from click.testing import CliRunner\n"
+        "from service.cli import main\n"
+        "for name in main.list_commands(click.Context(main)):\n"
+        "    done = CliRunner().invoke(main, [name, '--help'])\n"
+        "    assert done.exit_code == 0, (name, done.output)\n"
+        "    if 'torch' in sys.modules:\n"
+        "        print(name)\n"
+        "        break\n"
+        "else:\n"
+        "    print('none')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "none", f"kaisa-ray {done.stdout.strip()} --help imports torch"
