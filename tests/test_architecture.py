@@ -251,26 +251,28 @@ TORCH_FREE = [
 ]
 
 
-@pytest.mark.parametrize("module", TORCH_FREE)
-def test_an_actor_module_imports_no_torch(module: str) -> None:
+def fresh_python(code: str) -> str:
+    """What ``code`` prints in a fresh interpreter of this venv, run from the checkout."""
     import subprocess
     import sys
 
-    code = f"import sys, {module}\nprint('torch' in sys.modules)\n"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False", f"{module} imports torch"
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_an_actor_module_imports_no_torch(module: str) -> None:
+    code = f"import sys, {module}\nprint('torch' in sys.modules)\n"
+    assert fresh_python(code) == "False", f"{module} imports torch"
 
 
 # The contract: a job file is read and checked, every example's model parameters included,
 # without torch (the ``kaisa-ray`` commands that only read specs, ``validate`` among them;
 # what imports torch is what builds or prices a model).
 def test_a_job_spec_is_parsed_and_checked_without_torch() -> None:
-    import subprocess
-    import sys
-
     code = (
         "import sys, yaml, pathlib\n"
         "from kaisa_train.spec import JobSpecError, parse_job_spec\n"
@@ -285,19 +287,12 @@ def test_a_job_spec_is_parsed_and_checked_without_torch() -> None:
         "    constructor_params(name)\n"
         "print('torch' in sys.modules)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False", "reading a job spec imports torch"
+    assert fresh_python(code) == "False", "reading a job spec imports torch"
 
 
 def test_no_command_s_help_imports_torch() -> None:
     """``kaisa-ray COMMAND --help`` for every command, in one fresh process: none loads torch
     (a command imports what it runs when it runs)."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, click\n"
         "from click.testing import CliRunner\n"
@@ -311,8 +306,5 @@ def test_no_command_s_help_imports_torch() -> None:
         "else:\n"
         "    print('none')\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "none", f"kaisa-ray {done.stdout.strip()} --help imports torch"
+    first = fresh_python(code)
+    assert first == "none", f"kaisa-ray {first} --help imports torch"
