@@ -71,7 +71,7 @@ def ops_added(workload: str, batch: int, rows: int) -> list[tuple[float, str, in
         trainee.step()
 
     def one(factor_step: bool) -> tuple[collections.Counter[str], collections.Counter[str]]:
-        while p._factor_step != factor_step or p.steps % 50 == 0:
+        while bool(p._factor_now) != factor_step or p.steps % 50 == 0:
             trainee.step()
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             trainee.step()
