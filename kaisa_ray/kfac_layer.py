@@ -28,6 +28,7 @@ from kaisa_ray.eigenbasis import AdamEigenbasis, EKFACEigenbasis
 from kaisa_ray.ekfac import fitted_diagonal
 from kaisa_ray.enums import BasisUpdate, ComputeMethod, FactorScale, RunningAverage, Scaling
 from kaisa_ray.layers import EmbeddingHelper, LayerHelper
+from kaisa_ray.products import gram
 from kaisa_ray.solvers import pi_ratio
 from kaisa_ray.staleness import relative_change, sketch
 
@@ -71,7 +72,7 @@ class BatchFactor:
         total = self.total
         assert total is not None
         beta = 0.0 if fresh or self.count == 0 else 1.0
-        torch.baddbmm(total, rows, rows.transpose(-1, -2), beta=beta, alpha=alpha, out=total)
+        gram(rows, total, alpha=alpha, beta=beta)
         self.count += 1
         return total
 

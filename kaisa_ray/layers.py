@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa_ray.enums import KFACApprox
+from kaisa_ray.products import cpu_bfloat16, gram
 
 
 class Accumulator(Protocol):
@@ -50,14 +51,6 @@ def _covariance(
 ) -> torch.Tensor:
     """Mean outer product of the scaled rows of ``rows`` ``(k, n, d)`` (rows first)."""
     return _covariance_features_first(rows.transpose(-1, -2), scale, count, False, into)
-
-
-def _bfloat16_product(rows: torch.Tensor) -> bool:
-    """Whether a product of ``rows`` runs in bfloat16 on CPU: bfloat16 rows, or float32
-    ones at matmul precision 'medium'."""
-    if rows.dtype == torch.bfloat16:
-        return True
-    return rows.dtype == torch.float32 and torch.get_float32_matmul_precision() == "medium"
 
 
 def _covariance_features_first(
@@ -78,21 +71,18 @@ def _covariance_features_first(
     """
     k, d, n = rows.shape
     factor = scale * scale / count
-    if rows.device.type == "cpu" and not rows.is_contiguous() and _bfloat16_product(rows):
-        # oneDNN's bfloat16 products take only a contiguous first operand; in float32 the
-        # transposed view is faster than a copy (on CUDA, cuBLAS takes views either way)
-        rows = rows.contiguous()
     if bias and n < d:
         rows = torch.cat([rows, rows.new_ones((k, 1, n))], dim=1)
         bias = False
     if not bias:
         if into is not None:
             return into.accumulate(rows, factor)
-        out = rows.new_empty((k, rows.shape[1], rows.shape[1]))
-        return torch.baddbmm(out, rows, rows.transpose(-1, -2), beta=0.0, alpha=factor)
-    gram = torch.matmul(rows, rows.transpose(-1, -2))
+        return gram(rows, rows.new_empty((k, rows.shape[1], rows.shape[1])), alpha=factor)
     out = rows.new_empty((k, d + 1, d + 1))
-    out[:, :d, :d] = gram.mul_(factor)
+    if cpu_bfloat16(rows):
+        out[:, :d, :d] = gram(rows, rows.new_empty((k, d, d)), alpha=factor)
+    else:
+        out[:, :d, :d] = torch.matmul(rows, rows.transpose(-1, -2)).mul_(factor)
     sums = rows.sum(dim=-1) * factor
     out[:, :d, d] = sums
     out[:, d, :d] = sums

@@ -11,6 +11,42 @@ import torch
 
 from kaisa_ray.solvers import pi_ratio
 
+REDUCED_MIN_WORK = 2**21
+"""Multiply-adds below which a float32 product on CPU runs at 'highest' even at matmul
+precision 'medium': oneDNN's bfloat16 path has a fixed cost a call that a small product does
+not earn back (``benchmarks/step_phases.py`` measures the products both ways)."""
+
+
+def cpu_bfloat16(x: torch.Tensor) -> bool:
+    """Whether a product of ``x`` on CPU runs in bfloat16: bfloat16 operands, or float32 ones
+    at matmul precision 'medium'."""
+    if x.device.type != "cpu":
+        return False
+    if x.dtype == torch.bfloat16:
+        return True
+    return x.dtype == torch.float32 and torch.get_float32_matmul_precision() == "medium"
+
+
+def gram(rows: torch.Tensor, out: torch.Tensor, *, alpha: float, beta: float = 0.0) -> torch.Tensor:
+    """``out = β·out + α·rows rowsᵀ`` in place for ``(k, d, n)`` rows (``β`` 0: ``out``'s
+    contents are ignored). On CPU where the product runs in bfloat16 (``cpu_bfloat16``), one
+    2-D product a group: oneDNN's batched kernel takes a slow path for the transposed view
+    that features-first rows are, its 2-D kernel does not; a float32 product too small to
+    gain from bfloat16 runs at 'highest'."""
+    if not cpu_bfloat16(rows):
+        return torch.baddbmm(out, rows, rows.transpose(-1, -2), beta=beta, alpha=alpha, out=out)
+    k, d, n = rows.shape
+    small = rows.dtype == torch.float32 and d * d * n < REDUCED_MIN_WORK
+    if small:
+        torch.set_float32_matmul_precision("highest")
+    try:
+        for i in range(k):
+            torch.addmm(out[i], rows[i], rows[i].T, beta=beta, alpha=alpha, out=out[i])
+    finally:
+        if small:
+            torch.set_float32_matmul_precision("medium")
+    return out
+
 
 def eigen_denominator(
     da: torch.Tensor, dg: torch.Tensor, damping: float | torch.Tensor, pi: bool
@@ -77,6 +113,14 @@ def _mm(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> to
     """``x @ y``: ``bmm`` where both are ``(b, ·, ·)`` stacks of one length, the kernel that
     ``matmul`` reaches there too (the same values) without the broadcasting views it launches
     first (a shape group's step is a handful of operations, and each costs the host time)."""
+    if cpu_bfloat16(x) and x.dtype == torch.float32:
+        work = x.shape[-2] * x.shape[-1] * y.shape[-1]
+        if work < REDUCED_MIN_WORK:  # too small to gain from bfloat16: at 'highest'
+            torch.set_float32_matmul_precision("highest")
+            try:
+                return _mm(x, y, out)
+            finally:
+                torch.set_float32_matmul_precision("medium")
     if x.dim() == 3 and y.dim() == 3 and x.shape[0] == y.shape[0]:
         return torch.bmm(x, y) if out is None else torch.bmm(x, y, out=out)
     return x @ y if out is None else torch.matmul(x, y, out=out)
