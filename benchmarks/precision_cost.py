@@ -82,10 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     points = chosen(entries, BATCH)
     load_before = os.getloadavg()
     found: dict[str, Any] = {}
+    stored = json.loads(OUT.read_text()) if OUT.exists() else {}
+    steps_run = stored.get("steps_run", "")
     if args.run_steps:
         found = steps_to_target(points, args.resume)
-    elif OUT.exists():
-        found = json.loads(OUT.read_text()).get("steps", {})
+        steps_run = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d} at commit {git_commit()}"
+    else:
+        found = stored.get("steps", {})
     names = ["AdamW"] + [f"{row}/{precision}" for row in ROWS for precision in PRECISIONS]
     jobs = [spec(BATCH, "AdamW", points["AdamW"][0], seed=0, max_steps=100_000)]
     for name in names[1:]:
@@ -129,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{machine()} (load average before: {', '.join(f'{v:.2f}' for v in load_before)}); "
         f"oneDNN bfloat16 products on this CPU: {'yes' if bf16 else 'no'}; step costs: 2 gloo "
         f"processes, one thread each, {args.rounds} interleaved rounds of {args.steps} steps a "
-        f"job; steps to 88%: real 2-worker jobs, seeds {', '.join(map(str, SEEDS))} (AdamW's: "
-        "the study's median)."
+        f"job; steps to 88%: real 2-worker jobs, seeds {', '.join(map(str, SEEDS))}, run "
+        f"{steps_run} (AdamW's: the study's median)."
     )
     text = table(
         header,
@@ -146,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         rows,
     )
     print(text)
-    args.out.write_text(json.dumps({"header": header, "steps": found, "rows": results}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {"header": header, "steps_run": steps_run, "steps": found, "rows": results}, indent=1
+        )
+    )
     if args.write:
         write_block(args.block, text)
     return 0
