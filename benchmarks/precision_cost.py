@@ -47,11 +47,12 @@ def job(row: str, step_size: float, precision: str, seed: int) -> dict[str, Any]
     return data
 
 
-def steps_to_target(points: dict[str, tuple[float, float | None]], resume: bool) -> dict[str, Any]:
-    """``{"row/precision/seed": steps or None}``, run as real jobs, stored as they finish."""
-    found: dict[str, Any] = {}
-    if resume and OUT.exists():
-        found = json.loads(OUT.read_text()).get("steps", {})
+def steps_to_target(
+    points: dict[str, tuple[float, float | None]], found: dict[str, Any], out: Path
+) -> dict[str, Any]:
+    """``{"row/precision/seed": steps or None}``: the runs not in ``found`` run as real jobs,
+    each stored in ``out`` as it finishes."""
+    found = dict(found)
     with tempfile.TemporaryDirectory(prefix="kaisa-precision-") as storage:
         for seed in SEEDS:
             for row in ROWS:
@@ -64,7 +65,7 @@ def steps_to_target(points: dict[str, tuple[float, float | None]], resume: bool)
                     )
                     found[key] = run.steps
                     print(f"{key}: {run.steps} steps", flush=True)
-                    OUT.write_text(json.dumps({"steps": found}, indent=1))
+                    out.write_text(json.dumps({"steps": found}, indent=1))
     return found
 
 
@@ -81,14 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     entries = Study(RESULTS / "batch_size_study.json", Path(), {}, resume=True).entries
     points = chosen(entries, BATCH)
     load_before = os.getloadavg()
-    found: dict[str, Any] = {}
-    stored = json.loads(OUT.read_text()) if OUT.exists() else {}
+    stored = json.loads(args.out.read_text()) if args.out.exists() else {}
+    found: dict[str, Any] = stored.get("steps", {})
     steps_run = stored.get("steps_run", "")
     if args.run_steps:
-        found = steps_to_target(points, args.resume)
+        found = steps_to_target(points, found if args.resume else {}, args.out)
         steps_run = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d} at commit {git_commit()}"
-    else:
-        found = stored.get("steps", {})
     names = ["AdamW"] + [f"{row}/{precision}" for row in ROWS for precision in PRECISIONS]
     jobs = [spec(BATCH, "AdamW", points["AdamW"][0], seed=0, max_steps=100_000)]
     for name in names[1:]:

@@ -6,8 +6,7 @@ on a decomposition step, each layer's factors decomposed on the ranks the plan a
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -17,23 +16,10 @@ from kaisa_ray.assignment import Assignment
 from kaisa_ray.comm import Communicator, unpack_into
 from kaisa_ray.eigenbasis import EKFACEigenbasis
 from kaisa_ray.kfac_layer import KFACLayer, fold_all
+from kaisa_ray.products import matmul_precision
 from kaisa_ray.schedule import Schedule
 from kaisa_ray.sharding import RowExchange
 from kaisa_ray.timing import PhaseTimes
-
-
-@contextlib.contextmanager
-def matmul_precision(precision: str) -> Iterator[None]:
-    """Run the products inside at ``torch.set_float32_matmul_precision(precision)``."""
-    before = torch.get_float32_matmul_precision()
-    if before == precision:
-        yield
-        return
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
 
 
 def all_finite(

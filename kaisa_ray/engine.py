@@ -25,7 +25,6 @@ from kaisa_ray.comm import Communicator
 from kaisa_ray.curvature_updates import (
     all_finite,
     fold_factors,
-    matmul_precision,
     reduce_averages,
     update_decompositions,
 )
@@ -51,6 +50,7 @@ from kaisa_ray.options import (
 )
 from kaisa_ray.plan import Options, Plan, build_plan
 from kaisa_ray.preconditioning import Preconditioning
+from kaisa_ray.products import matmul_precision
 from kaisa_ray.registration import discover
 from kaisa_ray.sharding import RowExchange, ShardedGradients, sharded_layers
 from kaisa_ray.staleness import PROBES, LayerStaleness

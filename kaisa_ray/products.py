@@ -5,7 +5,9 @@ them): ``Q_G [(Q_Gᵀ ∇W Q_A) / (λ_G λ_Aᵀ + γ)] Q_Aᵀ`` and ``(G + γI)�
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -15,6 +17,20 @@ REDUCED_MIN_WORK = 2**21
 """Multiply-adds below which a float32 product on CPU runs at 'highest' even at matmul
 precision 'medium': oneDNN's bfloat16 path has a fixed cost a call that a small product does
 not earn back (``benchmarks/step_phases.py`` measures the products both ways)."""
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str) -> Iterator[None]:
+    """Run the products inside at ``torch.set_float32_matmul_precision(precision)``."""
+    before = torch.get_float32_matmul_precision()
+    if before == precision:
+        yield
+        return
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def cpu_bfloat16(x: torch.Tensor) -> bool:
@@ -37,14 +53,9 @@ def gram(rows: torch.Tensor, out: torch.Tensor, *, alpha: float, beta: float = 0
         return torch.baddbmm(out, rows, rows.transpose(-1, -2), beta=beta, alpha=alpha, out=out)
     k, d, n = rows.shape
     small = rows.dtype == torch.float32 and d * d * n < REDUCED_MIN_WORK
-    if small:
-        torch.set_float32_matmul_precision("highest")
-    try:
+    with matmul_precision("highest") if small else contextlib.nullcontext():
         for i in range(k):
             torch.addmm(out[i], rows[i], rows[i].T, beta=beta, alpha=alpha, out=out[i])
-    finally:
-        if small:
-            torch.set_float32_matmul_precision("medium")
     return out
 
 
@@ -113,14 +124,10 @@ def _mm(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> to
     """``x @ y``: ``bmm`` where both are ``(b, ·, ·)`` stacks of one length, the kernel that
     ``matmul`` reaches there too (the same values) without the broadcasting views it launches
     first (a shape group's step is a handful of operations, and each costs the host time)."""
-    if cpu_bfloat16(x) and x.dtype == torch.float32:
-        work = x.shape[-2] * x.shape[-1] * y.shape[-1]
-        if work < REDUCED_MIN_WORK:  # too small to gain from bfloat16: at 'highest'
-            torch.set_float32_matmul_precision("highest")
-            try:
-                return _mm(x, y, out)
-            finally:
-                torch.set_float32_matmul_precision("medium")
+    small = x.shape[-2] * x.shape[-1] * y.shape[-1] < REDUCED_MIN_WORK
+    if small and x.dtype == torch.float32 and cpu_bfloat16(x):
+        with matmul_precision("highest"):  # too small to gain from bfloat16
+            return _mm(x, y, out)
     if x.dim() == 3 and y.dim() == 3 and x.shape[0] == y.shape[0]:
         return torch.bmm(x, y) if out is None else torch.bmm(x, y, out=out)
     return x @ y if out is None else torch.matmul(x, y, out=out)
